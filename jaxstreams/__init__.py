@@ -1,0 +1,26 @@
+"""jaxstreams: run independent parts of a jitted JAX step on several CUDA streams.
+
+    @jaxstreams.jit(streams=2)
+    def step(x, w):
+      with jaxstreams.stream(1):
+        a = tower_a(x, w)
+      b = tower_b(x, w)
+      return a + b
+
+The pipeline, one subpackage each: ``tag`` (``stream()`` blocks mark
+equations), ``assign`` (each equation gets a stream), ``partition`` (regions
+and the ``StreamPlan``), ``lower`` (each off-main region becomes one call that
+XLA:GPU runs on its own stream), and ``runtime`` (the native FFI library).
+"""
+
+from jaxstreams import config
+from jaxstreams.assign import StreamIdError
+from jaxstreams._jit import StreamJit, jit, plan
+from jaxstreams.partition import Dependency, PlannedEquation, Region, StreamPlan
+from jaxstreams.tag import colocate_with, stream
+
+__version__ = "0.1.0"
+
+__all__ = ["Dependency", "PlannedEquation", "Region", "StreamIdError",
+           "StreamJit", "StreamPlan", "colocate_with", "config", "jit", "plan",
+           "stream"]

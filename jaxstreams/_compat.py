@@ -1,0 +1,174 @@
+"""Everything that depends on a JAX version or on JAX internals, in one place.
+
+jaxstreams supports jax 0.10 (what pip resolves on Python 3.11) and jax 0.11
+(the GPU machines' image). The rest of the package imports JAX internals only
+through this module, so a JAX upgrade touches one file.
+
+What lives here, and why it cannot use a public API:
+
+* ``stream_call``: wraps a function so that it lowers to one ``call`` op with
+  the frontend attributes ``_xla_stream_annotation`` and ``inlineable``. JAX
+  exposes this as ``xla_metadata_call`` (``jax.experimental.scheduling_groups``
+  in 0.10, ``jax.experimental.xla_metadata`` from 0.11), a primitive with the
+  full set of jvp / linearize / transpose / batching / DCE rules, so regions
+  stay regions under ``jax.grad`` and ``jax.vmap`` applied outside.
+* name stacks and source locations of equations (``eqn.source_info``): the
+  carrier of ``jaxstreams.stream`` tags.
+* making fresh ``Var`` s and ``Jaxpr`` s when regions are cut out of a jaxpr.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.extend.core as jcore
+import jax.interpreters.mlir
+from jax.extend import source_info_util
+
+# The name jax gives the nested-jit primitive: "pjit" before 0.8, "jit" since.
+NESTED_JIT_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
+def _find_xla_metadata_call() -> Callable[..., Any]:
+  for module_name in ("jax.experimental.xla_metadata",
+                      "jax.experimental.scheduling_groups"):
+    try:
+      module = importlib.import_module(module_name)
+    except ImportError:
+      continue
+    fn = getattr(module, "xla_metadata_call", None)
+    if fn is not None:
+      return fn
+  raise ImportError(
+      f"jaxstreams needs jax's xla_metadata_call (jax.experimental.xla_metadata "
+      f"or jax.experimental.scheduling_groups); jax {jax.__version__} has neither. "
+      "Install jax>=0.10.")
+
+
+_xla_metadata_call = _find_xla_metadata_call()
+
+STREAM_ANNOTATION = "_xla_stream_annotation"
+# Marks the calls jaxstreams emits, so the CPU lowering below touches no others.
+REGION_ATTRIBUTE = "jaxstreams_region"
+
+
+def stream_call(fn: Callable[..., Any], stream_id: int) -> Callable[..., Any]:
+  """``fn`` as one non-inlineable call that XLA:GPU runs on stream ``stream_id``."""
+  return _xla_metadata_call(fn, **{STREAM_ANNOTATION: str(stream_id),
+                                   "inlineable": "false",
+                                   REGION_ATTRIBUTE: str(stream_id)})
+
+
+def _metadata_of(params: dict) -> dict[str, str]:
+  """The frontend attributes of an xla_metadata_call equation: jax 0.10 keeps
+  them as keyword params, later versions as an ``xla_metadata`` tuple."""
+  if "xla_metadata" in params:
+    return dict(params["xla_metadata"])
+  return {k: v for k, v in params.items() if isinstance(v, str)}
+
+
+def _install_cpu_inline_lowering() -> None:
+  """On CPU, lower jaxstreams' region calls inline.
+
+  XLA:CPU has one stream, so a region call buys nothing there, and a call
+  boundary that XLA may not inline blocks algebraic rewrites across it
+  (``(x * 2) * y`` reassociated, say), which changes the last bits of some
+  results. Inline, the CPU program is the one ``jax.jit`` would build, and
+  its results are bitwise the same. GPU lowering is untouched, and lowering
+  for a GPU from a CPU-only machine (``lowering_platforms=("cuda",)``) still
+  shows the annotated calls.
+  """
+  probe = jax.make_jaxpr(stream_call(lambda x: x, 1))(1.0)
+  primitive = probe.jaxpr.eqns[0].primitive
+  from jax._src.interpreters import mlir as mlir_internal  # the default rule
+  default_rule = mlir_internal._lowerings[primitive]
+
+  def cpu_rule(ctx, *args, jaxpr, **params):
+    if REGION_ATTRIBUTE in _metadata_of(params):
+      return jax.interpreters.mlir.lower_fun(
+          jcore.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
+    return default_rule(ctx, *args, jaxpr=jaxpr, **params)
+
+  jax.interpreters.mlir.register_lowering(primitive, cpu_rule, platform="cpu")
+
+
+_install_cpu_inline_lowering()
+
+
+# ---------------------------------------------------------------------------
+# Name stacks and source locations.
+
+def name_stack_entries(eqn) -> tuple[tuple[str, str], ...]:
+  """The equation's name stack, outermost first, as ("scope"|"transform", name)."""
+  entries = []
+  for entry in eqn.source_info.name_stack.stack:
+    kind = "transform" if type(entry).__name__ == "Transform" else "scope"
+    entries.append((kind, entry.name))
+  return tuple(entries)
+
+
+def name_stack_str(eqn) -> str:
+  return str(eqn.source_info.name_stack)
+
+
+def with_outer_name_stack(eqn, outer_eqn):
+  """``eqn`` (from a nested jaxpr) with ``outer_eqn``'s name stack prefixed."""
+  stack = outer_eqn.source_info.name_stack + eqn.source_info.name_stack
+  return eqn.replace(source_info=eqn.source_info.replace(name_stack=stack))
+
+
+def source_location(eqn) -> str:
+  """``file:line (function)`` of the user code that created ``eqn``."""
+  try:
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:  # a summary is a courtesy; never fail a plan over it
+    return "<unknown>"
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Source locations in plans and errors should point at user code, not at us.
+source_info_util.register_exclusion(_PACKAGE_DIR)
+
+
+# ---------------------------------------------------------------------------
+# Building jaxprs.
+
+def new_var(aval) -> jcore.Var:
+  return jcore.Var(aval)
+
+
+def make_jaxpr(invars: Iterable, outvars: Iterable, eqns: Iterable,
+               constvars: Iterable = ()) -> jcore.Jaxpr:
+  """A jaxpr over existing variables and equations (effects joined from eqns)."""
+  eqns, invars, outvars = list(eqns), list(invars), list(outvars)
+  effects = set()
+  for eqn in eqns:
+    effects.update(eqn.effects)
+  debug = jcore.DebugInfo("jaxstreams", "region", (None,) * len(invars),
+                          (None,) * len(outvars))
+  return jcore.Jaxpr(list(constvars), invars, outvars, eqns,
+                     frozenset(effects), debug)
+
+
+def is_unspecified_sharding(sharding: Any) -> bool:
+  return type(sharding).__name__ in ("UnspecifiedValue", "NotSpecified")
+
+
+def jit_params_are_plain(params: dict) -> bool:
+  """Whether a nested jit eqn can be inlined without changing its meaning:
+  no shardings pinned on its inputs or outputs and no donation."""
+  for key in ("in_shardings", "out_shardings"):
+    if not all(is_unspecified_sharding(s) for s in params.get(key, ())):
+      return False
+  return not any(params.get("donated_invars", ()))
+
+
+def nested_jaxpr(params: dict):
+  """The ClosedJaxpr a nested-jit / call eqn runs."""
+  jaxpr = params.get("jaxpr", params.get("call_jaxpr"))
+  if isinstance(jaxpr, jcore.Jaxpr):
+    return jcore.ClosedJaxpr(jaxpr, ())
+  return jaxpr

@@ -1,0 +1,231 @@
+"""``jaxstreams.jit``: ``jax.jit`` with a stream plan in the middle.
+
+The wrapper is a ``jax.jit`` of a *staged* function. When ``jax.jit`` traces
+the staged function (once per set of shapes, dtypes and static values), it
+traces the user's function to a jaxpr, runs the pipeline on it (tag ->
+assign -> partition) and emits the planned program (lower). Everything else
+is ``jax.jit``'s: the cache, static and donated arguments, shardings, the
+C++ fast path on later calls, and transformations applied from outside.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+from jax import tree_util
+
+from jaxstreams import config
+from jaxstreams.assign import assign_streams
+from jaxstreams.lower import emit
+from jaxstreams.partition import StreamPlan, make_plan, partition
+from jaxstreams.tag import expose_tags
+
+__all__ = ["jit", "plan", "StreamJit"]
+
+_JIT_PARAMETERS = frozenset(
+    name for name, p in inspect.signature(jax.jit).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY)
+# What the plan-only trace keeps: it returns nothing, so shardings and
+# donation do not apply to it.
+_TRACE_ONLY_PARAMETERS = frozenset({"static_argnums", "static_argnames"})
+
+
+def _check_streams(streams: Any, source: str) -> int:
+  if isinstance(streams, bool) or not isinstance(streams, int):
+    raise TypeError(f"{source}: streams must be an integer >= 1, got "
+                    f"{streams!r} of type {type(streams).__name__}")
+  if streams < 1:
+    raise ValueError(f"{source}: streams must be >= 1 (1 means only the main "
+                     f"stream), got {streams}")
+  return streams
+
+
+def jit(fun: Callable | None = None, *, streams: int | None = None,
+        **jit_kwargs: Any):
+  """Like ``jax.jit``, and runs the function's stream blocks on their streams.
+
+  Usable as ``@jaxstreams.jit``, ``@jaxstreams.jit(streams=4)`` or
+  ``jaxstreams.jit(f, streams=4)``. ``streams`` is the number of stream
+  groups (stream ids ``0 .. streams-1``, 0 the main stream); ``None`` reads
+  the ``jaxstreams_streams`` option each call, so an absl flag parsed after
+  decoration counts. Every other keyword is ``jax.jit``'s (``static_argnums``,
+  ``donate_argnums``, ``in_shardings``, ...). The result has ``.lower``,
+  ``.trace`` and ``.plan`` and gives exactly the results of ``jax.jit(fun)``.
+
+  With ``streams`` given, the result *is* a ``jax.jit`` function (of the
+  planned program) with a ``plan`` method, so calls cost what ``jax.jit``
+  calls cost; with ``streams=None`` it is a thin wrapper that picks the
+  ``jax.jit`` function for the option's current value.
+  """
+  if streams is not None:
+    _check_streams(streams, "jaxstreams.jit")
+  unknown = sorted(set(jit_kwargs) - _JIT_PARAMETERS)
+  if unknown:
+    raise TypeError(f"jaxstreams.jit got unexpected keyword argument(s) "
+                    f"{', '.join(unknown)}; it takes streams= and the keywords "
+                    f"of jax.jit: {', '.join(sorted(_JIT_PARAMETERS))}")
+  if fun is None:
+    return lambda f: jit(f, streams=streams, **jit_kwargs)
+  if not callable(fun):
+    raise TypeError(f"jaxstreams.jit expects a callable, got {fun!r} of type "
+                    f"{type(fun).__name__}")
+  spec = _Spec(fun, streams, dict(jit_kwargs))
+  if streams is None:
+    spec.jitted(1)   # let jax.jit check its keywords now, not at the first call
+    return StreamJit(spec)
+  jitted = spec.jitted(streams)
+  jitted.plan = spec.plan
+  jitted._jaxstreams_spec = spec
+  return jitted
+
+
+class _Spec:
+  """What ``jaxstreams.jit`` was given, and the jax.jit functions made from it
+  (one per stream count)."""
+
+  def __init__(self, fun: Callable, streams: int | None,
+               jit_kwargs: dict[str, Any]):
+    self.fun = fun
+    self.streams = streams
+    self.jit_kwargs = jit_kwargs
+    self.by_streams: dict[int, Any] = {}
+    self.source = ("jaxstreams.jit(streams=...)" if streams is not None
+                   else "the jaxstreams_streams option")
+
+  def streams_now(self) -> int:
+    if self.streams is not None:
+      return self.streams
+    return config.read("jaxstreams_streams")
+
+  def jitted(self, streams: int):
+    jitted = self.by_streams.get(streams)
+    if jitted is None:
+      jitted = jax.jit(self._staged(streams), **self.jit_kwargs)
+      self.by_streams[streams] = jitted
+    return jitted
+
+  def _staged(self, streams: int) -> Callable:
+    @functools.wraps(self.fun)
+    def staged(*args, **kwargs):
+      plan, out_tree, dynamic = self.make_plan(streams, args, kwargs)
+      return tree_util.tree_unflatten(out_tree, emit(plan, dynamic))
+    return staged
+
+  def make_plan(self, streams: int, args, kwargs):
+    """Trace the user function on the traced arguments and plan it.
+
+    Called inside a ``jax.jit`` trace: array arguments are tracers, static
+    arguments are the values themselves and stay baked in, as in jax.jit.
+    """
+    leaves, in_tree = tree_util.tree_flatten((args, kwargs))
+    is_dynamic = [isinstance(leaf, jax.core.Tracer) for leaf in leaves]
+    dynamic = [leaf for leaf, d in zip(leaves, is_dynamic) if d]
+    out_tree_cell = []
+
+    def flat_fun(*dynamic_values):
+      values = iter(dynamic_values)
+      full = [next(values) if d else leaf for leaf, d in zip(leaves, is_dynamic)]
+      call_args, call_kwargs = tree_util.tree_unflatten(in_tree, full)
+      out = self.fun(*call_args, **call_kwargs)
+      out_leaves, out_tree = tree_util.tree_flatten(out)
+      out_tree_cell.append(out_tree)
+      return out_leaves
+
+    closed = jax.make_jaxpr(flat_fun)(*dynamic)
+    plan = plan_program(closed, streams, self.source, _function_name(self.fun))
+    return plan, out_tree_cell[0], dynamic
+
+  def plan(self, *args, **kwargs) -> StreamPlan:
+    """The ``StreamPlan`` for these arguments (traces; does not compile)."""
+    streams = self.streams_now()
+    plans = []
+
+    @functools.wraps(self.fun)
+    def plan_only(*a, **k):
+      plans.append(self.make_plan(streams, a, k)[0])
+
+    trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
+                    if k in _TRACE_ONLY_PARAMETERS}
+    jax.jit(plan_only, **trace_kwargs).trace(*args, **kwargs)
+    return plans[0]
+
+
+class StreamJit:
+  """A ``jaxstreams.jit`` function whose stream count comes from the option."""
+
+  def __init__(self, spec: _Spec):
+    self._jaxstreams_spec = spec
+    self._by_streams = spec.by_streams
+    functools.update_wrapper(self, spec.fun)
+
+  def __call__(self, *args, **kwargs):
+    streams = config.read("jaxstreams_streams")
+    jitted = self._by_streams.get(streams)
+    if jitted is None:
+      jitted = self._jaxstreams_spec.jitted(streams)
+    return jitted(*args, **kwargs)
+
+  def _current(self):
+    spec = self._jaxstreams_spec
+    return spec.jitted(spec.streams_now())
+
+  def plan(self, *args, **kwargs) -> StreamPlan:
+    """The ``StreamPlan`` for these arguments (traces; does not compile)."""
+    return self._jaxstreams_spec.plan(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    """Like ``jax.jit(f).lower``: the lowered program, regions included."""
+    return self._current().lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    """Like ``jax.jit(f).trace``."""
+    return self._current().trace(*args, **kwargs)
+
+  def eval_shape(self, *args, **kwargs):
+    return self._current().eval_shape(*args, **kwargs)
+
+  def clear_cache(self) -> None:
+    for jitted in self._by_streams.values():
+      jitted.clear_cache()
+
+  def __get__(self, instance, owner=None):
+    if instance is None:
+      return self
+    return functools.partial(self, instance)
+
+  def __repr__(self) -> str:
+    return (f"<jaxstreams.jit {_function_name(self._jaxstreams_spec.fun)}, "
+            "streams from the jaxstreams_streams option>")
+
+
+def plan_program(closed_jaxpr, streams: int, source: str,
+                 function_name: str) -> StreamPlan:
+  """The whole planning pipeline on a traced program: tag, assign, partition."""
+  program = expose_tags(closed_jaxpr)
+  placements = assign_streams(program, streams, source)
+  graph = partition(program.jaxpr, [p.stream for p in placements])
+  return make_plan(function_name, streams, program, placements, graph)
+
+
+def plan(fun: Callable, *, streams: int | None = None,
+         **jit_kwargs: Any) -> Callable[..., StreamPlan]:
+  """``jaxstreams.plan(f, streams=4)(*args)``: the ``StreamPlan`` of ``f``.
+
+  ``f`` may be a plain function or a ``jaxstreams.jit`` function (then its
+  own ``streams`` and ``jax.jit`` keywords are used unless given here).
+  """
+  spec = getattr(fun, "_jaxstreams_spec", None)
+  if spec is not None:
+    if streams is None and not jit_kwargs:
+      return spec.plan
+    fun, jit_kwargs = spec.fun, {**spec.jit_kwargs, **jit_kwargs}
+    streams = streams if streams is not None else spec.streams
+  return jit(fun, streams=streams, **jit_kwargs).plan
+
+
+def _function_name(fun: Callable) -> str:
+  return getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) \
+      or repr(fun)

@@ -1,0 +1,111 @@
+"""Stream assignment: one stream per top-level equation, and why.
+
+Rules, in order:
+
+1. ``user``: the innermost ``jaxstreams.stream()`` block around the equation.
+2. ``colocate``: a ``colocate_with(x)`` block: the stream of ``x``'s producer
+   (a function argument or constant lives on the main stream).
+3. ``body``: a control-flow or call equation (``scan``, ``while_loop``,
+   ``cond``, ``checkpoint``, custom derivatives, nested jit with shardings)
+   runs whole on one stream. If it is not itself inside a block but its body
+   has blocks that all name one stream, it goes there. If they name several,
+   it stays where rule 4 puts it and the plan notes the placements it could
+   not honour: XLA runs a loop or branch body as one computation.
+4. ``main``: everything else runs on stream 0.
+
+An equation with side effects (``jax.debug.print``, callbacks) always runs on
+the main stream, whatever was asked, so that effect ordering is XLA's usual
+one; the plan notes each such move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.extend.core as jcore
+
+from jaxstreams import _compat
+from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  stream: int
+  rule: str          # "user", "colocate", "body", "main", "effects"
+  note: str = ""     # what could not be honoured, if anything
+
+
+class StreamIdError(ValueError):
+  """A ``stream()`` id outside ``[0, streams)``."""
+
+
+def _check_range(stream_id: int, streams: int, streams_source: str, eqn) -> None:
+  if stream_id >= streams:
+    raise StreamIdError(
+        f"jaxstreams.stream({stream_id}) at {_compat.source_location(eqn)} is "
+        f"outside [0, {streams}): the function has streams={streams} (from "
+        f"{streams_source}). Use a stream id below {streams}, or raise streams "
+        f"to at least {stream_id + 1}.")
+
+
+def _inner_stream_tags(eqn, outer_stack, streams, streams_source,
+                       found: dict[int, Any]) -> None:
+  """Collect stream tags from the bodies of ``eqn`` (any depth) into ``found``."""
+  for sub in jcore.jaxprs_in_params(eqn.params):
+    for inner in sub.eqns:
+      stack = outer_stack + _compat.name_stack_entries(inner)
+      tag = effective_tag(stack)
+      if tag is not None and tag.kind == "stream":
+        _check_range(tag.value, streams, streams_source, inner)
+        found.setdefault(tag.value, inner)
+      _inner_stream_tags(inner, stack, streams, streams_source, found)
+
+
+def assign_streams(program: ExposedProgram, streams: int,
+                   streams_source: str) -> list[Placement]:
+  """A ``Placement`` for each top-level equation of ``program.jaxpr``."""
+  producer: dict[Any, int] = {}      # var -> index of the equation making it
+  placements: list[Placement] = []
+  for index, eqn in enumerate(program.jaxpr.eqns):
+    stack = _compat.name_stack_entries(eqn)
+    placement = _place(eqn, stack, effective_tag(stack), program, producer,
+                       placements, streams, streams_source)
+    if eqn.effects and placement.stream != 0:
+      placement = Placement(
+          0, "effects", f"asked for stream {placement.stream} "
+          f"({placement.rule}), but equations with side effects run on the "
+          "main stream")
+    placements.append(placement)
+    for var in eqn.outvars:
+      producer[var] = index
+  return placements
+
+
+def _place(eqn, stack, tag: Tag | None, program, producer, placements,
+           streams, streams_source) -> Placement:
+  inner: dict[int, Any] = {}
+  _inner_stream_tags(eqn, stack, streams, streams_source, inner)
+  if tag is not None and tag.kind == "stream":
+    _check_range(tag.value, streams, streams_source, eqn)
+    others = sorted(set(inner) - {tag.value})
+    note = (f"placements on streams {', '.join(map(str, others))} inside its "
+            f"body run with it on stream {tag.value}") if others else ""
+    return Placement(tag.value, "user", note)
+  if tag is not None and tag.kind == "colocate":
+    anchor = program.anchors.get(tag.value)
+    if anchor is None:
+      return Placement(0, "main", "colocate_with target was removed by a "
+                       "transformation before planning; placed on main")
+    source = producer.get(anchor)
+    if source is None:
+      return Placement(0, "colocate")   # an argument or constant: main stream
+    return Placement(placements[source].stream, "colocate")
+  if len(inner) == 1:
+    return Placement(next(iter(inner)), "body")
+  if len(inner) > 1:
+    ids = ", ".join(str(s) for s in sorted(inner))
+    return Placement(0, "main", f"its body asks for streams {ids}; a "
+                     f"{eqn.primitive.name} body runs as one computation, so "
+                     "it stays on the main stream")
+  return Placement(0, "main")

@@ -1,0 +1,207 @@
+"""jaxstreams options: one registry, three ways to set each option.
+
+Every option is named ``jaxstreams_<something>`` and can be set
+
+* in code: ``jaxstreams.config.update("jaxstreams_streams", 4)``;
+* on the command line of an absl program: ``--jaxstreams_streams=4`` (the
+  flags are defined when jaxstreams is imported, so import it before
+  ``app.run``);
+* in the environment: ``JAXSTREAMS_STREAMS=4``.
+
+When several are given, the first of that list wins. Values are read when a
+function is traced, not when it is decorated, so an absl flag parsed after
+``@jaxstreams.jit`` was applied still counts. A program that does not use absl
+never touches absl's flag registry beyond defining the flags, so it never sees
+an absl error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+from typing import Any, Callable
+
+__all__ = ["Option", "update", "read", "options", "reset"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One option: its name, type, default and the rule for valid values."""
+  name: str
+  type: type
+  default: Any
+  help: str
+  check: Callable[[Any], str | None] = lambda value: None  # error text or None
+
+  @property
+  def env_var(self) -> str:
+    return self.name.upper()
+
+
+def _at_least_one(value: int) -> str | None:
+  return None if value >= 1 else "must be an integer >= 1"
+
+
+_OPTIONS: dict[str, Option] = {}
+_explicit: dict[str, Any] = {}   # set with update()
+_resolved: dict[str, Any] = {}   # cache of read(); cleared by update()
+_from_env: dict[str, Any] = {}   # environment or default, read once per option
+
+
+def _define(option: Option) -> Option:
+  _OPTIONS[option.name] = option
+  return option
+
+
+STREAMS = _define(Option(
+    "jaxstreams_streams", int, 1,
+    "Default number of stream groups for jaxstreams.jit (1: no extra streams; "
+    "stream ids run from 0, the main stream, to streams-1).",
+    _at_least_one))
+
+
+def options() -> dict[str, Option]:
+  """All options by name."""
+  return dict(_OPTIONS)
+
+
+def _option(name: str) -> Option:
+  if not isinstance(name, str):
+    raise TypeError(f"jaxstreams option names are strings, got {name!r}")
+  try:
+    return _OPTIONS[name]
+  except KeyError:
+    close = difflib.get_close_matches(name, _OPTIONS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"unknown jaxstreams option {name!r}.{hint} Known options: "
+                     f"{', '.join(sorted(_OPTIONS))}.") from None
+
+
+def _validate(option: Option, value: Any, source: str) -> Any:
+  """``value`` checked against ``option``; errors name the source of the value."""
+  if option.type is bool:
+    ok = isinstance(value, bool)
+  elif option.type is int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+  else:
+    ok = isinstance(value, option.type)
+  if not ok:
+    raise TypeError(f"{option.name} (from {source}) must be of type "
+                    f"{option.type.__name__}, got {value!r} of type "
+                    f"{type(value).__name__}")
+  problem = option.check(value)
+  if problem:
+    raise ValueError(f"{option.name} (from {source}) {problem}, got {value!r}")
+  return value
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_env(option: Option, text: str) -> Any:
+  source = f"environment variable {option.env_var}"
+  stripped = text.strip()
+  if option.type is bool:
+    if stripped.lower() in _TRUE:
+      return True
+    if stripped.lower() in _FALSE:
+      return False
+    raise ValueError(f"{source}={text!r} is not a boolean; use one of "
+                     f"{sorted(_TRUE | _FALSE)}")
+  if option.type is int:
+    try:
+      value = int(stripped)
+    except ValueError:
+      raise ValueError(f"{source}={text!r} is not an integer") from None
+    return _validate(option, value, source)
+  return _validate(option, option.type(stripped), source)
+
+
+def update(name: str, value: Any) -> None:
+  """Set an option for this process; overrides flags and environment."""
+  option = _option(name)
+  _explicit[name] = _validate(option, value, "jaxstreams.config.update")
+  _resolved.clear()
+
+
+def reset(name: str | None = None) -> None:
+  """Forget values set with ``update`` (one option, or all) and re-read the
+  environment on the next read."""
+  if name is None:
+    _explicit.clear()
+  else:
+    _explicit.pop(_option(name).name, None)
+  _resolved.clear()
+  _from_env.clear()
+
+
+def read(name: str) -> Any:
+  """The value in force: update() > absl flag on the command line > env > default."""
+  value = _resolved.get(name, _resolved)
+  if value is not _resolved:
+    return value
+  option = _option(name)
+  value, final = _resolve(option)
+  if final:
+    _resolved[name] = value
+  return value
+
+
+def _resolve(option: Option) -> tuple[Any, bool]:
+  """The value and whether it may be cached (not before absl has parsed)."""
+  if option.name in _explicit:
+    return _explicit[option.name], True
+  flag_value, flags_settled = _absl_value(option)
+  if flag_value is not None:
+    return _validate(option, flag_value, f"flag --{option.name}"), True
+  if option.name not in _from_env:
+    text = os.environ.get(option.env_var)
+    _from_env[option.name] = (option.default if text is None
+                              else _parse_env(option, text))
+  return _from_env[option.name], flags_settled
+
+
+# ---------------------------------------------------------------------------
+# absl bridge.
+
+def _absl_flags():
+  """absl's FLAGS if absl is imported by this program, else None."""
+  if "absl.flags" not in sys.modules:
+    return None
+  return sys.modules["absl.flags"].FLAGS
+
+
+def _absl_value(option: Option) -> tuple[Any, bool]:
+  """(value given on the command line or None, whether flags are settled)."""
+  flags = _absl_flags()
+  if flags is None:
+    return None, True
+  if not flags.is_parsed():
+    return None, False
+  if option.name not in flags:
+    return None, True
+  flag = flags[option.name]
+  return (flag.value if flag.present else None), True
+
+
+def _define_absl_flags() -> None:
+  """Define ``--jaxstreams_*`` flags when absl is installed; never fail."""
+  try:
+    from absl import flags
+  except ImportError:
+    return
+  definers = {int: flags.DEFINE_integer, bool: flags.DEFINE_bool,
+              str: flags.DEFINE_string}
+  for option in _OPTIONS.values():
+    if option.name in flags.FLAGS:
+      continue  # defined already (a reload, or another copy of jaxstreams)
+    try:
+      definers[option.type](option.name, None, option.help)
+    except flags.Error:
+      pass
+
+
+_define_absl_flags()

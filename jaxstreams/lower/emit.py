@@ -1,0 +1,56 @@
+"""Lowering: re-emit a planned program, one call per off-main region.
+
+``emit`` runs inside the trace of the outer ``jax.jit``. It evaluates the
+regions in plan order: a main-stream region's equations are bound inline,
+exactly as ``jax.jit`` would bind them, and any other region becomes one
+``call`` carrying ``_xla_stream_annotation="<stream>"`` and
+``inlineable="false"``, which XLA:GPU runs on that compute stream with its
+own events. XLA:CPU runs such a call as an ordinary computation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax.extend.core as jcore
+
+from jaxstreams import _compat
+from jaxstreams.partition.plan import StreamPlan
+
+
+def region_function(plan: StreamPlan, index: int):
+  """A function of the region's inputs returning its outputs."""
+  graph = plan._graph
+  eqns = [plan._program.jaxpr.eqns[i] for i in graph.members[index]]
+  jaxpr = _compat.make_jaxpr(graph.inputs[index], graph.outputs[index], eqns)
+  return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, ()))
+
+
+def emit(plan: StreamPlan, args: Sequence[Any]) -> list[Any]:
+  """Evaluate ``plan``'s program on flat ``args`` (the traced function's
+  flattened dynamic arguments), emitting the regions as planned."""
+  program = plan._program
+  graph = plan._graph
+  env: dict[Any, Any] = {}
+  for var, value in zip(program.jaxpr.constvars, program.consts):
+    env[var] = value
+  for var, value in zip(program.jaxpr.invars, args):
+    env[var] = value
+
+  for index, region in enumerate(plan.regions):
+    if not graph.outputs[index] and not _has_effects(plan, index):
+      continue  # nothing reads it: jax.jit would drop it too
+    fn = region_function(plan, index)
+    if region.is_call:
+      fn = _compat.stream_call(fn, region.stream)
+    results = fn(*(env[v] for v in graph.inputs[index]))
+    for var, value in zip(graph.outputs[index], results):
+      env[var] = value
+
+  return [v.val if isinstance(v, jcore.Literal) else env[v]
+          for v in program.jaxpr.outvars]
+
+
+def _has_effects(plan: StreamPlan, index: int) -> bool:
+  eqns = plan._program.jaxpr.eqns
+  return any(eqns[i].effects for i in plan._graph.members[index])

@@ -1,0 +1,8 @@
+"""Stage 3 of the pipeline: regions, their dependencies, and the plan."""
+
+from jaxstreams.partition.plan import (Dependency, PlannedEquation, Region,
+                                       StreamPlan, make_plan)
+from jaxstreams.partition.regions import RegionGraph, partition
+
+__all__ = ["Dependency", "PlannedEquation", "Region", "RegionGraph",
+           "StreamPlan", "make_plan", "partition"]

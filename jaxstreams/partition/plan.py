@@ -1,0 +1,224 @@
+"""``StreamPlan``: what jaxstreams decided for one traced function, for people
+and for the lowering stage.
+
+The public part (equations, regions, dependencies, notes, ``str(plan)``,
+``to_dot()``) describes the decision; the private part keeps the program and
+the regions' variables so ``jaxstreams.lower`` can emit it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from jaxstreams import _compat
+from jaxstreams.assign import Placement
+from jaxstreams.partition.regions import RegionGraph, transitive_reduction
+from jaxstreams.tag.read import ExposedProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedEquation:
+  """One top-level equation of the traced function and where it runs."""
+  index: int
+  primitive: str
+  name: str        # name stack and primitive, e.g. "jaxstreams_stream_1/sin"
+  stream: int
+  rule: str        # which rule placed it: user, colocate, body, main, effects
+  region: int
+  location: str    # file:line (function) of the user code that made it
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """Equations of one stream emitted together: one call off the main stream,
+  inline on it. ``inputs`` and ``outputs`` are value names as in the plan."""
+  index: int
+  stream: int
+  equations: tuple[int, ...]
+  inputs: tuple[str, ...]
+  outputs: tuple[str, ...]
+
+  @property
+  def is_call(self) -> bool:
+    return self.stream != 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Dependency:
+  """Region ``consumer`` reads ``values`` made by region ``producer`` on
+  another stream; XLA orders the two with an event."""
+  producer: int
+  consumer: int
+  producer_stream: int
+  consumer_stream: int
+  values: tuple[str, ...]
+
+
+class StreamPlan:
+  """The stream plan of one traced function (one set of argument shapes)."""
+
+  def __init__(self, *, function_name: str, streams: int,
+               equations: Sequence[PlannedEquation], regions: Sequence[Region],
+               dependencies: Sequence[Dependency], notes: Sequence[str],
+               program: ExposedProgram, graph: RegionGraph):
+    self.function_name = function_name
+    self.streams = streams
+    self.equations = tuple(equations)
+    self.regions = tuple(regions)
+    self.dependencies = tuple(dependencies)
+    self.notes = tuple(notes)
+    self._program = program
+    self._graph = graph
+
+  @property
+  def streams_used(self) -> tuple[int, ...]:
+    return tuple(sorted({r.stream for r in self.regions}))
+
+  @property
+  def is_single_stream(self) -> bool:
+    """True when everything runs on the main stream (no calls are emitted)."""
+    return all(not r.is_call for r in self.regions)
+
+  def region_of(self, equation: int) -> Region:
+    return self.regions[self.equations[equation].region]
+
+  def __repr__(self) -> str:
+    return (f"<StreamPlan {self.function_name}: {len(self.equations)} "
+            f"equations, {len(self.regions)} regions on streams "
+            f"{list(self.streams_used)}, {len(self.dependencies)} cross-stream "
+            "dependencies>")
+
+  def __str__(self) -> str:
+    lines = [
+        f"StreamPlan for {self.function_name}: streams={self.streams}, "
+        f"{_count(len(self.equations), 'equation')}, "
+        f"{_count(len(self.regions), 'region')}, "
+        f"{_count(len(self.dependencies), 'cross-stream dependency', 'cross-stream dependencies')}",
+    ]
+    if self.is_single_stream:
+      lines.append("  everything runs on the main stream (stream 0): the "
+                   "program is lowered exactly as jax.jit lowers it")
+    lines.append("")
+    lines += _table(
+        ["region", "stream", "lowered as", "equations", "inputs", "outputs"],
+        [[f"R{r.index}", str(r.stream),
+          f"call on stream {r.stream}" if r.is_call else "inline (main)",
+          str(len(r.equations)), _names(r.inputs), _names(r.outputs)]
+         for r in self.regions])
+    if self.dependencies:
+      lines += ["", "cross-stream dependencies (implied ones dropped):"]
+      for d in self.dependencies:
+        lines.append(f"  R{d.producer} (stream {d.producer_stream}) -> "
+                     f"R{d.consumer} (stream {d.consumer_stream}): "
+                     f"{_names(d.values)}")
+    lines += ["", "equations:"]
+    lines += _table(
+        ["#", "stream", "region", "rule", "equation", "source"],
+        [[str(e.index), str(e.stream), f"R{e.region}", e.rule, e.name,
+          e.location] for e in self.equations])
+    if self.notes:
+      lines += ["", "notes:"] + [f"  - {n}" for n in self.notes]
+    return "\n".join(lines)
+
+  def to_dot(self) -> str:
+    """Graphviz source: one node per region, clustered by stream, and the
+    dependencies between regions (cross-stream ones in bold red)."""
+    out = [f'digraph "{_dot_escape(self.function_name)}" {{',
+           "  rankdir=TB;", '  node [shape=box, fontname="monospace"];']
+    for stream in self.streams_used:
+      out.append(f"  subgraph cluster_stream{stream} {{")
+      out.append(f'    label="stream {stream}";')
+      for r in self.regions:
+        if r.stream == stream:
+          prims = _summarize([self.equations[i].primitive for i in r.equations])
+          out.append(f'    R{r.index} [label="R{r.index}\\n'
+                     f'{_dot_escape(prims)}"];')
+      out.append("  }")
+    cross = {(d.producer, d.consumer) for d in self.dependencies}
+    for (a, b), values in sorted(self._graph.edges.items()):
+      style = ' [color=red, penwidth=2]' if (a, b) in cross else ""
+      if self.regions[a].stream != self.regions[b].stream and (a, b) not in cross:
+        style = ' [color=gray, style=dashed]'
+      out.append(f"  R{a} -> R{b}{style};")
+    out.append("}")
+    return "\n".join(out)
+
+
+def _count(n: int, singular: str, plural: str | None = None) -> str:
+  return f"{n} {singular if n == 1 else plural or singular + 's'}"
+
+
+def _names(names: Sequence[str], limit: int = 6) -> str:
+  if not names:
+    return "-"
+  shown = ", ".join(names[:limit])
+  return shown + (f", +{len(names) - limit}" if len(names) > limit else "")
+
+
+def _summarize(primitives: Sequence[str], limit: int = 4) -> str:
+  counts: dict[str, int] = {}
+  for p in primitives:
+    counts[p] = counts.get(p, 0) + 1
+  parts = [f"{p} x{n}" if n > 1 else p for p, n in counts.items()]
+  return ", ".join(parts[:limit]) + (" ..." if len(parts) > limit else "")
+
+
+def _dot_escape(text: str) -> str:
+  return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+  widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+            for i, h in enumerate(header)]
+  fmt = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+  return [fmt(header)] + [fmt(r) for r in rows]
+
+
+def make_plan(function_name: str, streams: int, program: ExposedProgram,
+              placements: Sequence[Placement], graph: RegionGraph) -> StreamPlan:
+  jaxpr = program.jaxpr
+  names = _value_names(jaxpr)
+  equations = []
+  notes = []
+  for index, (eqn, placement) in enumerate(zip(jaxpr.eqns, placements)):
+    stack = _compat.name_stack_str(eqn)
+    name = f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
+    location = _compat.source_location(eqn)
+    equations.append(PlannedEquation(
+        index, eqn.primitive.name, name, placement.stream, placement.rule,
+        graph.region_of[index], location, placement.note))
+    if placement.note:
+      notes.append(f"#{index} {eqn.primitive.name} at {location}: "
+                   f"{placement.note}")
+  regions = [
+      Region(i, graph.streams[i], tuple(graph.members[i]),
+             tuple(names[v] for v in graph.inputs[i]),
+             tuple(names[v] for v in graph.outputs[i]))
+      for i in range(len(graph.streams))]
+  kept = transitive_reduction(len(regions), graph.edges)
+  dependencies = [
+      Dependency(a, b, graph.streams[a], graph.streams[b],
+                 tuple(names[v] for v in values))
+      for (a, b), values in sorted(graph.edges.items())
+      if (a, b) in kept and graph.streams[a] != graph.streams[b]]
+  return StreamPlan(function_name=function_name, streams=streams,
+                    equations=equations, regions=regions,
+                    dependencies=dependencies, notes=notes, program=program,
+                    graph=graph)
+
+
+def _value_names(jaxpr) -> dict[Any, str]:
+  """Stable, readable names: arguments a0.., constants c0.., values v0..."""
+  names: dict[Any, str] = {}
+  for i, v in enumerate(jaxpr.invars):
+    names[v] = f"a{i}"
+  for i, v in enumerate(jaxpr.constvars):
+    names[v] = f"c{i}"
+  count = 0
+  for eqn in jaxpr.eqns:
+    for v in eqn.outvars:
+      names[v] = f"v{count}"
+      count += 1
+  return names

@@ -1,0 +1,179 @@
+"""Partition: equations with streams become regions, and regions a DAG.
+
+A region is a group of equations on one stream that is emitted as one call
+(or, on the main stream, inline). Regions are grown greedily in program
+order: an equation joins an existing region of its stream unless that would
+close a cycle, i.e. unless one of its inputs was computed outside the region
+from something the region produced. This keeps a user's ``with stream(1):``
+block one call, and merges independent equations of a stream as well.
+
+Each region carries the set of regions it transitively depends on, as a
+bitmask, so the cycle test is a few integer operations per input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Any, Sequence
+
+import jax.extend.core as jcore
+
+
+@dataclasses.dataclass
+class RegionGraph:
+  """Regions in emission (topological) order and the edges between them."""
+  streams: list[int]                     # stream of each region
+  members: list[list[int]]               # equation indices of each region
+  inputs: list[list[Any]]                # vars each region reads from outside
+  outputs: list[list[Any]]               # vars each region makes for others
+  edges: dict[tuple[int, int], list[Any]]  # (producer, consumer) -> vars
+  region_of: list[int]                   # region of each equation
+
+
+def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
+  producer: dict[Any, int] = {}
+  region_of: list[int] = []
+  region_stream: list[int] = []
+  region_eqns: list[list[int]] = []
+  by_stream: dict[int, list[int]] = {}
+  # Per region: bitmask of the regions it depends on, transitively. A region
+  # runs as one call, so depending on any of its equations means depending on
+  # everything the whole region waits for.
+  ancestors: list[int] = []
+
+  for index, eqn in enumerate(jaxpr.eqns):
+    stream = eqn_streams[index]
+    pred_regions = {region_of[producer[v]] for v in eqn.invars
+                    if not isinstance(v, jcore.Literal) and v in producer}
+    chosen = None
+    for region in reversed(by_stream.get(stream, ())):
+      bit = 1 << region
+      if all(r == region or not ancestors[r] & bit for r in pred_regions):
+        chosen = region
+        break
+    if chosen is None:
+      chosen = len(region_stream)
+      region_stream.append(stream)
+      region_eqns.append([])
+      ancestors.append(0)
+      by_stream.setdefault(stream, []).append(chosen)
+    region_of.append(chosen)
+    region_eqns[chosen].append(index)
+    _add_ancestors(ancestors, chosen, pred_regions)
+    for var in eqn.outvars:
+      producer[var] = index
+
+  order = _topological_order(len(region_stream), jaxpr, producer, region_of)
+  rank = {old: new for new, old in enumerate(order)}
+  region_of = [rank[r] for r in region_of]
+  return _describe(jaxpr, producer, region_of,
+                   [region_stream[old] for old in order],
+                   [region_eqns[old] for old in order])
+
+
+def _add_ancestors(ancestors: list[int], region: int, pred_regions) -> None:
+  """Record that ``region`` now reads from ``pred_regions``, and pass the new
+  ancestry on to every region that already depends on ``region``."""
+  added = 0
+  for r in pred_regions:
+    if r != region:
+      added |= ancestors[r] | (1 << r)
+  added &= ~ancestors[region]
+  if not added:
+    return
+  bit = 1 << region
+  ancestors[region] |= added
+  for other, mask in enumerate(ancestors):
+    if mask & bit:
+      ancestors[other] = mask | added
+
+
+def _topological_order(count, jaxpr, producer, region_of) -> list[int]:
+  """Regions sorted so each comes after those it reads from (Kahn's
+  algorithm, ties broken by creation order)."""
+  succ: list[set[int]] = [set() for _ in range(count)]
+  indegree = [0] * count
+  for index, eqn in enumerate(jaxpr.eqns):
+    mine = region_of[index]
+    for v in eqn.invars:
+      if isinstance(v, jcore.Literal) or v not in producer:
+        continue
+      theirs = region_of[producer[v]]
+      if theirs != mine and mine not in succ[theirs]:
+        succ[theirs].add(mine)
+        indegree[mine] += 1
+  ready = [r for r in range(count) if indegree[r] == 0]
+  heapq.heapify(ready)
+  order = []
+  while ready:
+    region = heapq.heappop(ready)
+    order.append(region)
+    for nxt in succ[region]:
+      indegree[nxt] -= 1
+      if indegree[nxt] == 0:
+        heapq.heappush(ready, nxt)
+  if len(order) != count:  # the cycle test above makes this unreachable
+    raise AssertionError("jaxstreams: region graph has a cycle")
+  return order
+
+
+def _describe(jaxpr, producer, region_of, streams, members) -> RegionGraph:
+  count = len(streams)
+  inputs: list[list[Any]] = [[] for _ in range(count)]
+  outputs: list[list[Any]] = [[] for _ in range(count)]
+  edges: dict[tuple[int, int], list[Any]] = {}
+  seen_in: list[set] = [set() for _ in range(count)]
+  seen_out: list[set] = [set() for _ in range(count)]
+
+  def mark_output(var):
+    region = region_of[producer[var]]
+    if var not in seen_out[region]:
+      seen_out[region].add(var)
+      outputs[region].append(var)
+
+  for index, eqn in enumerate(jaxpr.eqns):
+    mine = region_of[index]
+    for v in eqn.invars:
+      if isinstance(v, jcore.Literal):
+        continue
+      if v in producer and region_of[producer[v]] == mine:
+        continue
+      if v not in seen_in[mine]:
+        seen_in[mine].add(v)
+        inputs[mine].append(v)
+      if v in producer:
+        mark_output(v)
+        edge = edges.setdefault((region_of[producer[v]], mine), [])
+        if v not in edge:
+          edge.append(v)
+  for v in jaxpr.outvars:
+    if not isinstance(v, jcore.Literal) and v in producer:
+      mark_output(v)
+  # Keep outputs in the order their equations run, for stable plans.
+  position = {}
+  for index, eqn in enumerate(jaxpr.eqns):
+    for var in eqn.outvars:
+      position[var] = index
+  for outs in outputs:
+    outs.sort(key=position.__getitem__)
+  return RegionGraph(streams, members, inputs, outputs, edges, region_of)
+
+
+def transitive_reduction(count: int, edges) -> set[tuple[int, int]]:
+  """The edges of a DAG (nodes topologically numbered) that no longer path implies."""
+  succ: list[set[int]] = [set() for _ in range(count)]
+  for a, b in edges:
+    succ[a].add(b)
+  reach = [0] * count   # bitmask of nodes reachable from each node
+  for node in reversed(range(count)):
+    mask = 0
+    for nxt in succ[node]:
+      mask |= reach[nxt] | (1 << nxt)
+    reach[node] = mask
+  kept = set()
+  for a, b in edges:
+    implied = any(c != b and reach[c] >> b & 1 for c in succ[a])
+    if not implied:
+      kept.add((a, b))
+  return kept

@@ -1,0 +1,147 @@
+"""Reading the tags back off a traced program.
+
+``effective_tag`` decides which ``stream()`` / ``colocate_with()`` block an
+equation belongs to from its name stack. ``expose_tags`` rewrites a traced
+program so that every tag is visible at its top level: nested ``jax.jit``
+calls whose bodies hold tags are inlined (XLA inlines them anyway, so the
+result is the same program), and the colocate anchors are taken out and
+returned separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax.extend.core as jcore
+
+from jaxstreams import _compat
+from jaxstreams.tag.scopes import colocate_anchor_p, parse_scope
+
+
+@dataclasses.dataclass(frozen=True)
+class Tag:
+  """The placement an equation asked for."""
+  kind: str          # "stream" or "colocate"
+  value: int         # the stream id, or the colocate token
+  via_grad: bool     # the equation is a backward-pass copy of a tagged one
+
+
+def effective_tag(stack: Sequence[tuple[str, str]]) -> Tag | None:
+  """The innermost jaxstreams scope that applies to an equation with ``stack``.
+
+  A ``transpose`` transform outside a scope means the equation was derived by
+  ``jax.grad`` from an equation inside that scope; scopes opened with
+  ``include_grad=False`` do not apply to such equations.
+  """
+  transposed = False
+  tag = None
+  for kind, name in stack:
+    if kind == "transform":
+      transposed = transposed or name == "transpose"
+      continue
+    parsed = parse_scope(name)
+    if parsed is None:
+      continue
+    scope_kind, value, include_grad = parsed
+    if transposed and not include_grad:
+      continue
+    tag = Tag(scope_kind, value, transposed)
+  return tag
+
+
+def has_tags(closed_jaxpr) -> bool:
+  """Whether any equation in ``closed_jaxpr`` (at any depth) is tagged."""
+  for eqn in closed_jaxpr.jaxpr.eqns:
+    if any(kind == "scope" and parse_scope(name) is not None
+           for kind, name in _compat.name_stack_entries(eqn)):
+      return True
+    if eqn.primitive is colocate_anchor_p:
+      return True
+    for sub in jcore.jaxprs_in_params(eqn.params):
+      if has_tags(jcore.ClosedJaxpr(sub, ())):
+        return True
+  return False
+
+
+@dataclasses.dataclass
+class ExposedProgram:
+  """A traced program with its tags at the top level."""
+  jaxpr: Any                    # jax.extend.core.Jaxpr
+  consts: list[Any]
+  anchors: dict[int, Any]       # colocate token -> the atom it anchors
+
+
+def expose_tags(closed_jaxpr) -> ExposedProgram:
+  jaxpr = closed_jaxpr.jaxpr
+  builder = _Builder(list(jaxpr.constvars), list(closed_jaxpr.consts))
+  builder.add_eqns(jaxpr.eqns, outer=None)
+  outvars = [builder.read(v) for v in jaxpr.outvars]
+  new_jaxpr = _compat.make_jaxpr(jaxpr.invars, outvars, builder.eqns,
+                                 constvars=builder.constvars)
+  return ExposedProgram(new_jaxpr, builder.consts, builder.anchors)
+
+
+class _Builder:
+  """Accumulates equations while inlining nested jits that hold tags."""
+
+  def __init__(self, constvars, consts):
+    self.constvars = constvars
+    self.consts = consts
+    self.eqns: list[Any] = []
+    self.anchors: dict[int, Any] = {}
+    self._subst: dict[Any, Any] = {}
+
+  def read(self, atom):
+    if isinstance(atom, jcore.Literal):
+      return atom
+    return self._subst.get(atom, atom)
+
+  def add_eqns(self, eqns, outer) -> None:
+    for eqn in eqns:
+      eqn = eqn.replace(invars=[self.read(v) for v in eqn.invars])
+      if outer is not None:
+        eqn = _compat.with_outer_name_stack(eqn, outer)
+      if eqn.primitive is colocate_anchor_p:
+        self.anchors[eqn.params["token"]] = eqn.invars[0]
+        self._subst[eqn.outvars[0]] = eqn.invars[0]
+        continue
+      if self._should_inline(eqn):
+        self._inline(eqn)
+        continue
+      self.eqns.append(eqn)
+
+  @staticmethod
+  def _should_inline(eqn) -> bool:
+    if eqn.primitive.name not in _compat.NESTED_JIT_PRIMITIVES:
+      return False
+    inner = _compat.nested_jaxpr(eqn.params)
+    return (inner is not None and _compat.jit_params_are_plain(eqn.params)
+            and has_tags(inner))
+
+  def _inline(self, eqn) -> None:
+    inner = _compat.nested_jaxpr(eqn.params)
+    for var, const in zip(inner.jaxpr.constvars, inner.consts):
+      fresh = _compat.new_var(var.aval)
+      self.constvars.append(fresh)
+      self.consts.append(const)
+      self._subst[var] = fresh
+    for var, atom in zip(inner.jaxpr.invars, eqn.invars):
+      self._subst[var] = atom
+    # The same inner jaxpr may be inlined twice: give its results fresh names.
+    renamed = []
+    for inner_eqn in inner.jaxpr.eqns:
+      outvars = []
+      for var in inner_eqn.outvars:
+        if isinstance(var, jcore.DropVar):
+          outvars.append(var)
+        else:
+          fresh = _compat.new_var(var.aval)
+          self._subst[var] = fresh
+          outvars.append(fresh)
+      renamed.append((inner_eqn, outvars))
+    for inner_eqn, outvars in renamed:
+      self.add_eqns([inner_eqn.replace(outvars=outvars)], outer=eqn)
+    for outer_var, inner_atom in zip(eqn.outvars, inner.jaxpr.outvars):
+      if not isinstance(outer_var, jcore.DropVar):
+        self._subst[outer_var] = self.read(inner_atom)

@@ -1,0 +1,88 @@
+"""Small programs the tests run through jaxstreams and jax.jit alike."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxstreams
+
+
+def random_inputs(*shapes, seed=0):
+  key = jax.random.PRNGKey(seed)
+  keys = jax.random.split(key, len(shapes))
+  return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes)]
+
+
+def two_towers(x, w1, w2):
+  """Two independent towers on streams 1 and 2, joined on the main stream."""
+  with jaxstreams.stream(1):
+    a = jnp.tanh(x @ w1) * 2.0
+  with jaxstreams.stream(2):
+    b = jax.nn.relu(x @ w2).sum(axis=0)
+  return (a * b).sum() + jnp.cos(x).mean()
+
+
+def training_step(params, x, y):
+  """A two-tower regression loss; its gradient is the usual test subject."""
+  def loss(params):
+    with jaxstreams.stream(1):
+      h1 = jnp.tanh(x @ params["w1"])
+    with jaxstreams.stream(2):
+      h2 = jax.nn.sigmoid(x @ params["w2"])
+    pred = (h1 + h2) @ params["out"]
+    return jnp.mean((pred - y) ** 2)
+  return jax.value_and_grad(loss)(params)
+
+
+def training_params(d=16, seed=0):
+  w1, w2, out = random_inputs((d, d), (d, d), (d, 1), seed=seed)
+  return {"w1": w1, "w2": w2, "out": out}
+
+
+def assert_bitwise_equal(actual, expected):
+  leaves_a, tree_a = jax.tree_util.tree_flatten(actual)
+  leaves_e, tree_e = jax.tree_util.tree_flatten(expected)
+  assert tree_a == tree_e
+  for a, e in zip(leaves_a, leaves_e):
+    a, e = np.asarray(a), np.asarray(e)
+    assert a.dtype == e.dtype and a.shape == e.shape
+    np.testing.assert_array_equal(a, e)
+    assert a.tobytes() == e.tobytes()  # bitwise, signed zeros and NaNs too
+
+
+def check_region_graph(plan):
+  """Regions come in an order where each reads only what earlier regions made
+  (so the region graph is acyclic), and every cross-stream data edge is
+  implied by the listed dependencies plus same-stream edges."""
+  made_by = {}
+  edges = set()
+  for region in plan.regions:
+    for name in region.inputs:
+      if not name.startswith(("a", "c")):   # not an argument or constant
+        assert made_by[name] < region.index, f"R{region.index} reads {name} early"
+        edges.add((made_by[name], region.index))
+    for name in region.outputs:
+      made_by[name] = region.index
+  kept = {(d.producer, d.consumer) for d in plan.dependencies}
+  kept |= {(a, b) for a, b in edges
+           if plan.regions[a].stream == plan.regions[b].stream}
+  assert kept <= edges
+
+  def reachable(a, b):
+    todo, seen = [a], set()
+    while todo:
+      node = todo.pop()
+      if node == b:
+        return True
+      seen.add(node)
+      todo += [y for x, y in kept if x == node and y not in seen]
+    return False
+
+  for a, b in edges:
+    assert reachable(a, b), f"R{a} -> R{b} is not covered by the dependencies"
+
+
+def cuda_text(jitted, *args, **kwargs):
+  """StableHLO of ``jitted`` lowered for CUDA: works on a CPU-only machine."""
+  return jitted.trace(*args, **kwargs).lower(
+      lowering_platforms=("cuda",)).as_text()

@@ -1,0 +1,149 @@
+"""The plan: maximal acyclic regions, their dependencies, and the lowering."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxstreams
+from programs import (assert_bitwise_equal, check_region_graph, cuda_text,
+                      random_inputs, training_params, training_step, two_towers)
+
+
+def test_a_block_becomes_one_region():
+  def f(x):
+    with jaxstreams.stream(1):
+      y = jnp.sin(x)
+      y = jnp.cos(y) * 2
+      y = jnp.exp(y).sum()
+    return y + 1
+
+  plan = jaxstreams.plan(f, streams=2)(jnp.ones(4))
+  on_1 = [r for r in plan.regions if r.stream == 1]
+  assert len(on_1) == 1
+  assert set(on_1[0].equations) == {e.index for e in plan.equations
+                                     if e.stream == 1}
+  assert len(on_1[0].equations) >= 4
+  assert len(plan.dependencies) == 1
+  check_region_graph(plan)
+
+
+def test_independent_work_on_one_stream_merges():
+  def f(x, y):
+    with jaxstreams.stream(1):
+      a = jnp.sin(x)
+    m = jnp.cos(y)              # main stream, independent of a
+    with jaxstreams.stream(1):
+      b = jnp.exp(m)            # reads main, not a: may join a's region
+    return a + b
+
+  plan = jaxstreams.plan(f, streams=2)(jnp.ones(3), jnp.ones(3))
+  assert len([r for r in plan.regions if r.stream == 1]) == 1
+  check_region_graph(plan)
+
+
+def test_a_merge_that_would_close_a_cycle_is_refused():
+  def f(x):
+    with jaxstreams.stream(1):
+      a = jnp.sin(x)
+    m = a * 2                   # main reads stream 1
+    with jaxstreams.stream(1):
+      b = jnp.exp(m)            # stream 1 reads main: must be a new region
+    return b
+
+  plan = jaxstreams.plan(f, streams=2)(jnp.ones(3))
+  on_1 = [r for r in plan.regions if r.stream == 1]
+  assert len(on_1) == 2
+  assert [r.stream for r in plan.regions] == [1, 0, 1]
+  check_region_graph(plan)
+  assert_bitwise_equal(jaxstreams.jit(f, streams=2)(jnp.ones(3)),
+                       jax.jit(f)(jnp.ones(3)))
+
+
+def test_ancestry_through_a_grown_region_is_tracked():
+  # R1 (stream 1) grows to read R2 (stream 2) *after* main read R1; a later
+  # stream-2 equation reading main must then not join R2.
+  def f(x):
+    with jaxstreams.stream(1):
+      a = jnp.sin(x)
+    m = a + 1                    # main depends on R1
+    with jaxstreams.stream(2):
+      b = jnp.cos(x)             # R2
+    with jaxstreams.stream(1):
+      c = jnp.exp(b)             # joins R1, so R1 now waits for R2
+    with jaxstreams.stream(2):
+      d = jnp.tanh(m)            # main -> R1 -> R2: joining R2 is a cycle
+    return c + d
+
+  plan = jaxstreams.plan(f, streams=3)(jnp.ones(3))
+  check_region_graph(plan)
+  assert_bitwise_equal(jaxstreams.jit(f, streams=3)(jnp.ones(3)),
+                       jax.jit(f)(jnp.ones(3)))
+
+
+def test_implied_dependencies_are_dropped():
+  def f(x):
+    with jaxstreams.stream(1):
+      a = jnp.sin(x)
+    with jaxstreams.stream(2):
+      b = jnp.cos(a)
+    return a + b     # main reads a directly, but also b which already waits on a
+
+  plan = jaxstreams.plan(f, streams=3)(jnp.ones(3))
+  pairs = {(d.producer_stream, d.consumer_stream) for d in plan.dependencies}
+  assert pairs == {(1, 2), (2, 0)}
+  check_region_graph(plan)
+
+
+def test_training_step_plan_is_sound():
+  params = training_params()
+  x, y = random_inputs((8, 16), (8, 1), seed=3)
+  plan = jaxstreams.plan(training_step, streams=3)(params, x, y)
+  assert set(plan.streams_used) == {0, 1, 2}
+  check_region_graph(plan)
+
+
+def test_str_and_dot():
+  x, w1, w2 = random_inputs((8, 16), (16, 16), (16, 16))
+  plan = jaxstreams.jit(two_towers, streams=3).plan(x, w1, w2)
+  text = str(plan)
+  assert text.startswith("StreamPlan for two_towers: streams=3")
+  for header in ("region", "lowered as", "cross-stream dependencies",
+                 "equations:", "call on stream 1", "call on stream 2",
+                 "inline (main)"):
+    assert header in text
+  assert "programs.py" in text   # equations point at user source lines
+  dot = plan.to_dot()
+  assert dot.startswith('digraph "two_towers"') and dot.rstrip().endswith("}")
+  assert "cluster_stream1" in dot and "cluster_stream2" in dot
+  assert len(re.findall(r"R\d+ -> R\d+", dot)) >= 2
+
+
+def test_lowering_emits_one_annotated_call_per_off_main_region():
+  x, w1, w2 = random_inputs((8, 16), (16, 16), (16, 16))
+  f = jaxstreams.jit(two_towers, streams=3)
+  plan = f.plan(x, w1, w2)
+  text = cuda_text(f, x, w1, w2)
+  calls = re.findall(r"call @\S+\(.*?\{mhlo.frontend_attributes = \{(.*?)\}\}",
+                     text)
+  annotations = sorted(re.search(r'_xla_stream_annotation = "(\d+)"', c).group(1)
+                       for c in calls)
+  assert annotations == sorted(str(r.stream) for r in plan.regions if r.is_call)
+  assert all('inlineable = "false"' in c for c in calls)
+  # On CPU the regions are lowered inline: there is one stream there anyway.
+  assert "_xla_stream_annotation" not in f.lower(x, w1, w2).as_text()
+
+
+def test_single_stream_plan_says_so():
+  plan = jaxstreams.plan(lambda x: jnp.sin(x) + 1)(jnp.ones(2))
+  assert plan.is_single_stream and plan.streams == 1
+  assert "everything runs on the main stream" in str(plan)
+  text = cuda_text(jaxstreams.jit(lambda x: jnp.sin(x) + 1), jnp.ones(2))
+  assert "_xla_stream_annotation" not in text
+
+
+def test_plan_of_a_jaxstreams_function_uses_its_settings():
+  f = jaxstreams.jit(lambda x, n: x * n, streams=2, static_argnums=1)
+  assert jaxstreams.plan(f)(jnp.ones(2), 3).streams == 2
+  assert jaxstreams.plan(f, streams=4)(jnp.ones(2), 3).streams == 4
