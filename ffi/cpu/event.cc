@@ -36,6 +36,11 @@ uint64_t CpuEvent::Latest() const {
   return recorded_;
 }
 
+bool CpuEvent::Done(uint64_t gen) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return gen <= watermark_;
+}
+
 void CpuEvent::Complete(uint64_t gen) {
   std::vector<std::function<void()>> ready;
   {

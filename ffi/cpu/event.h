@@ -33,6 +33,8 @@ class CpuEvent {
 
   // Latest generation recorded so far; what a wait issued now waits for.
   uint64_t Latest() const;
+  // True when generation `gen` and all before it completed.
+  bool Done(uint64_t gen) const;
 
   // Runs `fn` once generation `gen` and all before it completed; at once if
   // they already have. `fn` may run on a worker thread.
