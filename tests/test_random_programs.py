@@ -34,6 +34,7 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 from jax import lax
+import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
@@ -445,3 +446,36 @@ def test_random_programs_match_jax_jit_and_plan_soundly(program):
   check_region_graph(plan)
   check_no_tag_moved(program, plan)
   assert_bitwise_equal(jitted(*INPUTS), jax.jit(f)(*INPUTS))
+
+
+# ---------------------------------------------------------------------------
+# Found by the property test (a long run, outer blocks around the jax.grad
+# call). For custom_jvp, custom_vjp and checkpoint, JAX gives the backward
+# equations the *whole* name stack at the grad call a second time, after the
+# transpose transform ("stream_2/stream_1_nograd/transpose(stream_2)/
+# stream_1_nograd/jvp()/select_n"). Read naively, the second copy of the
+# nograd block is skipped as "derived by grad" while the second copy of the
+# block outside it is not, and those equations landed on stream 2 although
+# the whole grad call is inside stream(1, include_grad=False).
+# tag/read.py now drops the repeated context.
+
+@jax.custom_vjp
+def _sin_custom_vjp(x):
+  return jnp.sin(x)
+
+
+_sin_custom_vjp.defvjp(lambda x: (jnp.sin(x), x),
+                       lambda x, g: (g * jnp.cos(x),))
+
+
+@pytest.mark.parametrize("inner", [
+    jax.nn.relu, _sin_custom_vjp, jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)))],
+    ids=["custom_jvp", "custom_vjp", "checkpoint"])
+def test_a_nograd_block_around_grad_holds_its_whole_backward_pass(inner):
+  def f(x):
+    with jaxstreams.stream(2):
+      with jaxstreams.stream(1, include_grad=False):
+        return jax.grad(lambda x: inner(x).sum())(x)
+
+  plan = jaxstreams.plan(f, streams=3)(jnp.ones(4))
+  assert [(e.name, e.stream) for e in plan.equations if e.stream != 1] == []

@@ -36,7 +36,7 @@ def effective_tag(stack: Sequence[tuple[str, str]]) -> Tag | None:
   """
   transposed = False
   tag = None
-  for kind, name in stack:
+  for kind, name in _without_repeated_context(stack):
     if kind == "transform":
       transposed = transposed or name == "transpose"
       continue
@@ -48,6 +48,42 @@ def effective_tag(stack: Sequence[tuple[str, str]]) -> Tag | None:
       continue
     tag = Tag(scope_kind, value, transposed)
   return tag
+
+
+def _without_repeated_context(stack):
+  """``stack`` with the context that ``jax.grad`` repeats after a transpose
+  dropped.
+
+  For ``custom_vjp``, ``custom_jvp`` and ``jax.checkpoint``, the backward
+  equations get the whole name stack of the forward ones after the
+  ``transpose`` transform, context included:
+  ``A/B/transpose(jvp(A/B/jvp(..)))``. The repeated ``A/B`` is the same
+  blocks again, not blocks inside the transposed code, so it must not count
+  as a second, derived placement. Transforms in between are kept.
+  """
+  stack = list(stack)
+  for index, (kind, name) in enumerate(stack):
+    if kind != "transform" or name != "transpose":
+      continue
+    context = [entry for entry in stack[:index] if entry[0] == "scope"]
+    if not context:
+      continue
+    after = stack[index + 1:]
+    kept, matched = [], 0
+    for position, entry in enumerate(after):
+      if matched == len(context):
+        rest = _without_repeated_context(after[position:])
+        return stack[:index + 1] + kept + rest
+      if entry[0] == "transform":
+        kept.append(entry)
+      elif entry == context[matched]:
+        matched += 1
+      else:
+        break
+    else:
+      if matched == len(context):
+        return stack[:index + 1] + kept
+  return stack
 
 
 def has_tags(closed_jaxpr) -> bool:
