@@ -17,10 +17,13 @@ from jaxstreams import config
 from jaxstreams.assign import StreamIdError
 from jaxstreams._jit import StreamJit, jit, plan
 from jaxstreams.partition import Dependency, PlannedEquation, Region, StreamPlan
+from jaxstreams.serve import QueueFullError, Server, ServerClosedError, serve
+from jaxstreams.runtime.profile import profile
 from jaxstreams.tag import colocate_with, stream
 
 __version__ = "0.1.0"
 
 __all__ = ["Dependency", "PlannedEquation", "Region", "StreamIdError",
            "StreamJit", "StreamPlan", "colocate_with", "config", "jit", "plan",
-           "stream"]
+           "profile", "stream"]
+__all__ += ["QueueFullError", "Server", "ServerClosedError", "serve"]

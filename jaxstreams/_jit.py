@@ -21,6 +21,7 @@ from jaxstreams import config
 from jaxstreams.assign import assign_streams
 from jaxstreams.lower import emit
 from jaxstreams.partition import StreamPlan, make_plan, partition
+from jaxstreams.runtime.profile import profiling_now
 from jaxstreams.tag import expose_tags
 
 __all__ = ["jit", "plan", "StreamJit"]
@@ -111,7 +112,8 @@ class _Spec:
     @functools.wraps(self.fun)
     def staged(*args, **kwargs):
       plan, out_tree, dynamic = self.make_plan(streams, args, kwargs)
-      return tree_util.tree_unflatten(out_tree, emit(plan, dynamic))
+      outs = emit(plan, dynamic, profile=profiling_now())
+      return tree_util.tree_unflatten(out_tree, outs)
     return staged
 
   def make_plan(self, streams: int, args, kwargs):

@@ -62,6 +62,13 @@ STREAMS = _define(Option(
     _at_least_one))
 
 
+PROFILE = _define(Option(
+    "jaxstreams_profile", bool, False,
+    "Trace jaxstreams.jit functions with a timing marker at the start and end "
+    "of each region (read when a function is traced; see jaxstreams.profile()).",
+    ))
+
+
 def options() -> dict[str, Option]:
   """All options by name."""
   return dict(_OPTIONS)

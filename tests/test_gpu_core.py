@@ -37,3 +37,24 @@ def test_training_step_gradients_match_on_gpu():
   for a, e in zip(jax.tree_util.tree_leaves(actual),
                   jax.tree_util.tree_leaves(expected)):
     assert jnp.allclose(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_profiled_regions_overlap_in_time():
+  """Two heavy independent regions on streams 1 and 2 run at the same time."""
+  def two_chains(x, w):
+    outs = []
+    for stream in (1, 2):
+      with jaxstreams.stream(stream):
+        h = x
+        for _ in range(20):
+          h = jnp.tanh(h @ w)
+        outs.append(h)
+    return outs[0] + outs[1]
+
+  x, w = random_inputs((8, 2048), (2048, 2048))
+  f = jaxstreams.jit(two_chains, streams=3)
+  f(x, w).block_until_ready()
+  with jaxstreams.profile() as prof:
+    f(x, w).block_until_ready()
+  spans = {i.track: i for i in prof.intervals}
+  assert spans[1].overlaps(spans[2]), prof.intervals

@@ -26,9 +26,11 @@ def region_function(plan: StreamPlan, index: int):
   return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, ()))
 
 
-def emit(plan: StreamPlan, args: Sequence[Any]) -> list[Any]:
+def emit(plan: StreamPlan, args: Sequence[Any], *, profile: bool = False
+         ) -> list[Any]:
   """Evaluate ``plan``'s program on flat ``args`` (the traced function's
-  flattened dynamic arguments), emitting the regions as planned."""
+  flattened dynamic arguments), emitting the regions as planned. With
+  ``profile``, each region is wrapped in timing markers."""
   program = plan._program
   graph = plan._graph
   env: dict[Any, Any] = {}
@@ -41,6 +43,10 @@ def emit(plan: StreamPlan, args: Sequence[Any]) -> list[Any]:
     if not graph.outputs[index] and not _has_effects(plan, index):
       continue  # nothing reads it: jax.jit would drop it too
     fn = region_function(plan, index)
+    if profile:
+      from jaxstreams.runtime import profile as profiling
+      region_id = profiling.new_region_id(f"{plan.function_name}/R{index}")
+      fn = profiling.wrap_region(fn, region_id, region.stream)
     if region.is_call:
       fn = _compat.stream_call(fn, region.stream)
     results = fn(*(env[v] for v in graph.inputs[index]))

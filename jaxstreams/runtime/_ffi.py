@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, batching, mlir
 
 from . import _loader
 
@@ -77,4 +77,21 @@ def define_op(
 
     for platform in _LOWERING_PLATFORMS:
         mlir.register_lowering(prim, _platform_lowering(platform, target, rule), platform=platform)
+    if alias_operands and multiple_results:
+        _define_passthrough_rules(prim)
     return prim
+
+
+def _define_passthrough_rules(prim: Primitive) -> None:
+    """A pass-through op (results = operands) under jax.grad and jax.vmap:
+    it acts on the primal values, once, and lets tangents and batch
+    dimensions through untouched, so a profiled or event-ordered program
+    can still be differentiated or batched from outside."""
+    def jvp(primals, tangents, **params):
+        return prim.bind(*primals, **params), list(tangents)
+
+    def batch(values, dims, **params):
+        return prim.bind(*values, **params), dims
+
+    ad.primitive_jvps[prim] = jvp
+    batching.primitive_batchers[prim] = batch
