@@ -1,0 +1,22 @@
+"""Inference mode: concurrent requests, each on its own stream group.
+
+Multi-Stream TensorFlow's inference mode gives every ``session.run`` a free
+stream group, so many small requests share one GPU at the same time.
+``jaxstreams.serve(f)`` does the same for a JAX function: requests that
+arrive together run as one execution of a ``jaxstreams.jit`` program in
+which each request is a region on its own stream, and each caller gets its
+own result (or its own error)::
+
+    server = jaxstreams.serve(model, groups=4)
+    with server:
+      y = server(x)                  # from any number of threads
+      fut = server.submit(x2)        # or a concurrent.futures.Future
+
+See ``jaxstreams.serve.serve`` for the options and the guarantees.
+"""
+
+from jaxstreams.serve._server import (QueueFullError, Server,
+                                      ServerClosedError, ServeStats, serve)
+
+__all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
+           "serve"]

@@ -1,0 +1,691 @@
+"""``jaxstreams.serve``: a request batcher whose batches run on stream groups.
+
+How a request travels, and why each step is there:
+
+1. ``submit`` puts it on a bounded queue (back-pressure: a full queue blocks
+   the caller or raises ``QueueFullError``) and returns a ``Future``.
+2. The *dispatch* thread takes up to ``groups`` queued requests. It never
+   waits while nothing is running (an idle device should not idle longer);
+   while a batch is running it waits up to ``max_batch_wait_ms`` for more,
+   so that under load requests arrive together and share an execution.
+   (A synchronous call that finds nothing running or queued skips the
+   queue and runs in the caller's thread: two thread hand-offs would cost a
+   lone small request more than its execution.)
+3. Each request's *signature* (pytree structure, and shape, dtype and weak
+   type of each leaf) is traced once: ``f`` becomes a jaxpr. A Python
+   exception raised by ``f`` here reaches that request's caller and nobody
+   else: the request leaves the batch before the batch is built.
+4. The batch runs as one call of a ``jaxstreams.jit`` program made for its
+   combination of signatures (an LRU cache of ``max_programs`` programs).
+   Batch slot ``r`` runs on stream group ``r``, which is compute stream
+   ``r + 1`` of a ``streams=groups + 1`` program: every request is an
+   annotated region of its own (k requests, k distinct stream annotations),
+   and stream 0, the main stream, only passes results through.
+5. The *completion* thread waits for the batch's results and hands each
+   caller its own. If the batched execution fails (compile or run time),
+   the requests of that batch are run again one by one, so that each caller
+   gets its own result or its own error.
+
+Each request's whole computation is one opaque equation (the
+``jaxstreams_serve_request`` primitive) placed in its group's
+``jaxstreams.stream`` block. That is what *flattens* any ``stream()`` blocks
+inside ``f``: the planner sees one equation per request, so the request runs
+whole on its group's stream, whatever ids ``f`` names (they are not even
+range-checked against ``groups``). Keeping them would need streams per
+group, which XLA:GPU does not have: a group is one compute stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import itertools
+import numbers
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import jax
+import jax.extend.core as jcore
+from jax import tree_util
+from jax.interpreters import mlir
+
+from jaxstreams import _compat
+from jaxstreams._jit import jit as _streams_jit
+from jaxstreams.tag import stream as _stream
+
+__all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
+           "serve"]
+
+
+class ServerClosedError(RuntimeError):
+  """A request was submitted to a server that is closed or closing."""
+
+
+class QueueFullError(queue.Full):
+  """The request queue is full and the server was made with ``block=False``
+  (or the ``block`` timeout ran out). A ``queue.Full``, so code that already
+  catches that keeps working."""
+
+
+# ---------------------------------------------------------------------------
+# One request's computation as one equation.
+
+class _Traced:
+  """``f`` traced for one request signature. Identity-hashed, so that it can
+  be a primitive parameter, and opaque to the planner: the jaxpr sits in an
+  attribute, where ``jaxprs_in_params`` does not look, so tags inside ``f``
+  are invisible and the request is placed whole."""
+
+  __slots__ = ("closed", "consts", "out_tree", "__weakref__")
+
+  def __init__(self, closed, out_tree):
+    # The constants f closes over (model weights, typically) become leading
+    # operands rather than constants baked into each request's code: the k
+    # requests of a batch then share one copy of them instead of k.
+    jaxpr = closed.jaxpr
+    self.closed = jcore.ClosedJaxpr(
+        _compat.make_jaxpr(list(jaxpr.constvars) + list(jaxpr.invars),
+                           jaxpr.outvars, jaxpr.eqns), ())
+    self.consts = list(closed.consts)
+    self.out_tree = out_tree
+
+  def __repr__(self) -> str:
+    return f"<served request: {len(self.closed.jaxpr.eqns)} equations>"
+
+
+_request_p = jcore.Primitive("jaxstreams_serve_request")
+_request_p.multiple_results = True
+
+
+@_request_p.def_impl
+def _request_impl(*args, traced: _Traced):
+  return jcore.jaxpr_as_fun(traced.closed)(*args)
+
+
+@_request_p.def_effectful_abstract_eval
+def _request_abstract_eval(*avals, traced: _Traced):
+  del avals
+  return traced.closed.out_avals, traced.closed.effects
+
+
+def _request_lowering(ctx, *args, traced: _Traced):
+  # Inline: the program XLA gets for a request is the one jax.jit(f) gives,
+  # inside the request's region call, so results are jax.jit's.
+  return mlir.lower_fun(jcore.jaxpr_as_fun(traced.closed),
+                        multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(_request_p, _request_lowering)
+
+
+def _signature(request) -> tuple:
+  """What decides the traced program: the pytree structure and each leaf's
+  shape, dtype and weak type (Python scalars are weakly typed, as jax.jit
+  treats them). Raises TypeError for a leaf jax.jit would refuse."""
+  leaves, treedef = tree_util.tree_flatten(request)
+  avals = []
+  for leaf in leaves:
+    if isinstance(leaf, jax.core.Tracer):
+      raise TypeError(
+          "jaxstreams.serve: a request holds a traced value (a jax Tracer); "
+          "serve takes concrete arrays. Call the server outside jax.jit / "
+          "jax.grad / jax.vmap.")
+    aval = jax.typeof(leaf)
+    avals.append((tuple(aval.shape), aval.dtype, bool(aval.weak_type)))
+  return treedef, tuple(avals)
+
+
+# ---------------------------------------------------------------------------
+# Requests, stats, the LRU.
+
+@dataclasses.dataclass
+class _Request:
+  payload: tuple                          # (args, kwargs)
+  future: concurrent.futures.Future
+  signature: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeStats:
+  """Counters of a server, for tests and monitoring (not timings).
+
+  ``signatures_traced``: times ``f`` was traced (once per request signature
+  while cached). ``programs_traced``: batched programs traced (once per
+  combination of signatures while cached). ``batch_sizes``: requests per
+  execution -> number of executions. ``fallbacks``: batches rerun one by
+  one after a failed execution.
+  """
+  requests: int
+  completed: int
+  failed: int
+  batches: int
+  batch_sizes: dict[int, int]
+  signatures_traced: int
+  programs_traced: int
+  programs_cached: int
+  program_evictions: int
+  fallbacks: int
+
+
+class _LRU:
+  def __init__(self, bound: int):
+    self.bound = bound
+    self.items: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    self.evictions = 0
+
+  def get(self, key):
+    value = self.items.get(key)
+    if value is not None:
+      self.items.move_to_end(key)
+    return value
+
+  def put(self, key, value) -> None:
+    self.items[key] = value
+    self.items.move_to_end(key)
+    while len(self.items) > self.bound:
+      self.items.popitem(last=False)
+      self.evictions += 1
+
+
+# ---------------------------------------------------------------------------
+# The server's state, shared by the server object and its threads.
+
+_MAX_IN_FLIGHT = 2      # batches dispatched and not yet handed back
+_server_ids = itertools.count(1)
+THREAD_PREFIX = "jaxstreams-serve"
+
+
+class _Core:
+  """Everything the worker threads need. The threads hold this, never the
+  ``Server``, so dropping the last ``Server`` reference lets it be collected,
+  and its finalizer closes this core and the threads end."""
+
+  def __init__(self, fun: Callable, groups: int, wait_s: float,
+               queue_size: int | None, block: bool | float,
+               max_programs: int, name: str):
+    self.fun = fun
+    self.groups = groups
+    self.wait_s = wait_s
+    self.queue_size = queue_size
+    self.block = block
+    self.name = name
+    self.lock = threading.Lock()
+    self.work = threading.Condition(self.lock)     # queue grew / batch done
+    self.space = threading.Condition(self.lock)    # queue shrank / closing
+    self.pending: collections.deque[_Request] = collections.deque()
+    self.in_flight = 0
+    self.closing = False
+    self.threads: list[threading.Thread] = []
+    self.done: queue.SimpleQueue = queue.SimpleQueue()
+    # Caches, guarded by their own lock (tracing happens under it).
+    self.cache_lock = threading.RLock()
+    self.traced = _LRU(max_programs * groups)
+    self.programs = _LRU(max_programs)
+    self.counts = collections.Counter()
+    self.batch_sizes: collections.Counter[int] = collections.Counter()
+
+  # -- submission ------------------------------------------------------------
+
+  def submit(self, payload: tuple) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with self.lock:
+      self._check_open()
+      if self.queue_size is not None and len(self.pending) >= self.queue_size:
+        self._wait_for_space()
+      self.pending.append(_Request(payload, future))
+      self.counts["requests"] += 1
+      if not self.threads:
+        self._start_threads()
+      self.work.notify_all()
+    return future
+
+  def _check_open(self) -> None:
+    if self.closing:
+      raise ServerClosedError(
+          f"{self.name} is closed: it finishes the requests it had queued and "
+          "takes no new ones. Make a new server with jaxstreams.serve(...).")
+
+  def _wait_for_space(self) -> None:
+    if self.block is False:
+      raise QueueFullError(
+          f"{self.name}: the request queue is full ({self.queue_size} "
+          "requests waiting) and the server was made with block=False. Retry "
+          "later, or make it with a larger queue_size or block=True.")
+    deadline = None if self.block is True else time.monotonic() + self.block
+    while len(self.pending) >= self.queue_size and not self.closing:
+      remaining = None if deadline is None else deadline - time.monotonic()
+      if remaining is not None and remaining <= 0:
+        raise QueueFullError(
+            f"{self.name}: the request queue stayed full ({self.queue_size} "
+            f"requests waiting) for block={self.block} seconds.")
+      self.space.wait(remaining)
+    self._check_open()
+
+  def _start_threads(self) -> None:
+    for role, target in (("dispatch", self._dispatch_loop),
+                         ("complete", self._complete_loop)):
+      thread = threading.Thread(target=target, name=f"{self.name}-{role}",
+                                daemon=True)
+      self.threads.append(thread)
+      thread.start()
+
+  # -- closing ---------------------------------------------------------------
+
+  def close(self, join: bool, timeout: float | None) -> bool:
+    with self.lock:
+      self.closing = True
+      self.work.notify_all()
+      self.space.notify_all()
+      threads = list(self.threads)
+    if not join:
+      return True
+    deadline = None if timeout is None else time.monotonic() + timeout
+    me = threading.current_thread()
+    for thread in threads:
+      if thread is me:
+        continue
+      thread.join(None if deadline is None
+                  else max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads if t is not me)
+
+  # -- the dispatch thread ---------------------------------------------------
+
+  def _take_batch(self) -> list[_Request] | None:
+    with self.lock:
+      while not self.pending and not self.closing:
+        self.work.wait()
+      if not self.pending:
+        return None                                   # closing and drained
+      deadline = time.monotonic() + self.wait_s
+      while True:
+        now = time.monotonic()
+        can_run = self.in_flight < _MAX_IN_FLIGHT
+        if can_run and (len(self.pending) >= self.groups or self.closing
+                        or self.in_flight == 0 or now >= deadline):
+          break
+        self.work.wait(deadline - now if can_run and now < deadline else 0.05)
+      batch = [self.pending.popleft()
+               for _ in range(min(self.groups, len(self.pending)))]
+      self.in_flight += 1
+      self.space.notify_all()
+    return [r for r in batch if r.future.set_running_or_notify_cancel()]
+
+  def _dispatch_loop(self) -> None:
+    while True:
+      batch = self._take_batch()
+      if batch is None:
+        self.done.put(None)
+        return
+      try:
+        self.done.put(self._dispatch(batch))
+      except BaseException as e:  # a bug of ours: fail the batch, keep serving
+        for request in batch:
+          if not request.future.done():
+            self._fail(request, e)
+        self.done.put(([], None))
+
+  def call(self, payload: tuple):
+    """A synchronous request. When nothing is running or queued, the caller's
+    own thread runs it (a batch of one), skipping two thread hand-offs that
+    would cost a lone request more than its execution; otherwise it queues
+    and joins the next batch like any other."""
+    with self.lock:
+      inline = (not self.closing and not self.pending
+                and self.in_flight == 0)
+      if inline:
+        self.in_flight += 1
+        self.counts["requests"] += 1
+    if not inline:
+      return self.submit(payload).result()
+    request = _Request(payload, concurrent.futures.Future())
+    request.future.set_running_or_notify_cancel()
+    try:
+      runnable, outputs = self._dispatch([request])
+      if runnable:
+        self._settle(runnable, outputs)
+    finally:
+      with self.lock:
+        self.in_flight -= 1
+        self.work.notify_all()
+    return request.future.result()
+
+  def _dispatch(self, batch: list[_Request]) -> tuple[list[_Request], Any]:
+    """Trace what is new, and start one execution for the batch. Returns
+    the requests in the execution and its outputs (or its exception)."""
+    runnable = []
+    for request in batch:
+      try:
+        request.signature = _signature(request.payload)
+        self.traced_for(request.signature)   # f's own trace errors: here
+      except Exception as e:  # noqa: BLE001 -- it is this caller's error
+        self._fail(request, e)
+        continue
+      runnable.append(request)
+    if not runnable:
+      return [], None
+    try:
+      fn = self.program_for(tuple(r.signature for r in runnable))
+      outputs = fn(*(r.payload for r in runnable))
+    except Exception as e:  # noqa: BLE001 -- settled per request later
+      outputs = e
+    return runnable, outputs
+
+  # -- the completion thread -------------------------------------------------
+
+  def _complete_loop(self) -> None:
+    while True:
+      item = self.done.get()
+      if item is None:
+        return
+      batch, outputs = item
+      try:
+        if batch:
+          self._settle(batch, outputs)
+      finally:
+        with self.lock:
+          self.in_flight -= 1
+          self.work.notify_all()
+
+  def _settle(self, batch: list[_Request], outputs) -> None:
+    if not isinstance(outputs, Exception):
+      try:
+        jax.block_until_ready(outputs)
+      except Exception as e:  # noqa: BLE001
+        outputs = e
+    with self.lock:
+      self.counts["batches"] += 1
+      self.batch_sizes[len(batch)] += 1
+    if not isinstance(outputs, Exception):
+      for request, output in zip(batch, outputs):
+        self._succeed(request, output)
+      return
+    if len(batch) == 1:
+      self._fail(batch[0], outputs)
+      return
+    # One request (or the combination) broke the execution: rerun each alone
+    # so that each caller gets its own result or its own error.
+    with self.lock:
+      self.counts["fallbacks"] += 1
+    for request in batch:
+      try:
+        (output,) = self.program_for((request.signature,))(request.payload)
+        jax.block_until_ready(output)
+      except Exception as e:  # noqa: BLE001
+        self._fail(request, e)
+      else:
+        self._succeed(request, output)
+
+  def _succeed(self, request: _Request, output) -> None:
+    with self.lock:
+      self.counts["completed"] += 1
+    request.future.set_result(output)
+
+  def _fail(self, request: _Request, error: BaseException) -> None:
+    with self.lock:
+      self.counts["failed"] += 1
+    request.future.set_exception(error)
+
+  # -- programs --------------------------------------------------------------
+
+  def traced_for(self, signature: tuple) -> _Traced:
+    """``f`` traced for one request signature (cached)."""
+    with self.cache_lock:
+      traced = self.traced.get(signature)
+      if traced is not None:
+        return traced
+      treedef, avals = signature
+      specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+               for shape, dtype, weak in avals]
+      out_tree_cell = []
+      fun = self.fun
+
+      def flat_fun(*leaves):
+        args, kwargs = tree_util.tree_unflatten(treedef, leaves)
+        out_leaves, out_tree = tree_util.tree_flatten(fun(*args, **kwargs))
+        out_tree_cell.append(out_tree)
+        return out_leaves
+
+      self.counts["signatures_traced"] += 1
+      closed = jax.make_jaxpr(flat_fun)(*specs)
+      traced = _Traced(closed, out_tree_cell[0])
+      self.traced.put(signature, traced)
+      return traced
+
+  def batch_function(self, counted: bool = False):
+    """A fresh ``jaxstreams.jit`` function of ``*requests`` (each an
+    ``(args, kwargs)`` pair) that runs request ``r`` on stream group ``r``.
+    Fresh, so that evicting it from the LRU frees what jax.jit keeps for it."""
+    core_ref = weakref.ref(self)
+    groups = self.groups
+
+    def run_batch(*requests):
+      core = core_ref()
+      if len(requests) > groups:
+        raise ValueError(f"a batch holds at most groups={groups} requests, "
+                         f"got {len(requests)}")
+      if counted:
+        with core.cache_lock:
+          core.counts["programs_traced"] += 1
+      results = []
+      for slot, request in enumerate(requests):
+        leaves, _ = tree_util.tree_flatten(request)
+        traced = core.traced_for(_signature_of_traced(request))
+        with _stream(slot + 1):
+          out = _request_p.bind(*traced.consts, *leaves, traced=traced)
+        results.append(tree_util.tree_unflatten(traced.out_tree, out))
+      return tuple(results)
+
+    run_batch.__name__ = run_batch.__qualname__ = f"serve_{_name(self.fun)}"
+    return _streams_jit(run_batch, streams=groups + 1)
+
+  def program_for(self, key: tuple):
+    with self.cache_lock:
+      fn = self.programs.get(key)
+      if fn is None:
+        fn = self.batch_function(counted=True)
+        self.programs.put(key, fn)
+      return fn
+
+  def stats(self) -> ServeStats:
+    with self.lock, self.cache_lock:
+      c = self.counts
+      return ServeStats(
+          requests=c["requests"], completed=c["completed"], failed=c["failed"],
+          batches=c["batches"], batch_sizes=dict(sorted(self.batch_sizes.items())),
+          signatures_traced=c["signatures_traced"],
+          programs_traced=c["programs_traced"],
+          programs_cached=len(self.programs.items),
+          program_evictions=self.programs.evictions,
+          fallbacks=c["fallbacks"])
+
+
+def _signature_of_traced(request) -> tuple:
+  """``_signature`` of a request whose leaves are tracers of the batch trace
+  (their avals are the concrete requests' avals)."""
+  leaves, treedef = tree_util.tree_flatten(request)
+  avals = []
+  for leaf in leaves:
+    aval = jax.typeof(leaf)
+    avals.append((tuple(aval.shape), aval.dtype, bool(aval.weak_type)))
+  return treedef, tuple(avals)
+
+
+def _name(fun) -> str:
+  return getattr(fun, "__name__", None) or type(fun).__name__
+
+
+# ---------------------------------------------------------------------------
+# The public object.
+
+class Server:
+  """A thread-safe callable serving ``f``; made by ``jaxstreams.serve``.
+
+  ``server(*args, **kwargs)`` waits for and returns ``f(*args, **kwargs)``;
+  ``server.submit(...)`` returns a ``concurrent.futures.Future`` instead.
+  Use it as a context manager, or call ``close()``: the queued requests are
+  finished, new ones raise ``ServerClosedError``, and the worker threads
+  end. The threads also end when the server is garbage-collected.
+  """
+
+  def __init__(self, core: _Core):
+    self._core = core
+    self._finalizer = weakref.finalize(self, core.close, False, None)
+    functools.update_wrapper(self, core.fun, updated=())
+
+  def submit(self, *args, **kwargs) -> concurrent.futures.Future:
+    """Queue ``f(*args, **kwargs)``; the future holds its result or error.
+
+    Raises ``ServerClosedError`` once the server is closing, and
+    ``QueueFullError`` when the queue is full and the server does not block.
+    """
+    return self._core.submit((args, kwargs))
+
+  def __call__(self, *args, **kwargs):
+    """``f(*args, **kwargs)``, run with whatever requests arrive with it
+    (with none running or queued, it runs at once in the calling thread)."""
+    return self._core.call((args, kwargs))
+
+  def close(self, timeout: float | None = None) -> bool:
+    """Refuse new requests, finish the queued ones, and stop the threads.
+
+    Waits up to ``timeout`` seconds (``None``: until done) and returns
+    whether the threads have ended. Calling it again is harmless.
+    """
+    return self._core.close(True, timeout)
+
+  @property
+  def closed(self) -> bool:
+    return self._core.closing
+
+  @property
+  def groups(self) -> int:
+    return self._core.groups
+
+  @property
+  def queued(self) -> int:
+    """Requests waiting for the dispatcher (not those already running)."""
+    return len(self._core.pending)
+
+  def stats(self) -> ServeStats:
+    """Counters: requests, batches and their sizes, traces, evictions."""
+    return self._core.stats()
+
+  def batch_function(self):
+    """The ``jaxstreams.jit`` function one execution runs, for inspection:
+    it takes up to ``groups`` requests, each an ``(args, kwargs)`` pair, and
+    has ``.plan``, ``.trace`` and ``.lower`` (e.g.
+    ``fn.trace(*reqs).lower(lowering_platforms=("cuda",)).as_text()`` shows
+    one annotated call per request)."""
+    return self._core.batch_function()
+
+  def __enter__(self) -> "Server":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    state = "closed" if self.closed else "open"
+    return (f"<jaxstreams.serve {_name(self._core.fun)}: groups="
+            f"{self._core.groups}, {state}>")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"jaxstreams.serve: {name} must be an integer >= "
+                    f"{minimum}, got {value!r} of type {type(value).__name__}")
+  if value < minimum:
+    raise ValueError(f"jaxstreams.serve: {name} must be >= {minimum}, got "
+                     f"{value}")
+  return int(value)
+
+
+def _unwrap(fun: Callable) -> Callable:
+  """A ``jaxstreams.jit`` function is served as its Python function: its
+  stream blocks are flattened into the request's group like any others, and
+  its annotated calls must not nest inside the request's region call."""
+  spec = getattr(fun, "_jaxstreams_spec", None)
+  if spec is None:
+    return fun
+  static = {k for k in ("static_argnums", "static_argnames")
+            if spec.jit_kwargs.get(k) not in (None, (), [])}
+  if static:
+    raise TypeError(
+        "jaxstreams.serve: f is a jaxstreams.jit function with "
+        f"{', '.join(sorted(static))}; serve passes every argument as an "
+        "array. Bind static values first (functools.partial) and serve that.")
+  return spec.fun
+
+
+def serve(fun: Callable | None = None, *, groups: int = 4,
+          max_batch_wait_ms: float = 1.0, queue_size: int | None = 1024,
+          block: bool | float = True, max_programs: int = 64):
+  """Serve ``fun`` to many threads, running concurrent requests on streams.
+
+  Usable as ``jaxstreams.serve(f, groups=4)`` or ``@jaxstreams.serve(...)``.
+
+  Requests that arrive together (at most ``groups``) run in one execution
+  in which request ``r`` of the batch runs on stream group ``r`` (compute
+  stream ``r + 1`` of a ``jaxstreams.jit(streams=groups + 1)`` program; the
+  main stream only passes results through). Each caller gets exactly what
+  ``jax.jit(fun)(*args, **kwargs)`` gives (bitwise on CPU), or its own
+  exception.
+
+  Arguments:
+    groups: stream groups, and so the most requests in one execution.
+    max_batch_wait_ms: how long the dispatcher may wait for more requests
+      while an execution is running. With nothing running it never waits:
+      a lone request starts at once.
+    queue_size: requests that may wait (``None``: unbounded).
+    block: what ``submit`` / a call does on a full queue: ``True`` waits for
+      room, ``False`` raises ``QueueFullError``, a number waits that many
+      seconds and then raises it.
+    max_programs: compiled batch programs kept (one per combination of
+      request signatures, least recently used dropped first); up to
+      ``max_programs * groups`` traced request signatures are kept too.
+
+  ``stream()`` blocks inside ``fun`` are flattened: a request runs whole on
+  its group's stream, whatever ids ``fun`` names. A ``jaxstreams.jit``
+  function is served as its Python function. Work with side effects
+  (``jax.debug.print``, ordered callbacks) runs on the main stream, as in
+  ``jaxstreams.jit``.
+
+  Exceptions: a Python exception raised by ``fun`` while it is traced for a
+  request's shapes goes to that caller only; if a batched execution fails,
+  its requests are rerun one by one so each caller gets its own result or
+  error. Worker threads start with the first request and end on ``close()``,
+  on leaving a ``with`` block, or when the server is garbage-collected.
+  """
+  groups = _check_int("groups", groups, 1)
+  max_programs = _check_int("max_programs", max_programs, 1)
+  if queue_size is not None:
+    queue_size = _check_int("queue_size", queue_size, 1)
+  if isinstance(max_batch_wait_ms, bool) or not isinstance(
+      max_batch_wait_ms, numbers.Real):
+    raise TypeError(f"jaxstreams.serve: max_batch_wait_ms must be a number "
+                    f">= 0, got {max_batch_wait_ms!r}")
+  if max_batch_wait_ms < 0:
+    raise ValueError(f"jaxstreams.serve: max_batch_wait_ms must be >= 0, got "
+                     f"{max_batch_wait_ms}")
+  if not isinstance(block, bool):
+    if not isinstance(block, numbers.Real) or block < 0:
+      raise TypeError(f"jaxstreams.serve: block must be True, False or a "
+                      f"timeout in seconds >= 0, got {block!r}")
+    block = float(block)
+  if fun is None:
+    return lambda f: serve(f, groups=groups,
+                           max_batch_wait_ms=max_batch_wait_ms,
+                           queue_size=queue_size, block=block,
+                           max_programs=max_programs)
+  if not callable(fun):
+    raise TypeError(f"jaxstreams.serve expects a callable, got {fun!r} of "
+                    f"type {type(fun).__name__}")
+  name = f"{THREAD_PREFIX}-{next(_server_ids)}"
+  core = _Core(_unwrap(fun), groups, max_batch_wait_ms / 1000.0, queue_size,
+               block, max_programs, name)
+  return Server(core)

@@ -1,0 +1,479 @@
+"""jaxstreams.serve: every caller gets jax.jit's result or its own error.
+
+Structure and results only, never timings. Batches are made deterministic
+with a *gate*: a request whose program blocks in a host callback until the
+test opens the gate keeps one execution in flight, so the requests submitted
+meanwhile queue up and leave together as one batch (the dispatcher waits for
+more while something runs; max_batch_wait_ms is made long, and a batch
+leaves as soon as it holds ``groups`` requests). Every wait has a timeout,
+and a fixture checks that no server thread outlives its test.
+"""
+
+import concurrent.futures
+import gc
+import os
+import pathlib
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstreams
+from programs import assert_bitwise_equal
+
+TIMEOUT = 60
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def serve_threads():
+  return [t for t in threading.enumerate()
+          if t.name.startswith("jaxstreams-serve")]
+
+
+def wait_for_no_serve_threads(timeout=10.0):
+  deadline = time.monotonic() + timeout
+  while serve_threads() and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return serve_threads()
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+  yield
+  gc.collect()
+  assert wait_for_no_serve_threads() == []
+
+
+# ---------------------------------------------------------------------------
+# Programs.
+
+W1 = jax.random.normal(jax.random.PRNGKey(0), (8, 16), jnp.float32)
+W2 = jax.random.normal(jax.random.PRNGKey(1), (16, 4), jnp.float32)
+
+
+def mlp(x):
+  return jnp.tanh(x @ W1) @ W2
+
+
+class Gate:
+  """Requests of shape (GATE_LEN,) block in a host callback until opened."""
+  LEN = 13
+
+  def __init__(self):
+    self.event = threading.Event()
+
+  def wrap(self, f):
+    def gated(x, *rest, **kwargs):
+      if x.shape == (self.LEN,):
+        return jax.pure_callback(self._wait, jax.ShapeDtypeStruct(x.shape,
+                                                                  x.dtype), x)
+      return f(x, *rest, **kwargs)
+    gated.__name__ = f.__name__
+    return gated
+
+  def _wait(self, v):
+    assert self.event.wait(TIMEOUT), "gate never opened"
+    return v
+
+  def hold(self, server):
+    """Submit a gate request (it keeps one execution in flight) and wait until
+    the dispatcher has taken it."""
+    self.event.clear()
+    fut = server.submit(jnp.zeros(self.LEN))
+    deadline = time.monotonic() + TIMEOUT
+    while server.queued and time.monotonic() < deadline:
+      time.sleep(0.001)
+    return fut
+
+  def open(self):
+    self.event.set()
+
+
+def results(futures):
+  return [f.result(TIMEOUT) for f in futures]
+
+
+# ---------------------------------------------------------------------------
+# Results and structure.
+
+def test_results_bitwise_equal_to_jax_jit_with_pytrees_kwargs_scalars():
+  def f(tree, scale, *, shift):
+    return {"a": jnp.sin(tree["x"]) * scale + shift, "b": [tree["y"].sum(), None]}
+
+  tree = {"x": jnp.arange(6.0).reshape(2, 3), "y": np.ones(4, np.int32)}
+  expected = jax.jit(f)(tree, 0.5, shift=2)
+  with jaxstreams.serve(f, groups=2) as server:
+    assert_bitwise_equal(server(tree, 0.5, shift=2), expected)
+    assert_bitwise_equal(server.submit(tree, 0.5, shift=2).result(TIMEOUT),
+                         expected)
+
+
+def test_many_threads_mixed_shapes_bitwise_and_one_trace_per_signature():
+  traces = []
+
+  def f(x):
+    traces.append(x.shape)
+    return mlp(x) * 2.0 + x.sum()
+
+  shapes = [(1, 8), (2, 8), (5, 8)]
+  inputs = [jax.random.normal(jax.random.PRNGKey(i), shapes[i % 3])
+            for i in range(24)]
+  expected = [jax.jit(f)(x) for x in inputs]
+  traces.clear()
+  with jaxstreams.serve(f, groups=4, max_batch_wait_ms=2) as server:
+    def client(indices):
+      return [(i, server(inputs[i])) for i in indices]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      outs = [pool.submit(client, range(t, 24, 8)) for t in range(8)]
+      got = dict(kv for o in outs for kv in o.result(TIMEOUT))
+    stats = server.stats()
+  for i, x in enumerate(inputs):
+    assert_bitwise_equal(got[i], expected[i])
+  assert sorted(traces) == sorted(shapes)          # f traced once per shape
+  assert stats.signatures_traced == 3
+  assert stats.requests == stats.completed == 24 and stats.failed == 0
+  assert sum(k * n for k, n in stats.batch_sizes.items()) == 24
+  assert max(stats.batch_sizes) <= 4
+  # One trace per combination of signatures: nothing was traced twice.
+  assert stats.programs_traced == stats.programs_cached
+  assert stats.program_evictions == 0
+
+
+def test_requests_that_arrive_together_share_one_execution():
+  gate = Gate()
+  f = gate.wrap(mlp)
+  a, b = jnp.ones((1, 8)), jnp.ones((2, 8))
+  with jaxstreams.serve(f, groups=3, max_batch_wait_ms=60_000) as server:
+    held = gate.hold(server)
+    first = [server.submit(x) for x in (a, b, a)]
+    batch_after = [server.submit(x) for x in (a, b, a)]  # same combination
+    gate.open()
+    held.result(TIMEOUT)
+    results(first + batch_after)
+    held = gate.hold(server)
+    third = [server.submit(x) for x in (b, a, a)]        # a new combination
+    gate.open()
+    held.result(TIMEOUT)
+    outs = results(third)
+    stats = server.stats()
+  assert_bitwise_equal(outs, [jax.jit(mlp)(x) for x in (b, a, a)])
+  assert stats.batch_sizes == {1: 2, 3: 3}
+  # gate alone, (a, b, a) once for two batches, then (b, a, a).
+  assert stats.programs_traced == 3
+  assert stats.signatures_traced == 3
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_batch_of_k_lowers_to_k_stream_annotations(k):
+  server = jaxstreams.serve(mlp, groups=4)
+  fn = server.batch_function()
+  requests = [((jnp.ones((1 + r, 8)),), {}) for r in range(k)]
+  text = fn.trace(*requests).lower(lowering_platforms=("cuda",)).as_text()
+  annotations = re.findall(r'_xla_stream_annotation = "(\d+)"', text)
+  assert sorted(set(annotations)) == [str(s) for s in range(1, k + 1)]
+  plan = fn.plan(*requests)
+  assert sorted(r.stream for r in plan.regions) == list(range(1, k + 1))
+  assert not server.closed   # never used: no threads started
+  server.close()
+
+
+def test_stream_blocks_inside_f_are_flattened_into_the_group():
+  def f(x, w):
+    with jaxstreams.stream(5):            # beyond groups: flattened, unchecked
+      a = jnp.tanh(x @ w)
+    with jaxstreams.stream(1):
+      b = jnp.cos(x).sum()
+    return a * b
+
+  x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+  requests = [((x, w), {}), ((x * 2, w), {})]
+  with jaxstreams.serve(f, groups=2) as server:
+    plan = server.batch_function().plan(*requests)
+    assert [(r.stream, len(r.equations)) for r in plan.regions] == [(1, 1),
+                                                                    (2, 1)]
+    text = server.batch_function().trace(*requests).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert sorted(set(re.findall(r'_xla_stream_annotation = "(\d+)"',
+                                 text))) == ["1", "2"]
+    assert_bitwise_equal(results([server.submit(x, w),
+                                  server.submit(x * 2, w)]),
+                         [jax.jit(f)(x, w), jax.jit(f)(x * 2, w)])
+    # A jaxstreams.jit function is served as its Python function.
+    with jaxstreams.serve(jaxstreams.jit(f, streams=6), groups=2) as jitted:
+      assert_bitwise_equal(jitted(x, w), jax.jit(f)(x, w))
+
+
+# ---------------------------------------------------------------------------
+# Failures reach their own caller only.
+
+def test_injected_failures_many_threads_each_caller_gets_its_own():
+  def check(v):
+    if v[0] < 0:
+      raise ValueError(f"request {int(v[1])} is negative")
+    return v
+
+  def f(x):
+    if x.shape == (3,):
+      raise ValueError("f refuses shape (3,)")    # at trace time
+    y = jax.pure_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return jnp.sin(y) * 2.0 + x                   # fails at run time if x<0
+
+  rng = random.Random(0)
+  requests = []
+  for i in range(48):
+    n = rng.choice([2, 3, 4])
+    sign = -1.0 if rng.random() < 0.25 else 1.0
+    requests.append(jnp.array([sign] + [float(i)] * (n - 1)))
+  good = {i: jax.jit(f)(x) for i, x in enumerate(requests)
+          if x.shape != (3,) and x[0] > 0}
+
+  with jaxstreams.serve(f, groups=4, max_batch_wait_ms=5) as server:
+    def client(i):
+      try:
+        return i, server(requests[i]), None
+      except Exception as e:  # noqa: BLE001
+        return i, None, e
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+      outcomes = list(pool.map(client, range(48), timeout=TIMEOUT))
+    stats = server.stats()
+
+  for i, out, error in outcomes:
+    x = requests[i]
+    if x.shape == (3,):
+      assert isinstance(error, ValueError) and "refuses" in str(error)
+    elif x[0] < 0:
+      assert error is not None and f"request {i} is negative" in str(error)
+    else:
+      assert error is None, (i, error)
+      assert_bitwise_equal(out, good[i])
+  assert stats.completed == len(good)
+  assert stats.failed == 48 - len(good)
+
+
+def test_failed_batch_falls_back_to_one_by_one():
+  gate = Gate()
+
+  def check(v):
+    if v[0] < 0:
+      raise ValueError("negative")
+    return v
+
+  def f(x):
+    return jax.pure_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                             x) + 1.0
+
+  ok, bad = jnp.array([1.0, 2.0]), jnp.array([-1.0, 2.0])
+  with jaxstreams.serve(gate.wrap(f), groups=3,
+                        max_batch_wait_ms=60_000) as server:
+    held = gate.hold(server)
+    futures = [server.submit(x) for x in (ok, bad, ok)]
+    gate.open()
+    held.result(TIMEOUT)
+    assert_bitwise_equal(futures[0].result(TIMEOUT), jax.jit(f)(ok))
+    assert_bitwise_equal(futures[2].result(TIMEOUT), jax.jit(f)(ok))
+    with pytest.raises(Exception, match="negative"):
+      futures[1].result(TIMEOUT)
+    assert server.stats().fallbacks == 1
+
+
+def test_trace_error_leaves_the_batch_before_it_is_built():
+  gate = Gate()
+  calls = []
+
+  def f(x):
+    calls.append(x.shape)
+    if x.shape == (3,):
+      raise TypeError("no threes")
+    return x * 2
+
+  with jaxstreams.serve(gate.wrap(f), groups=3,
+                        max_batch_wait_ms=60_000) as server:
+    held = gate.hold(server)
+    futures = [server.submit(jnp.ones(n)) for n in (2, 3, 4)]
+    gate.open()
+    held.result(TIMEOUT)
+    with pytest.raises(TypeError, match="no threes"):
+      futures[1].result(TIMEOUT)
+    assert_bitwise_equal(results([futures[0], futures[2]]),
+                         [jnp.ones(2) * 2, jnp.ones(4) * 2])
+    # A bad argument is the caller's error too.
+    with pytest.raises(TypeError):
+      server("not an array")
+    stats = server.stats()
+  assert stats.fallbacks == 0 and stats.batch_sizes == {1: 1, 2: 1}
+
+
+# ---------------------------------------------------------------------------
+# Back-pressure and closing.
+
+def test_full_queue_raises_or_blocks_as_chosen():
+  gate = Gate()
+  f = gate.wrap(mlp)
+  x = jnp.ones((1, 8))
+  with jaxstreams.serve(f, groups=1, queue_size=2, block=False,
+                        max_batch_wait_ms=60_000) as server:
+    held = gate.hold(server)
+    queued = []
+    # groups=1 and the gate in flight: one more batch may be dispatched, the
+    # rest waits; fill the queue until it is full.
+    with pytest.raises(jaxstreams.QueueFullError, match="queue is full"):
+      for _ in range(10):
+        queued.append(server.submit(x))
+    assert 2 <= len(queued) <= 3
+    gate.open()
+    held.result(TIMEOUT)
+    results(queued)
+
+  with jaxstreams.serve(f, groups=1, queue_size=1, block=0.05,
+                        max_batch_wait_ms=60_000) as server:
+    held = gate.hold(server)
+    with pytest.raises(jaxstreams.QueueFullError, match="stayed full"):
+      for _ in range(10):
+        queued.append(server.submit(x))
+    gate.open()
+    held.result(TIMEOUT)
+
+  with jaxstreams.serve(f, groups=1, queue_size=1, block=True,
+                        max_batch_wait_ms=60_000) as server:
+    held = gate.hold(server)
+    submitted = []
+    def producer():
+      for _ in range(4):
+        submitted.append(server.submit(x))
+    thread = threading.Thread(target=producer)
+    thread.start()
+    time.sleep(0.05)
+    assert thread.is_alive()         # blocked on the full queue, not failed
+    gate.open()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive() and len(submitted) == 4
+    assert_bitwise_equal(results(submitted), [jax.jit(mlp)(x)] * 4)
+    held.result(TIMEOUT)
+
+
+def test_close_while_busy_finishes_queued_and_refuses_new():
+  gate = Gate()
+  f = gate.wrap(lambda x: x * 3.0 + 1.0)
+  stop = threading.Event()
+  with jaxstreams.serve(f, groups=4, queue_size=8) as server:
+    held = gate.hold(server)
+    accepted, refused = [], []
+
+    def client(t):
+      i = 0
+      while not stop.is_set():
+        x = jnp.full((2,), float(t * 1000 + i))
+        try:
+          accepted.append((x, server.submit(x)))
+        except jaxstreams.ServerClosedError as e:
+          refused.append(e)
+          return
+        i += 1
+
+    clients = [threading.Thread(target=client, args=(t,)) for t in range(6)]
+    for c in clients:
+      c.start()
+    time.sleep(0.05)      # the queue fills; producers block on it
+    closer = threading.Thread(target=server.close)
+    closer.start()
+    time.sleep(0.05)
+    gate.open()
+    closer.join(TIMEOUT)
+    stop.set()
+    for c in clients:
+      c.join(TIMEOUT)
+    assert not any(c.is_alive() for c in clients) and not closer.is_alive()
+    assert server.closed
+    held.result(TIMEOUT)
+    for x, fut in accepted:           # every accepted request was finished
+      assert_bitwise_equal(fut.result(0), x * 3.0 + 1.0)
+    assert len(refused) == 6          # every client then saw the close
+    assert "closed" in str(refused[0])
+    with pytest.raises(jaxstreams.ServerClosedError):
+      server(jnp.ones(2))
+  assert serve_threads() == []
+
+
+def test_threads_end_on_close_exit_and_garbage_collection():
+  server = jaxstreams.serve(mlp, groups=2)
+  assert serve_threads() == []                   # started lazily
+  server(jnp.ones((1, 8)))                       # alone: runs in this thread
+  assert serve_threads() == []
+  server.submit(jnp.ones((1, 8))).result(TIMEOUT)
+  assert len(serve_threads()) == 2
+  assert server.close(timeout=TIMEOUT)
+  assert serve_threads() == []
+  server.close()                                 # idempotent
+
+  with jaxstreams.serve(mlp) as server:
+    server.submit(jnp.ones((1, 8))).result(TIMEOUT)
+  assert serve_threads() == []
+
+  server = jaxstreams.serve(mlp)
+  server.submit(jnp.ones((1, 8))).result(TIMEOUT)
+  del server
+  gc.collect()
+  assert wait_for_no_serve_threads() == []
+
+
+def test_program_cache_is_bounded():
+  traces = []
+
+  def f(x):
+    traces.append(x.shape)
+    return x + 1
+
+  with jaxstreams.serve(f, groups=1, max_programs=2) as server:
+    for n in [1, 2, 3, 1, 2, 3]:
+      assert_bitwise_equal(server(jnp.ones(n)), jnp.ones(n) + 1)
+    stats = server.stats()
+  assert stats.programs_cached == 2
+  assert stats.program_evictions == 4
+  assert stats.programs_traced == 6
+
+
+def test_argument_errors():
+  with pytest.raises(ValueError, match="groups"):
+    jaxstreams.serve(mlp, groups=0)
+  with pytest.raises(TypeError, match="groups"):
+    jaxstreams.serve(mlp, groups=2.0)
+  with pytest.raises(ValueError, match="max_batch_wait_ms"):
+    jaxstreams.serve(mlp, max_batch_wait_ms=-1)
+  with pytest.raises(TypeError, match="block"):
+    jaxstreams.serve(mlp, block="yes")
+  with pytest.raises(ValueError, match="queue_size"):
+    jaxstreams.serve(mlp, queue_size=0)
+  with pytest.raises(TypeError, match="callable"):
+    jaxstreams.serve(3)
+  with pytest.raises(TypeError, match="static_argnums"):
+    jaxstreams.serve(jaxstreams.jit(lambda x, n: x * n, streams=2,
+                                    static_argnums=1))
+  decorated = jaxstreams.serve(groups=2)(mlp)
+  assert isinstance(decorated, jaxstreams.Server) and decorated.groups == 2
+  decorated.close()
+
+
+# ---------------------------------------------------------------------------
+# The example.
+
+def test_inference_example_runs():
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "examples" / "multistream_inference.py"),
+       "--requests", "48", "--threads", "4", "--groups", "4",
+       "--batch_size", "2"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+  out = proc.stdout
+  assert re.search(r"^groups=1: \d+ requests", out, re.M), out
+  assert re.search(r"^groups=4: \d+ requests", out, re.M), out
+  assert "results equal to jax.jit: yes" in out, out
