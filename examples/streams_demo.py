@@ -77,7 +77,7 @@ def main():
   plan = fast.plan(params, x, y)
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), "
         f"jax {jax.__version__}\n")
-  summary = str(plan).split("\nequations:")[0]
+  summary = str(plan).split("\nequations (")[0]
   print(summary, "\n")
 
   text = fast.trace(params, x, y).lower(lowering_platforms=("cuda",)).as_text()

@@ -14,7 +14,7 @@ XLA:GPU runs on its own stream), and ``runtime`` (the native FFI library).
 """
 
 from jaxstreams import config
-from jaxstreams.assign import StreamIdError
+from jaxstreams.assign import RulesFileError, StreamIdError
 from jaxstreams._jit import StreamJit, jit, plan
 from jaxstreams.partition import Dependency, PlannedEquation, Region, StreamPlan
 from jaxstreams.serve import QueueFullError, Server, ServerClosedError, serve
@@ -23,7 +23,8 @@ from jaxstreams.tag import colocate_with, stream
 
 __version__ = "0.1.0"
 
-__all__ = ["Dependency", "PlannedEquation", "Region", "StreamIdError",
+__all__ = ["Dependency", "PlannedEquation", "Region", "RulesFileError",
+           "StreamIdError",
            "StreamJit", "StreamPlan", "colocate_with", "config", "jit", "plan",
            "profile", "stream"]
 __all__ += ["QueueFullError", "Server", "ServerClosedError", "serve"]

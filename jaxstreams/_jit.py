@@ -17,12 +17,10 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
-from jaxstreams import config
-from jaxstreams.assign import assign_streams
+from jaxstreams import _pipeline, config
 from jaxstreams.lower import emit
-from jaxstreams.partition import StreamPlan, make_plan, partition
+from jaxstreams.partition import StreamPlan
 from jaxstreams.runtime.profile import profiling_now
-from jaxstreams.tag import expose_tags
 
 __all__ = ["jit", "plan", "StreamJit"]
 
@@ -45,7 +43,7 @@ def _check_streams(streams: Any, source: str) -> int:
 
 
 def jit(fun: Callable | None = None, *, streams: int | None = None,
-        **jit_kwargs: Any):
+        auto: bool | None = None, **jit_kwargs: Any):
   """Like ``jax.jit``, and runs the function's stream blocks on their streams.
 
   Usable as ``@jaxstreams.jit``, ``@jaxstreams.jit(streams=4)`` or
@@ -55,6 +53,9 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   decoration counts. Every other keyword is ``jax.jit``'s (``static_argnums``,
   ``donate_argnums``, ``in_shardings``, ...). The result has ``.lower``,
   ``.trace`` and ``.plan`` and gives exactly the results of ``jax.jit(fun)``.
+  ``auto=True`` lets the cost-model scheduler place what no block placed
+  (``None`` reads the ``jaxstreams_auto`` option). Plan options are read when
+  the function is traced.
 
   With ``streams`` given, the result *is* a ``jax.jit`` function (of the
   planned program) with a ``plan`` method, so calls cost what ``jax.jit``
@@ -63,17 +64,20 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   """
   if streams is not None:
     _check_streams(streams, "jaxstreams.jit")
+  if auto is not None and not isinstance(auto, bool):
+    raise TypeError(f"jaxstreams.jit: auto must be True, False or None (read "
+                    f"the jaxstreams_auto option), got {auto!r}")
   unknown = sorted(set(jit_kwargs) - _JIT_PARAMETERS)
   if unknown:
     raise TypeError(f"jaxstreams.jit got unexpected keyword argument(s) "
                     f"{', '.join(unknown)}; it takes streams= and the keywords "
                     f"of jax.jit: {', '.join(sorted(_JIT_PARAMETERS))}")
   if fun is None:
-    return lambda f: jit(f, streams=streams, **jit_kwargs)
+    return lambda f: jit(f, streams=streams, auto=auto, **jit_kwargs)
   if not callable(fun):
     raise TypeError(f"jaxstreams.jit expects a callable, got {fun!r} of type "
                     f"{type(fun).__name__}")
-  spec = _Spec(fun, streams, dict(jit_kwargs))
+  spec = _Spec(fun, streams, auto, dict(jit_kwargs))
   if streams is None:
     spec.jitted(1)   # let jax.jit check its keywords now, not at the first call
     return StreamJit(spec)
@@ -87,10 +91,11 @@ class _Spec:
   """What ``jaxstreams.jit`` was given, and the jax.jit functions made from it
   (one per stream count)."""
 
-  def __init__(self, fun: Callable, streams: int | None,
+  def __init__(self, fun: Callable, streams: int | None, auto: bool | None,
                jit_kwargs: dict[str, Any]):
     self.fun = fun
     self.streams = streams
+    self.auto = auto
     self.jit_kwargs = jit_kwargs
     self.by_streams: dict[int, Any] = {}
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
@@ -137,7 +142,9 @@ class _Spec:
       return out_leaves
 
     closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    plan = plan_program(closed, streams, self.source, _function_name(self.fun))
+    plan = _pipeline.plan_program(closed, streams, self.source,
+                                  _function_name(self.fun),
+                                  _pipeline.options_from_config(self.auto))
     return plan, out_tree_cell[0], dynamic
 
   def plan(self, *args, **kwargs) -> StreamPlan:
@@ -203,16 +210,7 @@ class StreamJit:
             "streams from the jaxstreams_streams option>")
 
 
-def plan_program(closed_jaxpr, streams: int, source: str,
-                 function_name: str) -> StreamPlan:
-  """The whole planning pipeline on a traced program: tag, assign, partition."""
-  program = expose_tags(closed_jaxpr)
-  placements = assign_streams(program, streams, source)
-  graph = partition(program.jaxpr, [p.stream for p in placements])
-  return make_plan(function_name, streams, program, placements, graph)
-
-
-def plan(fun: Callable, *, streams: int | None = None,
+def plan(fun: Callable, *, streams: int | None = None, auto: bool | None = None,
          **jit_kwargs: Any) -> Callable[..., StreamPlan]:
   """``jaxstreams.plan(f, streams=4)(*args)``: the ``StreamPlan`` of ``f``.
 
@@ -221,11 +219,12 @@ def plan(fun: Callable, *, streams: int | None = None,
   """
   spec = getattr(fun, "_jaxstreams_spec", None)
   if spec is not None:
-    if streams is None and not jit_kwargs:
+    if streams is None and auto is None and not jit_kwargs:
       return spec.plan
     fun, jit_kwargs = spec.fun, {**spec.jit_kwargs, **jit_kwargs}
     streams = streams if streams is not None else spec.streams
-  return jit(fun, streams=streams, **jit_kwargs).plan
+    auto = auto if auto is not None else spec.auto
+  return jit(fun, streams=streams, auto=auto, **jit_kwargs).plan
 
 
 def _function_name(fun: Callable) -> str:

@@ -69,6 +69,27 @@ PROFILE = _define(Option(
     ))
 
 
+AUTO = _define(Option(
+    "jaxstreams_auto", bool, False,
+    "Assign the equations nobody placed with the cost-model scheduler; the "
+    "split is kept only when its estimated step time is lower."))
+
+FORWARD_PROPAGATION = _define(Option(
+    "jaxstreams_forward_propagation", bool, False,
+    "An unplaced equation whose inputs all come from one stream joins that "
+    "stream (TF_MULTI_STREAM_ALLOW_FORWARD_PROPAGATION)."))
+
+STREAM_FROM_FILE = _define(Option(
+    "jaxstreams_stream_from_file", str, "",
+    "Path of a rules file, lines 'N:regex1,regex2': equations whose name "
+    "matches go to stream N (TF_STREAM_FROM_FILE). Empty: no file."))
+
+REDUCE_STREAM_WAIT = _define(Option(
+    "jaxstreams_reduce_stream_wait", bool, True,
+    "List only the cross-stream dependencies that no other path implies "
+    "(TF_REDUCE_STREAM_WAIT); off keeps every cross-stream edge."))
+
+
 def options() -> dict[str, Option]:
   """All options by name."""
   return dict(_OPTIONS)

@@ -108,7 +108,7 @@ def test_sharded_inputs_on_several_cpu_devices():
 def test_second_call_does_not_retrace_or_replan(monkeypatch):
   traces = []
   plans = []
-  import jaxstreams._jit as jit_module
+  import jaxstreams._pipeline as jit_module
   real_plan_program = jit_module.plan_program
 
   def counting_plan_program(*args, **kwargs):

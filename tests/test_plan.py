@@ -110,7 +110,7 @@ def test_str_and_dot():
   text = str(plan)
   assert text.startswith("StreamPlan for two_towers: streams=3")
   for header in ("region", "lowered as", "cross-stream dependencies",
-                 "equations:", "call on stream 1", "call on stream 2",
+                 "equations (rule", "call on stream 1", "call on stream 2",
                  "inline (main)"):
     assert header in text
   assert "programs.py" in text   # equations point at user source lines

@@ -1,6 +1,6 @@
 """Stream assignment: one stream per top-level equation, and why.
 
-Rules, in order:
+Rules, in order (the first that applies wins):
 
 1. ``user``: the innermost ``jaxstreams.stream()`` block around the equation.
 2. ``colocate``: a ``colocate_with(x)`` block: the stream of ``x``'s producer
@@ -9,9 +9,16 @@ Rules, in order:
    ``cond``, ``checkpoint``, custom derivatives, nested jit with shardings)
    runs whole on one stream. If it is not itself inside a block but its body
    has blocks that all name one stream, it goes there. If they name several,
-   it stays where rule 4 puts it and the plan notes the placements it could
+   it is left to the rules below and the plan notes the placements it could
    not honour: XLA runs a loop or branch body as one computation.
-4. ``main``: everything else runs on stream 0.
+4. ``file``: the first line of the ``jaxstreams_stream_from_file`` rules
+   whose regex matches the equation's name.
+5. ``forward``: with ``jaxstreams_forward_propagation``, an equation whose
+   inputs all come from equations on one stream joins that stream.
+6. ``auto``: with automatic assignment on, the cost-model scheduler
+   (``assign/auto.py``) places the rest; if the split does not pay, they
+   stay on the main stream and the plan says so.
+7. ``main``: everything else runs on stream 0.
 
 An equation with side effects (``jax.debug.print``, callbacks) always runs on
 the main stream, whatever was asked, so that effect ordering is XLA's usual
@@ -26,14 +33,26 @@ from typing import Any
 import jax.extend.core as jcore
 
 from jaxstreams import _compat
+from jaxstreams.assign.cost import DEFAULT_DEVICE, DeviceModel
+from jaxstreams.assign.rules import StreamRules
 from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
   stream: int
-  rule: str          # "user", "colocate", "body", "main", "effects"
+  rule: str          # user, colocate, body, file, forward, auto, main, effects
   note: str = ""     # what could not be honoured, if anything
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+  """The settings a plan is made with (see ``jaxstreams.config``)."""
+  auto: bool = False
+  forward_propagation: bool = False
+  rules: StreamRules | None = None
+  reduce_stream_wait: bool = True
+  device: DeviceModel = DEFAULT_DEVICE
 
 
 class StreamIdError(ValueError):
@@ -62,15 +81,24 @@ def _inner_stream_tags(eqn, outer_stack, streams, streams_source,
       _inner_stream_tags(inner, stack, streams, streams_source, found)
 
 
-def assign_streams(program: ExposedProgram, streams: int,
-                   streams_source: str) -> list[Placement]:
-  """A ``Placement`` for each top-level equation of ``program.jaxpr``."""
+def equation_name(eqn) -> str:
+  """Name stack and primitive: what the plan shows and the rules file matches."""
+  stack = _compat.name_stack_str(eqn)
+  return f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
+
+
+def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
+                   options: PlanOptions = PlanOptions()) -> list[Placement]:
+  """A ``Placement`` for each top-level equation of ``program.jaxpr``, by
+  rules 1-5 and 7 (``auto`` is applied by the caller, which can compare)."""
+  if options.rules is not None:
+    options.rules.check_range(streams, streams_source)
   producer: dict[Any, int] = {}      # var -> index of the equation making it
   placements: list[Placement] = []
   for index, eqn in enumerate(program.jaxpr.eqns):
     stack = _compat.name_stack_entries(eqn)
     placement = _place(eqn, stack, effective_tag(stack), program, producer,
-                       placements, streams, streams_source)
+                       placements, streams, streams_source, options)
     if eqn.effects and placement.stream != 0:
       placement = Placement(
           0, "effects", f"asked for stream {placement.stream} "
@@ -83,7 +111,7 @@ def assign_streams(program: ExposedProgram, streams: int,
 
 
 def _place(eqn, stack, tag: Tag | None, program, producer, placements,
-           streams, streams_source) -> Placement:
+           streams, streams_source, options: PlanOptions) -> Placement:
   inner: dict[int, Any] = {}
   _inner_stream_tags(eqn, stack, streams, streams_source, inner)
   if tag is not None and tag.kind == "stream":
@@ -103,9 +131,19 @@ def _place(eqn, stack, tag: Tag | None, program, producer, placements,
     return Placement(placements[source].stream, "colocate")
   if len(inner) == 1:
     return Placement(next(iter(inner)), "body")
+  note = ""
   if len(inner) > 1:
     ids = ", ".join(str(s) for s in sorted(inner))
-    return Placement(0, "main", f"its body asks for streams {ids}; a "
-                     f"{eqn.primitive.name} body runs as one computation, so "
-                     "it stays on the main stream")
-  return Placement(0, "main")
+    note = (f"its body asks for streams {ids}; a {eqn.primitive.name} body "
+            "runs as one computation, so it is placed as a whole")
+  if options.rules is not None:
+    matched = options.rules.match(equation_name(eqn))
+    if matched is not None:
+      stream, _ = matched
+      return Placement(stream, "file", note)
+  if options.forward_propagation:
+    sources = {placements[producer[v]].stream for v in eqn.invars
+               if not isinstance(v, jcore.Literal) and v in producer}
+    if len(sources) == 1:
+      return Placement(sources.pop(), "forward", note)
+  return Placement(0, "main", note)

@@ -3,6 +3,7 @@
 from jaxstreams.partition.plan import (Dependency, PlannedEquation, Region,
                                        StreamPlan, make_plan)
 from jaxstreams.partition.regions import RegionGraph, partition
+from jaxstreams.partition.schedule import Schedule, estimate
 
 __all__ = ["Dependency", "PlannedEquation", "Region", "RegionGraph",
-           "StreamPlan", "make_plan", "partition"]
+           "Schedule", "StreamPlan", "estimate", "make_plan", "partition"]

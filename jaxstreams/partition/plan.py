@@ -11,9 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import json
+import os
+
 from jaxstreams import _compat
-from jaxstreams.assign import Placement
+from jaxstreams.assign import Placement, equation_cost, equation_name
 from jaxstreams.partition.regions import RegionGraph, transitive_reduction
+from jaxstreams.partition.schedule import Schedule
 from jaxstreams.tag.read import ExposedProgram
 
 
@@ -24,10 +28,14 @@ class PlannedEquation:
   primitive: str
   name: str        # name stack and primitive, e.g. "jaxstreams_stream_1/sin"
   stream: int
-  rule: str        # which rule placed it: user, colocate, body, main, effects
+  rule: str        # which rule placed it: user, colocate, body, file,
+                   # forward, auto, main, effects
   region: int
   location: str    # file:line (function) of the user code that made it
   note: str = ""
+  flops: float = 0.0         # cost-model estimates
+  bytes: float = 0.0
+  seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +70,27 @@ class StreamPlan:
   def __init__(self, *, function_name: str, streams: int,
                equations: Sequence[PlannedEquation], regions: Sequence[Region],
                dependencies: Sequence[Dependency], notes: Sequence[str],
-               program: ExposedProgram, graph: RegionGraph):
+               program: ExposedProgram, graph: RegionGraph,
+               schedule: Schedule, summary: str = ""):
     self.function_name = function_name
     self.streams = streams
     self.equations = tuple(equations)
     self.regions = tuple(regions)
     self.dependencies = tuple(dependencies)
     self.notes = tuple(notes)
+    self.schedule = schedule
+    self.summary = summary     # what automatic assignment decided, if on
     self._program = program
     self._graph = graph
+
+  @property
+  def critical_path(self) -> tuple[int, ...]:
+    """Regions on the estimated critical path, first to last."""
+    return self.schedule.critical_path
+
+  @property
+  def estimated_seconds(self) -> float:
+    return self.schedule.makespan
 
   @property
   def streams_used(self) -> tuple[int, ...]:
@@ -97,9 +117,24 @@ class StreamPlan:
         f"{_count(len(self.regions), 'region')}, "
         f"{_count(len(self.dependencies), 'cross-stream dependency', 'cross-stream dependencies')}",
     ]
+    if self.summary:
+      lines.append(f"  {self.summary}")
     if self.is_single_stream:
       lines.append("  everything runs on the main stream (stream 0): the "
                    "program is lowered exactly as jax.jit lowers it")
+    lines.append("")
+    lines += _table(
+        ["stream", "regions", "equations", "est. GFLOP", "est. MB", "est. us"],
+        [[str(s), str(sum(r.stream == s for r in self.regions)),
+          str(sum(e.stream == s for e in self.equations)),
+          f"{sum(e.flops for e in self.equations if e.stream == s) / 1e9:.3f}",
+          f"{sum(e.bytes for e in self.equations if e.stream == s) / 1e6:.3f}",
+          f"{sum(e.seconds for e in self.equations if e.stream == s) * 1e6:.1f}"]
+         for s in self.streams_used])
+    lines.append(
+        f"  estimated step: {self.schedule.makespan * 1e6:.1f} us "
+        f"(one stream: {self.schedule.single_stream * 1e6:.1f} us); critical "
+        f"path: {' -> '.join(f'R{r}' for r in self.critical_path) or '-'}")
     lines.append("")
     lines += _table(
         ["region", "stream", "lowered as", "equations", "inputs", "outputs"],
@@ -108,12 +143,12 @@ class StreamPlan:
           str(len(r.equations)), _names(r.inputs), _names(r.outputs)]
          for r in self.regions])
     if self.dependencies:
-      lines += ["", "cross-stream dependencies (implied ones dropped):"]
+      lines += ["", "cross-stream dependencies:"]
       for d in self.dependencies:
         lines.append(f"  R{d.producer} (stream {d.producer_stream}) -> "
                      f"R{d.consumer} (stream {d.consumer_stream}): "
                      f"{_names(d.values)}")
-    lines += ["", "equations:"]
+    lines += ["", "equations (rule: which rule placed each one):"]
     lines += _table(
         ["#", "stream", "region", "rule", "equation", "source"],
         [[str(e.index), str(e.stream), f"R{e.region}", e.rule, e.name,
@@ -121,6 +156,16 @@ class StreamPlan:
     if self.notes:
       lines += ["", "notes:"] + [f"  - {n}" for n in self.notes]
     return "\n".join(lines)
+
+  def to_perfetto(self, path: str | os.PathLike | None = None) -> dict:
+    """The estimated schedule as Chrome-trace JSON (opens in ui.perfetto.dev
+    or chrome://tracing): one track per stream, one span per region. Writes
+    it to ``path`` if given; returns the JSON object."""
+    trace = _chrome_trace(self)
+    if path is not None:
+      with open(path, "w", encoding="utf-8") as f:
+        json.dump(trace, f, indent=1)
+    return trace
 
   def to_dot(self) -> str:
     """Graphviz source: one node per region, clustered by stream, and the
@@ -144,6 +189,26 @@ class StreamPlan:
       out.append(f"  R{a} -> R{b}{style};")
     out.append("}")
     return "\n".join(out)
+
+
+def _chrome_trace(plan: "StreamPlan") -> dict:
+  events = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0,
+             "args": {"name": f"{plan.function_name} (estimated)"}}]
+  for stream in plan.streams_used:
+    events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": stream,
+                   "args": {"name": f"stream {stream}"}})
+  for region in plan.regions:
+    start = plan.schedule.start[region.index]
+    end = plan.schedule.end[region.index]
+    events.append({
+        "ph": "X", "cat": "jaxstreams.plan", "name": f"R{region.index}",
+        "pid": 0, "tid": region.stream, "ts": start * 1e6,
+        "dur": (end - start) * 1e6,
+        "args": {"equations": len(region.equations),
+                 "critical": region.index in plan.critical_path}})
+  return {"traceEvents": events, "displayTimeUnit": "ms",
+          "otherData": {"generator": "jaxstreams.StreamPlan.to_perfetto",
+                        "estimated_step_us": plan.schedule.makespan * 1e6}}
 
 
 def _count(n: int, singular: str, plural: str | None = None) -> str:
@@ -177,18 +242,20 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def make_plan(function_name: str, streams: int, program: ExposedProgram,
-              placements: Sequence[Placement], graph: RegionGraph) -> StreamPlan:
+              placements: Sequence[Placement], graph: RegionGraph, *,
+              schedule: Schedule, summary: str = "",
+              reduce_stream_wait: bool = True) -> StreamPlan:
   jaxpr = program.jaxpr
   names = _value_names(jaxpr)
   equations = []
   notes = []
   for index, (eqn, placement) in enumerate(zip(jaxpr.eqns, placements)):
-    stack = _compat.name_stack_str(eqn)
-    name = f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
     location = _compat.source_location(eqn)
+    cost = equation_cost(eqn)
     equations.append(PlannedEquation(
-        index, eqn.primitive.name, name, placement.stream, placement.rule,
-        graph.region_of[index], location, placement.note))
+        index, eqn.primitive.name, equation_name(eqn), placement.stream,
+        placement.rule, graph.region_of[index], location, placement.note,
+        cost.flops, cost.bytes, cost.seconds()))
     if placement.note:
       notes.append(f"#{index} {eqn.primitive.name} at {location}: "
                    f"{placement.note}")
@@ -197,7 +264,8 @@ def make_plan(function_name: str, streams: int, program: ExposedProgram,
              tuple(names[v] for v in graph.inputs[i]),
              tuple(names[v] for v in graph.outputs[i]))
       for i in range(len(graph.streams))]
-  kept = transitive_reduction(len(regions), graph.edges)
+  kept = (transitive_reduction(len(regions), graph.edges)
+          if reduce_stream_wait else set(graph.edges))
   dependencies = [
       Dependency(a, b, graph.streams[a], graph.streams[b],
                  tuple(names[v] for v in values))
@@ -206,7 +274,7 @@ def make_plan(function_name: str, streams: int, program: ExposedProgram,
   return StreamPlan(function_name=function_name, streams=streams,
                     equations=equations, regions=regions,
                     dependencies=dependencies, notes=notes, program=program,
-                    graph=graph)
+                    graph=graph, schedule=schedule, summary=summary)
 
 
 def _value_names(jaxpr) -> dict[Any, str]:

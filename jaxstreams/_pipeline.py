@@ -1,0 +1,76 @@
+"""The planning pipeline on one traced program: tag, assign, partition.
+
+Kept apart from ``_jit.py`` so the stages can be driven without jax.jit
+(benchmarks of planning time, tests).
+"""
+
+from __future__ import annotations
+
+from jaxstreams import config
+from jaxstreams.assign import (Placement, PlanOptions, assign_streams,
+                               auto_assign, equation_cost, load_rules)
+from jaxstreams.partition import StreamPlan, make_plan, partition
+from jaxstreams.partition.schedule import estimate
+from jaxstreams.tag import expose_tags
+
+# A split must beat the unsplit plan by this share of its estimated time:
+# the estimates are rough, and a marginal gain is not worth two programs'
+# worth of events and launches.
+MIN_RELATIVE_GAIN = 0.02
+
+
+def options_from_config(auto: bool | None = None) -> PlanOptions:
+  """PlanOptions from the jaxstreams_* options in force (``auto`` overrides)."""
+  path = config.read("jaxstreams_stream_from_file")
+  return PlanOptions(
+      auto=config.read("jaxstreams_auto") if auto is None else auto,
+      forward_propagation=config.read("jaxstreams_forward_propagation"),
+      rules=load_rules(path) if path else None,
+      reduce_stream_wait=config.read("jaxstreams_reduce_stream_wait"))
+
+
+def plan_program(closed_jaxpr, streams: int, source: str, function_name: str,
+                 options: PlanOptions = PlanOptions()) -> StreamPlan:
+  program = expose_tags(closed_jaxpr)
+  placements = assign_streams(program, streams, source, options)
+  costs = [equation_cost(e) for e in program.jaxpr.eqns]
+  seconds = [c.seconds(options.device) for c in costs]
+  work = sum(c.work_seconds(options.device) for c in costs)
+  graph = partition(program.jaxpr, [p.stream for p in placements])
+  schedule = estimate(graph, seconds, options.device, work, program.jaxpr)
+  summary = ""
+  if options.auto:
+    placements, graph, schedule, summary = _try_auto(
+        program, placements, graph, schedule, seconds, work, streams, options)
+  return make_plan(function_name, streams, program, placements, graph,
+                   schedule=schedule, summary=summary,
+                   reduce_stream_wait=options.reduce_stream_wait)
+
+
+def _try_auto(program, placements, graph, schedule, seconds, work, streams,
+              options):
+  """Let the scheduler place the unplaced equations; keep its plan only if
+  its estimated step time beats the plan without it by a clear margin."""
+  fixed = [None if p.rule == "main" else p.stream for p in placements]
+  if streams == 1 or all(f is not None for f in fixed):
+    return placements, graph, schedule, ("auto: nothing to place" if streams > 1
+                                         else "auto: streams=1, nothing to split")
+  chosen = auto_assign(program.jaxpr, fixed, streams, seconds, options.device)
+  auto_placements = [p if f is not None else Placement(s, "auto", p.note)
+                     for p, f, s in zip(placements, fixed, chosen)]
+  auto_graph = partition(program.jaxpr, [p.stream for p in auto_placements])
+  auto_schedule = estimate(auto_graph, seconds, options.device, work,
+                           program.jaxpr)
+  before, after = schedule.makespan, auto_schedule.makespan
+  moved = sum(p.rule == "auto" and p.stream != 0 for p in auto_placements)
+  figures = (f"estimated {after * 1e6:.1f} us split vs {before * 1e6:.1f} us "
+             "with unplaced equations on the main stream")
+  if moved and before - after > MIN_RELATIVE_GAIN * before:
+    return (auto_placements, auto_graph, auto_schedule,
+            f"auto: split pays, {moved} equations moved off the main stream "
+            f"({figures})")
+  kept = [Placement(0, "auto", p.note) if f is None else p
+          for p, f in zip(placements, fixed)]
+  return (kept, graph, schedule,
+          f"auto: no split pays ({figures}); unplaced equations stay on the "
+          "main stream")
