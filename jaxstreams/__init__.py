@@ -20,6 +20,7 @@ from jaxstreams.partition import Dependency, PlannedEquation, Region, StreamPlan
 from jaxstreams.serve import QueueFullError, Server, ServerClosedError, serve
 from jaxstreams.runtime.profile import profile
 from jaxstreams.tag import colocate_with, stream
+from jaxstreams.stage import prefetch, stage, staged
 
 __version__ = "0.1.0"
 
@@ -28,3 +29,4 @@ __all__ = ["Dependency", "PlannedEquation", "Region", "RulesFileError",
            "StreamJit", "StreamPlan", "colocate_with", "config", "jit", "plan",
            "profile", "stream"]
 __all__ += ["QueueFullError", "Server", "ServerClosedError", "serve"]
+__all__ += ["prefetch", "stage", "staged"]

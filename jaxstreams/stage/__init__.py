@@ -1,0 +1,20 @@
+"""Staging: hide input preparation and host-to-device copies behind compute.
+
+* ``prefetch(iterable, size=2, ...)``: a host iterator whose items are put on
+  the device by worker threads, a bounded number of items ahead.
+* ``stage(x)``: marks a stage boundary inside a step function.
+* ``staged(step, data=iterable, ...)``: runs a step as a software pipeline
+  (seed 004's staging areas, DeepRec's SmartStage): the producer part of the
+  step (what computes the staged values from the data argument) runs for the
+  next batches while the consumer part runs for this one.
+
+Note: ``jaxstreams.stage`` is the function (the package exports it), so reach
+this subpackage's other names with ``from jaxstreams.stage import ...``.
+"""
+
+from jaxstreams.stage.prefetch import Prefetcher, prefetch
+from jaxstreams.stage.staged import (StagedPlan, StagedRunner, stage, staged,
+                                     staged_plan)
+
+__all__ = ["Prefetcher", "StagedPlan", "StagedRunner", "prefetch", "stage",
+           "staged", "staged_plan"]

@@ -1,0 +1,381 @@
+"""jaxstreams.stage / jaxstreams.staged: the staged runner returns, batch by
+batch, exactly what the plain loop ``for b in data: step(*args, b)`` returns,
+for 1, 2 and 3 stages and several capacities; smart staging picks the
+data-only subgraph; misuse gives errors that name the offending value; no
+worker thread outlives the runner.
+
+The reference is the step as one jitted program (how steps run): the staged
+outputs are bitwise equal to it. Op-by-op eager execution of the same Python
+function agrees only to rounding (XLA fuses a jitted reduction differently
+from an eager one), for the staged and the unstaged jitted step alike.
+
+Structure and values only, never timings.
+"""
+
+import gc
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstreams
+from jaxstreams.stage import staged_plan
+
+
+def _workers():
+  return [t for t in threading.enumerate()
+          if t.name.startswith("jaxstreams-prefetch") and t.is_alive()]
+
+
+def _wait_until(predicate, seconds=10.0):
+  deadline = time.monotonic() + seconds
+  while not predicate():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.005)
+  return True
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+  before = set(_workers())
+  yield
+  gc.collect()
+  assert _wait_until(lambda: set(_workers()) <= before, 10.0), _workers()
+
+
+def _batches(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"ids": rng.integers(0, 1000, size=(8,), dtype=np.int32),
+           "x": rng.standard_normal((8, 4)).astype(np.float32),
+           "y": rng.standard_normal((8,)).astype(np.float32)} for _ in range(n)]
+
+
+def _params():
+  rng = np.random.default_rng(1)
+  return {"w": jnp.asarray(rng.standard_normal((6, 3)), jnp.float32),
+          "v": jnp.asarray(rng.standard_normal((3,)), jnp.float32)}
+
+
+def _features(batch):
+  # "Parsing and hashing": integer mixing and a cast, data only.
+  h = (batch["ids"] * jnp.int32(0x1E3779B1)) ^ (batch["ids"] >> 3)
+  return jnp.concatenate(
+      [batch["x"], (h % 97).astype(jnp.float32)[:, None] / 97.0,
+       jnp.sin(batch["x"][:, :1])], axis=1)
+
+
+def step1(params, batch):
+  f = jaxstreams.stage(_features(batch))
+  pred = jnp.tanh(f @ params["w"]) @ params["v"]
+  return jnp.mean((pred - batch["y"]) ** 2), pred
+
+
+def step2(params, batch):
+  f = jaxstreams.stage(_features(batch))
+  g = jaxstreams.stage(jnp.cos(f) * 2.0 + f)
+  return jnp.tanh(g @ params["w"]) @ params["v"] - batch["y"]
+
+
+def step3(params, batch):
+  f = jaxstreams.stage(_features(batch))
+  g = jaxstreams.stage({"a": jnp.cos(f), "b": f * f})
+  h = jaxstreams.stage(g["a"] + jnp.exp(-g["b"]))
+  return {"out": jnp.tanh(h @ params["w"]) @ params["v"], "y": batch["y"]}
+
+
+def _run(runner, *args):
+  outs = []
+  for _ in range(1000):
+    try:
+      outs.append(runner(*args))
+    except StopIteration:
+      return outs
+  raise AssertionError("the runner never raised StopIteration")
+
+
+def _assert_same(got, want):
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(w)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("step, n_stages", [(step1, 1), (step2, 2), (step3, 3)])
+@pytest.mark.parametrize("capacity", [1, 2, 3])
+def test_outputs_identical_to_plain_loop(step, n_stages, capacity):
+  params, data = _params(), _batches(7)
+  want = [jax.jit(step)(params, b) for b in data]
+  with jaxstreams.staged(step, data=data, capacity=capacity) as runner:
+    got = _run(runner, params)
+    plan = runner.staged_plan()
+  _assert_same(got, want)
+  assert len(plan.producers) == n_stages
+  assert {level for level, _ in plan.boundaries} == set(range(1, n_stages + 1))
+  assert plan.consumer.kind == "consumer"
+  # The producer never holds an equation that reads the parameters.
+  for spec in plan.producers:
+    assert spec.equations and all(e.level is not None for e in spec.equations)
+
+
+def test_stop_iteration_after_drain_and_threads_gone():
+  params, data = _params(), _batches(3)
+  runner = jaxstreams.staged(step2, data=iter(data), capacity=2)
+  assert len(_run(runner, params)) == 3
+  assert _workers() == []
+  with pytest.raises(StopIteration):
+    runner(params)
+
+
+def test_empty_data():
+  runner = jaxstreams.staged(step1, data=[])
+  with pytest.raises(StopIteration):
+    runner(_params())
+
+
+def test_lookahead_bounded_by_capacity_per_stage():
+  params, data = _params(), _batches(30)
+  pulled, calls, ahead = [0], [0], []
+
+  def source():
+    for b in data:
+      pulled[0] += 1
+      ahead.append(pulled[0] - calls[0])
+      yield b
+
+  capacity = 2
+  with jaxstreams.staged(step3, data=source(), capacity=capacity) as runner:
+    for _ in range(30):
+      runner(params)
+      calls[0] += 1
+    # The reader and 3 producer stages, `capacity` finished items each and
+    # one in hand between stages; +1 for the item the consumer counts after
+    # the call returns.
+  assert max(ahead) <= 4 * (capacity + 1) + 1
+  assert pulled[0] == 30
+
+
+@pytest.mark.parametrize("data_argnum", [0, 1, -2])
+def test_data_argnum(data_argnum):
+  params, data = _params(), _batches(4)
+  scale = jnp.float32(0.5)
+
+  def step(a, b, c):
+    args = [a, b, c]
+    batch = args.pop(data_argnum)
+    p, s = args
+    f = jaxstreams.stage(_features(batch))
+    return jnp.sum(jnp.tanh(f @ p["w"])) * s
+
+  def call(batch):
+    args = [params, scale]
+    args.insert(data_argnum if data_argnum >= 0 else 3 + data_argnum, batch)
+    return jax.jit(step)(*args)
+
+  want = [call(b) for b in data]
+  with jaxstreams.staged(step, data=data, data_argnum=data_argnum) as runner:
+    _assert_same(_run(runner, params, scale), want)
+
+
+def test_jaxstreams_jit_and_jax_jit_steps():
+  params, data = _params(), _batches(4)
+  want = [jax.jit(step1)(params, b) for b in data]
+  for wrapped in (jaxstreams.jit(step1, streams=2), jax.jit(step1)):
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+        lambda a, b: bool(jnp.all(a == b)), wrapped(params, data[0]), want[0]))
+    with jaxstreams.staged(wrapped, data=data, capacity=2) as runner:
+      _assert_same(_run(runner, params), want)
+      assert len(runner.staged_plan().producers) == 1
+
+
+def test_training_step_with_grad():
+  data = _batches(5)
+
+  def step(params, batch):
+    f = jaxstreams.stage(_features(batch))
+    def loss(p):
+      return jnp.mean((jnp.tanh(f @ p["w"]) @ p["v"] - batch["y"]) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+  params, want = _params(), []
+  for b in data:
+    value, params = jax.jit(step)(params, b)
+    want.append((value, params))
+  params, got = _params(), []
+  with jaxstreams.staged(step, data=data) as runner:
+    for _ in data:
+      value, params = runner(params)   # parameters change every step
+      got.append((value, params))
+    with pytest.raises(StopIteration):
+      runner(params)
+  _assert_same(got, want)
+
+
+def test_smart_stages_the_data_only_subgraph():
+  params, data = _params(), _batches(5)
+
+  def step(params, batch):
+    f = _features(batch)                      # data only: staged
+    g = jnp.tanh(f @ params["w"])             # reads params: consumer
+    return jnp.sum(g @ params["v"]) + jnp.sum(batch["y"] * 2.0)
+
+  plan = staged_plan(step, params, data[0], smart=True)
+  assert len(plan.producers) == 1 and plan.smart
+  producer = plan.producers[0].equations
+  assert {e.primitive for e in producer} >= {"mul", "xor", "concatenate", "sin"}
+  assert all(e.level == 0 for e in producer)
+  consumer = {e.primitive for e in plan.consumer.equations}
+  assert "dot_general" in consumer and "tanh" in consumer
+  assert "concatenate" not in consumer and "sin" not in consumer
+  assert "stage 0 (producer)" in str(plan) and "smart" in str(plan)
+
+  want = [jax.jit(step)(params, b) for b in data]
+  with jaxstreams.staged(step, data=data, smart=True, capacity=2) as runner:
+    _assert_same(_run(runner, params), want)
+    assert runner.plan.smart
+
+
+def test_smart_widens_beyond_stage_calls():
+  params, data = _params(), _batches(3)
+
+  def step(params, batch):
+    f = jaxstreams.stage(batch["x"] * 2.0)
+    g = jnp.sin(f) + (batch["ids"] % 7).astype(jnp.float32)[:, None]
+    return jnp.sum(g) * params["v"][0]
+
+  plain = staged_plan(step, params, data[0])
+  smart = staged_plan(step, params, data[0], smart=True)
+  assert "sin" not in {e.primitive for e in plain.producers[0].equations}
+  assert "sin" in {e.primitive for e in smart.producers[0].equations}
+  want = [jax.jit(step)(params, b) for b in data]
+  for is_smart in (False, True):
+    with jaxstreams.staged(step, data=data, smart=is_smart) as runner:
+      _assert_same(_run(runner, params), want)
+
+
+def test_producer_reading_parameters_is_an_error_naming_them():
+  def step(params, batch):
+    f = jaxstreams.stage(batch["x"] @ params["w"][:4])
+    return jnp.sum(f)
+
+  runner = jaxstreams.staged(step, data=_batches(3))
+  with pytest.raises(ValueError, match=r"depends on args\[0\]\['w'\], which is "
+                     r"not the data argument args\[1\]"):
+    runner(_params())
+  with pytest.raises(StopIteration):
+    runner(_params())
+  with pytest.raises(ValueError, match=r"args\[0\]\['w'\]"):
+    staged_plan(step, _params(), _batches(1)[0])
+
+
+def test_no_stage_call_without_smart_is_an_error():
+  def step(params, batch):
+    return jnp.sum(batch["x"]) * params["v"][0]
+
+  with pytest.raises(ValueError, match="calls no jaxstreams.stage().*smart=True"):
+    jaxstreams.staged(step, data=_batches(2))(_params())
+
+
+def test_stage_inside_nested_jit_is_an_error():
+  @jax.jit
+  def features(batch):
+    return jaxstreams.stage(batch["x"] * 2)
+
+  def step(params, batch):
+    return jnp.sum(features(batch)) * params["v"][0]
+
+  with pytest.raises(ValueError, match="inside a nested"):
+    staged_plan(step, _params(), _batches(1)[0])
+
+
+def test_stage_outside_a_staged_step_is_the_identity():
+  x = np.arange(3.0)
+  tree = {"a": x, "b": [jnp.ones(2)]}
+  assert jaxstreams.stage(tree) is tree
+  assert jaxstreams.stage(x) is x
+  params, batch = _params(), _batches(1)[0]
+  _assert_same([jax.jit(step2)(params, batch)], [step2(params, batch)])
+  _assert_same([jaxstreams.jit(step2, streams=2)(params, batch)],
+               [step2(params, batch)])
+  grad = jax.grad(lambda x: jnp.sum(jaxstreams.stage(jnp.sin(x))))(jnp.ones(3))
+  np.testing.assert_array_equal(grad, jnp.cos(jnp.ones(3)))
+
+
+def test_data_exception_raised_at_its_batch():
+  params, data = _params(), _batches(3)
+
+  def source():
+    yield data[0]
+    yield data[1]
+    raise OSError("unreadable file 2")
+
+  runner = jaxstreams.staged(step2, data=source(), capacity=2)
+  runner(params)
+  runner(params)
+  with pytest.raises(OSError, match="unreadable file 2"):
+    runner(params)
+  with pytest.raises(StopIteration):
+    runner(params)
+
+
+def test_other_argument_shape_change_is_an_error():
+  params, data = _params(), _batches(3)
+  with jaxstreams.staged(step1, data=data) as runner:
+    runner(params)
+    bad = {"w": jnp.ones((6, 5)), "v": jnp.ones(5)}
+    with pytest.raises(ValueError, match="other arguments changed"):
+      runner(bad)
+
+
+def test_stream_option_keeps_results():
+  params, data = _params(), _batches(4)
+  want = [jax.jit(step2)(params, b) for b in data]
+  with jaxstreams.staged(step2, data=data, stream=1, capacity=2) as runner:
+    _assert_same(_run(runner, params), want)
+
+
+def test_abandoned_runner_stops_its_workers():
+  def forever():
+    b = _batches(1)[0]
+    while True:
+      yield b
+
+  runner = jaxstreams.staged(step3, data=forever(), capacity=1)
+  runner(_params())
+  assert len(_workers()) == 4   # the reader and one per producer stage
+  del runner
+  gc.collect()
+  assert _wait_until(lambda: _workers() == [], 10.0)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(capacity=0), ValueError, "capacity must be >= 1, got 0"),
+    (dict(capacity="2"), TypeError, "capacity must be an integer >= 1"),
+    (dict(stream=-1), ValueError, "stream must be >= 0"),
+    (dict(stream=1.0), TypeError, "stream must be None or a stream id"),
+    (dict(data_argnum="x"), TypeError, "data_argnum must be an int"),
+    (dict(smart=1), TypeError, "smart must be True or False"),
+])
+def test_argument_errors(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jaxstreams.staged(step1, data=[], **kwargs)
+
+
+def test_bad_step_and_data():
+  with pytest.raises(TypeError, match="step must be callable"):
+    jaxstreams.staged(3, data=[])
+  with pytest.raises(TypeError, match="data must be an iterable of batches, got 5"):
+    jaxstreams.staged(step1, data=5)
+  with pytest.raises(ValueError, match="data_argnum=5 does not name"):
+    jaxstreams.staged(step1, data=_batches(2), data_argnum=5)(_params())
+
+
+def test_staged_plan_before_first_call_is_an_error():
+  runner = jaxstreams.staged(step1, data=_batches(2))
+  with pytest.raises(RuntimeError, match="has not traced a batch yet"):
+    runner.staged_plan()
