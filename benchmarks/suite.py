@@ -1,0 +1,402 @@
+"""The jaxstreams benchmark suite: jaxstreams against jax.jit, XLA's own
+concurrency and the same placement written by hand with compute_on.
+
+Workloads (benchmarks/workloads/): an Inception-style stack of multi-branch
+blocks, a DLRM-style recommender, a bank of small MLPs, a host-to-device
+staging loop, and a negative control. Each case compiles every candidate for
+the same inputs, warms them up, then times them in alternating order
+(``block_until_ready`` on every call) and reports the median and
+ratio = baseline time / jaxstreams time (above 1: jaxstreams is faster).
+
+Writes suite_<platform>[_quick].json, .md and .png (the chart needs
+matplotlib; without it the chart is skipped with a note).
+
+  python benchmarks/suite.py [--quick] [--out DIR] [--only inception,dlrm]
+                             [--reps 21] [--warmup 3] [--streams 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from workloads import WORKLOADS  # noqa: E402  (after the path is set)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CPU_NOTE = (
+    "On CPU, jaxstreams lowers its regions inline (XLA:CPU has one stream), "
+    "so the program it runs is the one jax.jit runs and ratios near 1.0 are "
+    "what to expect: differences are noise, not scheduling. The GPU-only "
+    "baselines (XLA CONCURRENT, compute_on) are marked n/a. The staging "
+    "ratios measure a host thread, which does overlap on CPU.")
+
+
+# ---------------------------------------------------------------------------
+# Machine.
+
+def _cpu_model() -> str | None:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or None
+
+
+def machine() -> dict:
+  dev = jax.devices()[0]
+  try:
+    import jaxlib
+    jaxlib_version = jaxlib.__version__
+  except (ImportError, AttributeError):
+    jaxlib_version = None
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:
+    usable = os.cpu_count()
+  return {
+      "platform": dev.platform, "device_kind": dev.device_kind,
+      "device_count": jax.device_count(), "backend": jax.default_backend(),
+      "cpu_model": _cpu_model(), "cpu_cores": os.cpu_count(),
+      "cpu_cores_usable": usable, "os": platform.platform(),
+      "python": platform.python_version(), "jax": jax.__version__,
+      "jaxlib": jaxlib_version, "xla_flags": os.environ.get("XLA_FLAGS"),
+      "load_average_at_start": _load(),
+  }
+
+
+def _load():
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except (AttributeError, OSError):
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Measuring one case.
+
+def _leaves(out):
+  return [np.asarray(x, dtype=np.float64) for x in jax.tree_util.tree_leaves(out)]
+
+
+def _rel_diff(out, ref) -> float:
+  a, b = _leaves(out), _leaves(ref)
+  if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+    return math.inf
+  worst = 0.0
+  for x, y in zip(a, b):
+    scale = max(1.0, float(np.max(np.abs(y))) if y.size else 1.0)
+    if x.size:
+      worst = max(worst, float(np.max(np.abs(x - y))) / scale)
+  return worst
+
+
+def _memory(cand) -> dict:
+  mem = {"compiled_total_bytes": None, "compiled_temp_bytes": None,
+         "device_peak_bytes": None}
+  if cand.compiled is not None:
+    try:
+      ma = cand.compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without it reports null
+      ma = None
+    if ma is not None:
+      mem["compiled_temp_bytes"] = int(ma.temp_size_in_bytes)
+      mem["compiled_total_bytes"] = int(
+          ma.argument_size_in_bytes + ma.output_size_in_bytes +
+          ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+  stats = jax.devices()[0].memory_stats()
+  if stats and "peak_bytes_in_use" in stats:
+    mem["device_peak_bytes"] = int(stats["peak_bytes_in_use"])
+  return mem
+
+
+def measure(case, *, warmup: int, reps: int, target_s: float,
+            max_calls: int, tolerance: float) -> dict:
+  live = {n: c for n, c in case.candidates.items() if c.run is not None}
+  outputs, memory, single = {}, {}, {}
+  for name, cand in live.items():
+    out = None
+    for _ in range(max(1, warmup)):
+      start = time.perf_counter()
+      out = jax.block_until_ready(cand.run())
+      single[name] = time.perf_counter() - start
+    outputs[name] = out
+    memory[name] = _memory(cand)
+
+  ref_name = case.reference if case.reference in live else next(iter(live))
+  reference_time = single.get(ref_name, 0.0)
+  calls = 1
+  if target_s > 0 and reference_time > 0:
+    calls = int(min(max_calls, max(1, math.ceil(target_s / reference_time))))
+
+  names = list(live)
+  samples = {n: [] for n in names}
+  for r in range(reps):
+    for name in (names if r % 2 == 0 else names[::-1]):   # alternate order
+      run = live[name].run
+      start = time.perf_counter()
+      for _ in range(calls):
+        jax.block_until_ready(run())
+      samples[name].append((time.perf_counter() - start) / calls)
+
+  times = {n: (float(np.median(samples[n])) if n in live else None)
+           for n in case.candidates}
+  status = {n: c.status for n, c in case.candidates.items()}
+  diffs = {n: _rel_diff(outputs[n], outputs[ref_name]) for n in live}
+  cand_t = times.get(case.candidate)
+  ratios = {b: (times[b] / cand_t if times.get(b) and cand_t else None)
+            for b in case.baselines}
+  # The same ratio round by round (samples taken next to each other), whose
+  # median is less sensitive to load that changes during the run.
+  paired = {b: (float(np.median(np.divide(samples[b], samples[case.candidate])))
+                if b in live and case.candidate in live else None)
+            for b in case.baselines}
+  cand_mem = memory.get(case.candidate, {}).get("compiled_total_bytes")
+  ref_mem = memory.get(ref_name, {}).get("compiled_total_bytes")
+  return {
+      "workload": case.workload, "size": case.size,
+      "candidate": case.candidate, "baselines": case.baselines,
+      "reference": ref_name, "status": status, "times_s": times,
+      "samples_s": samples, "calls_per_sample": calls, "ratios": ratios,
+      "paired_ratios_median": paired,
+      "memory": {n: memory.get(n) for n in case.candidates},
+      "memory_ratio_vs_reference": (cand_mem / ref_mem
+                                    if cand_mem and ref_mem else None),
+      "annotated_calls_cuda_lowering": {
+          n: c.annotated_calls for n, c in case.candidates.items()
+          if c.annotated_calls is not None},
+      "call_starts_compiled": {n: c.call_starts
+                               for n, c in case.candidates.items()
+                               if c.call_starts is not None},
+      "max_rel_diff_vs_reference": diffs,
+      "agrees": all(d <= tolerance for d in diffs.values()),
+      "notes": case.notes,
+  }
+
+
+# ---------------------------------------------------------------------------
+# Reports.
+
+def _size_str(size: dict) -> str:
+  return " ".join(f"{k}={v}" for k, v in size.items())
+
+
+def _ms(t):
+  return "n/a" if t is None else f"{t * 1e3:.3f}"
+
+
+def _ratio_cell(r, name):
+  t = r["times_s"].get(name)
+  if t is None:
+    st = r["status"].get(name, "")
+    return "n/a" if st.startswith("n/a") else "error"
+  ratio = r["ratios"].get(name)
+  return f"{ratio:.3f} ({_ms(t)})" if ratio is not None else _ms(t)
+
+
+def markdown(report: dict) -> str:
+  m = report["machine"]
+  lines = [
+      f"# jaxstreams benchmark suite: {m['device_kind']} ({m['platform']})",
+      "",
+      f"- created: {report['created']}, total run time "
+      f"{report['total_seconds']:.0f} s{' (quick mode)' if report['quick'] else ''}",
+      f"- machine: {m['cpu_model']}, {m['cpu_cores']} cores "
+      f"({m['cpu_cores_usable']} usable); {m['os']}; load average (1, 5, "
+      f"15 min) {m.get('load_average_at_start')} at start, "
+      f"{m.get('load_average_at_end')} at end",
+      f"- device: {m['device_kind']} x{m['device_count']} "
+      f"(backend {m['backend']}); python {m['python']}, jax {m['jax']}, "
+      f"jaxlib {m['jaxlib']}",
+      f"- streams given to jaxstreams: {report['streams']}",
+      f"- method: {report['method']['description']}",
+      "",
+  ]
+  if m["platform"] == "cpu":
+    lines += [f"> {CPU_NOTE}", ""]
+  lines += [
+      "Cells are ratio = baseline time / candidate time (above 1.0: the "
+      "candidate is faster), with the baseline's median ms in brackets. "
+      "The candidate is jaxstreams except in `staging`, where it is the "
+      "prefetch thread and the baseline the loop without it. `mem` is the "
+      "candidate's compiled footprint (arguments + outputs + temporaries) "
+      "over the reference's.",
+      "",
+      "| workload | size | candidate ms | vs jax.jit | vs XLA CONCURRENT | "
+      "vs compute_on | other baselines | mem | agrees |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  standard = ("jax.jit", "XLA CONCURRENT", "compute_on")
+  for r in report["results"]:
+    other = "; ".join(f"{b}: {_ratio_cell(r, b)}" for b in r["baselines"]
+                      if b not in standard) or "-"
+    cells = [_ratio_cell(r, b) if b in r["baselines"] else "-"
+             for b in standard]
+    mem = r["memory_ratio_vs_reference"]
+    lines.append(
+        f"| {r['workload']} | {_size_str(r['size'])} | "
+        f"{_ms(r['times_s'].get(r['candidate']))} | {' | '.join(cells)} | "
+        f"{other} | {'n/a' if mem is None else f'{mem:.2f}'} | "
+        f"{'yes' if r['agrees'] else 'NO'} |")
+  statuses = sorted({f"{n}: {s}" for r in report["results"]
+                     for n, s in r["status"].items() if s != "ok"})
+  if statuses:
+    lines += ["", "Candidates not run here:", ""]
+    lines += [f"- {s}" for s in statuses]
+  lines += ["", "Workloads:", ""]
+  for name, doc in report["workloads"].items():
+    lines.append(f"- `{name}`: {doc}")
+  lines += ["", f"Raw numbers (every sample, memory, annotated-call counts): "
+            f"`{os.path.basename(report['files']['json'])}`.", ""]
+  return "\n".join(lines)
+
+
+def chart(report: dict, path: str) -> bool:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("note: matplotlib is not installed; skipping the chart "
+          "(pip install matplotlib)")
+    return False
+  results = report["results"]
+  baselines = []
+  for r in results:
+    for b, v in r["ratios"].items():
+      if v is not None and b not in baselines:
+        baselines.append(b)
+  labels = [f"{r['workload']}\n" + "\n".join(
+      f"{k}={v}" for k, v in list(r["size"].items())[:2]) for r in results]
+  fig, ax = plt.subplots(figsize=(max(8.0, 1.1 * len(results) + 2), 5))
+  colors = {b: f"C{i}" for i, b in enumerate(baselines)}
+  per_case = max(1, max(sum(v is not None for v in r["ratios"].values())
+                        for r in results))
+  width = 0.8 / per_case
+  labelled = set()
+  for j, r in enumerate(results):
+    shown = [b for b in baselines if r["ratios"].get(b) is not None]
+    for k, b in enumerate(shown):   # centred on the case's tick
+      ax.bar(j + (k - (len(shown) - 1) / 2) * width, r["ratios"][b], width,
+             color=colors[b], label=None if b in labelled else f"vs {b}")
+      labelled.add(b)
+  ax.axhline(1.0, color="black", linewidth=0.8)
+  ax.set_xticks(range(len(results)))
+  ax.set_xticklabels(labels, fontsize=7)
+  ax.set_ylabel("baseline time / candidate time")
+  m = report["machine"]
+  ax.set_title(f"jaxstreams suite on {m['device_kind']} ({m['platform']}), "
+               f"jax {m['jax']}" + (" [quick]" if report["quick"] else ""))
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+# ---------------------------------------------------------------------------
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true",
+                 help="every workload once, tiny sizes, one repetition")
+  p.add_argument("--out", default=RESULTS)
+  p.add_argument("--only", default="",
+                 help="comma-separated workload names")
+  p.add_argument("--reps", type=int, default=21)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--streams", type=int, default=4,
+                 help="stream groups for jaxstreams.jit (items k -> k %% N)")
+  p.add_argument("--target-ms", type=float, default=50.0,
+                 help="repeat calls within a sample up to about this long")
+  p.add_argument("--max-calls", type=int, default=200)
+  args = p.parse_args(argv)
+  if args.streams < 2:
+    p.error("--streams must be at least 2")
+  if args.quick:
+    args.reps, args.warmup, args.target_ms = 1, 1, 0.0
+
+  selected = [w for w in WORKLOADS
+              if not args.only or w.NAME in args.only.split(",")]
+  if not selected:
+    p.error(f"--only matched no workload; known: "
+            f"{', '.join(w.NAME for w in WORKLOADS)}")
+  tolerance = 2e-2 if jax.default_backend() == "gpu" else 1e-4
+  info = machine()
+  print(f"device: {info['device_kind']} ({info['platform']}), jax "
+        f"{info['jax']}, {info['cpu_model']} x{info['cpu_cores']}")
+
+  started = time.perf_counter()
+  key = jax.random.PRNGKey(0)
+  results = []
+  for workload in selected:
+    for size in workload.sizes(args.quick):
+      t0 = time.perf_counter()
+      case = workload.build(size, args.streams, key)
+      try:
+        r = measure(case, warmup=args.warmup, reps=args.reps,
+                    target_s=args.target_ms / 1e3, max_calls=args.max_calls,
+                    tolerance=tolerance)
+      finally:
+        case.close()
+      r["case_seconds"] = time.perf_counter() - t0
+      results.append(r)
+      ratios = ", ".join(f"{b} {v:.3f}" for b, v in r["ratios"].items()
+                         if v is not None)
+      print(f"{r['workload']:10s} {_size_str(r['size'])}: "
+            f"{r['candidate']} {_ms(r['times_s'][r['candidate']])} ms; "
+            f"ratios {ratios or 'none'}; agrees {r['agrees']} "
+            f"[{r['case_seconds']:.1f} s]", flush=True)
+
+  stem = f"suite_{info['platform']}" + ("_quick" if args.quick else "")
+  os.makedirs(args.out, exist_ok=True)
+  files = {ext: os.path.join(args.out, f"{stem}.{ext}")
+           for ext in ("json", "md", "png")}
+  report = {
+      "suite": "jaxstreams benchmark suite", "quick": args.quick,
+      "created": datetime.datetime.now(datetime.timezone.utc)
+                 .isoformat(timespec="seconds"),
+      "machine": info, "streams": args.streams,
+      "method": {
+          "warmup_calls": args.warmup, "repetitions": args.reps,
+          "target_sample_ms": args.target_ms, "max_calls_per_sample":
+          args.max_calls, "statistic": "median",
+          "description": (
+              f"each candidate compiled ahead of time, warmed up "
+              f"({args.warmup} calls), then {args.reps} samples each, "
+              "candidates alternating order every round; a sample times "
+              "calls_per_sample calls (chosen so a sample lasts about "
+              f"{args.target_ms:g} ms), each ended by block_until_ready; "
+              "the median sample is reported")},
+      "workloads": {w.NAME: " ".join(w.__doc__.split()) for w in selected},
+      "results": results, "files": files,
+  }
+  report["total_seconds"] = time.perf_counter() - started
+  info["load_average_at_end"] = _load()
+  with open(files["json"], "w") as f:
+    json.dump(report, f, indent=1, default=str)
+  with open(files["md"], "w") as f:
+    f.write(markdown(report))
+  if not chart(report, files["png"]):
+    files["png"] = None
+  print(f"wrote {files['json']}, {files['md']}"
+        + (f", {files['png']}" if files["png"] else ""))
+  print(f"total {report['total_seconds']:.1f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

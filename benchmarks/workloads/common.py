@@ -1,0 +1,197 @@
+"""What every workload shares: placements, candidates, and a case record.
+
+A workload writes its model once against a *placement*, a function
+``place(stream, fn, *args)`` that runs ``fn(*args)`` on a stream. Three
+placements give the programs the suite compares:
+
+* ``place_none``: no placement at all; the program ``jax.jit`` gets.
+* ``place_jaxstreams``: ``with jaxstreams.stream(stream):`` around the call.
+* ``place_compute_on``: the same placement written by hand with JAX's own
+  ``compute_on`` (a call annotated ``gpu_stream:k``; stream 0 is left inline).
+
+So the baselines run the same model with the same placement, and only the
+mechanism differs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+import jaxstreams
+
+CONCURRENT_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+GPU_ONLY = "n/a: needs a GPU backend"
+_ANNOTATED_CALL = re.compile(r'= call @\S+.*?_xla_stream_annotation = "(\d+)"')
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+# ---------------------------------------------------------------------------
+# Placements.
+
+def place_none(stream: int, fn: Callable, *args):
+  del stream
+  return fn(*args)
+
+
+def place_jaxstreams(stream: int, fn: Callable, *args):
+  with jaxstreams.stream(stream):
+    return fn(*args)
+
+
+def compute_on_region(stream: int, fn: Callable) -> Callable:
+  """``fn`` wrapped in a call that XLA:GPU runs on compute stream ``stream``.
+
+  jax 0.10 names the function-level wrapper ``compute_on2``; 0.11 renames it
+  ``compute_on`` (and drops the older per-op context manager of that name).
+  """
+  from jax.experimental import compute_on as co
+  wrap = getattr(co, "compute_on2", None) or co.compute_on
+  return wrap(compute_type=f"gpu_stream:{stream}",
+              out_memory_spaces=jax.memory.Space.Device)(fn)
+
+
+def place_compute_on(stream: int, fn: Callable, *args):
+  if stream == 0:
+    return fn(*args)
+  return compute_on_region(stream, fn)(*args)
+
+
+def stream_for(item: int, streams: int) -> int:
+  """Item ``k`` (branch, tower, model) goes to stream ``k % streams``."""
+  return item % streams
+
+
+# ---------------------------------------------------------------------------
+# Candidates.
+
+@dataclasses.dataclass
+class Candidate:
+  """One way of running a case. ``run()`` does one timed unit of work and
+  returns what to block on; ``run is None`` means not applicable here."""
+  name: str
+  run: Callable[[], Any] | None = None
+  status: str = "ok"
+  compiled: Any = None                     # a jax Compiled, for memory stats
+  annotated_calls: dict[str, int] | None = None   # stream -> calls (CUDA lowering)
+  call_starts: int | None = None           # call-start ops, compiled on GPU
+  cleanup: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass
+class Case:
+  workload: str
+  size: dict
+  candidate: str                  # the jaxstreams candidate, timed against...
+  baselines: list[str]            # ...these
+  candidates: dict[str, Candidate]
+  reference: str = "jax.jit"      # outputs are compared against this one
+  notes: str = ""
+
+  def close(self):
+    for c in self.candidates.values():
+      if c.cleanup is not None:
+        c.cleanup()
+    self.candidates.clear()
+
+
+def not_applicable(name: str, why: str = GPU_ONLY) -> Candidate:
+  return Candidate(name=name, run=None, status=why)
+
+
+def _short(exc: BaseException) -> str:
+  text = str(exc).strip().splitlines()
+  return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+
+
+def annotated_calls(jitted, args) -> dict[str, int] | None:
+  """Calls annotated with a stream in the program lowered for CUDA (this works
+  on any machine), counted by stream; None when lowering for CUDA fails."""
+  try:
+    text = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  except Exception:  # noqa: BLE001 - a missing count is reported as null
+    return None
+  # Only the calls made by the entry function: a compute_on body repeats the
+  # annotation on every op inside it, nested calls included.
+  lines = text.splitlines()
+  start = next((i for i, l in enumerate(lines)
+                if "func.func public @main" in l), None)
+  if start is None:
+    return None
+  body = []
+  for line in lines[start + 1:]:
+    if line.startswith("  }"):
+      break
+    body.append(line)
+  counts = collections.Counter(_ANNOTATED_CALL.findall("\n".join(body)))
+  return {k: counts[k] for k in sorted(counts, key=int)}
+
+
+def compiled_candidate(name: str, jitted, args, *, compiler_options=None,
+                       count_annotations: bool = False) -> Candidate:
+  """Lower and compile ``jitted`` for ``args``; timing calls the executable."""
+  counts = annotated_calls(jitted, args) if count_annotations else None
+  try:
+    lowered = jitted.lower(*args)
+    if compiler_options:
+      compiled = lowered.compile(compiler_options=compiler_options)
+    else:
+      compiled = lowered.compile()
+  except Exception as e:  # noqa: BLE001 - reported in the results
+    return Candidate(name=name, status=f"error: {_short(e)}",
+                     annotated_calls=counts)
+  starts = None
+  if on_gpu():
+    try:
+      starts = compiled.as_text().count("call-start")
+    except Exception:  # noqa: BLE001
+      starts = None
+  return Candidate(name=name, run=lambda: compiled(*args), compiled=compiled,
+                   annotated_calls=counts, call_starts=starts)
+
+
+def standard_candidates(make_fn: Callable[[Callable], Callable], args,
+                        streams: int) -> dict[str, Candidate]:
+  """jax.jit, XLA CONCURRENT, compute_on and jaxstreams for one model.
+
+  ``make_fn(place)`` returns the model function written with placement
+  ``place``. The GPU-only baselines are marked not applicable elsewhere; the
+  compute_on program is still lowered for CUDA so its annotated calls are
+  counted.
+  """
+  gpu = on_gpu()
+  cands = {}
+  cands["jax.jit"] = compiled_candidate("jax.jit", jax.jit(make_fn(place_none)),
+                                        args)
+  if gpu:
+    cands["XLA CONCURRENT"] = compiled_candidate(
+        "XLA CONCURRENT", jax.jit(make_fn(place_none)), args,
+        compiler_options=CONCURRENT_OPTIONS)
+  else:
+    cands["XLA CONCURRENT"] = not_applicable("XLA CONCURRENT")
+  hand = jax.jit(make_fn(place_compute_on))
+  if gpu:
+    cands["compute_on"] = compiled_candidate("compute_on", hand, args,
+                                             count_annotations=True)
+  else:
+    cands["compute_on"] = not_applicable("compute_on")
+    cands["compute_on"].annotated_calls = annotated_calls(hand, args)
+  cands["jaxstreams"] = compiled_candidate(
+      "jaxstreams", jaxstreams.jit(make_fn(place_jaxstreams), streams=streams),
+      args, count_annotations=True)
+  return cands
+
+
+STANDARD_BASELINES = ["jax.jit", "XLA CONCURRENT", "compute_on"]
+
+
+def normal(key, shape, scale=1.0):
+  return jax.random.normal(key, shape, dtype=np.float32) * scale
