@@ -43,7 +43,7 @@ def plan_program(closed_jaxpr, streams: int, source: str, function_name: str,
     placements, graph, schedule, summary = _try_auto(
         program, placements, graph, schedule, seconds, work, streams, options)
   return make_plan(function_name, streams, program, placements, graph,
-                   schedule=schedule, summary=summary,
+                   schedule=schedule, summary=summary, costs=costs,
                    reduce_stream_wait=options.reduce_stream_wait)
 
 

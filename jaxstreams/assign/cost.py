@@ -72,8 +72,7 @@ _TRANSCENDENTAL = frozenset({
 
 
 def _size(aval) -> int:
-  shape = getattr(aval, "shape", ())
-  return int(np.prod(shape)) if shape else 1
+  return math.prod(getattr(aval, "shape", ()))
 
 
 def _bytes(aval) -> int:

@@ -15,7 +15,7 @@ import json
 import os
 
 from jaxstreams import _compat
-from jaxstreams.assign import Placement, equation_cost, equation_name
+from jaxstreams.assign import Cost, Placement, equation_name
 from jaxstreams.partition.regions import RegionGraph, transitive_reduction
 from jaxstreams.partition.schedule import Schedule
 from jaxstreams.tag.read import ExposedProgram
@@ -68,20 +68,44 @@ class StreamPlan:
   """The stream plan of one traced function (one set of argument shapes)."""
 
   def __init__(self, *, function_name: str, streams: int,
-               equations: Sequence[PlannedEquation], regions: Sequence[Region],
-               dependencies: Sequence[Dependency], notes: Sequence[str],
+               placements: Sequence[Placement], costs: Sequence[Cost],
+               regions: Sequence[Region], dependencies: Sequence[Dependency],
                program: ExposedProgram, graph: RegionGraph,
                schedule: Schedule, summary: str = ""):
     self.function_name = function_name
     self.streams = streams
-    self.equations = tuple(equations)
     self.regions = tuple(regions)
     self.dependencies = tuple(dependencies)
-    self.notes = tuple(notes)
     self.schedule = schedule
+    self._placements = tuple(placements)
+    self._costs = tuple(costs)
+    self._equations: tuple[PlannedEquation, ...] | None = None
     self.summary = summary     # what automatic assignment decided, if on
     self._program = program
     self._graph = graph
+
+  @property
+  def equations(self) -> tuple[PlannedEquation, ...]:
+    """Every top-level equation with its stream, rule, region, name, source
+    line and estimates. Built on first use: lowering does not need it, and
+    names and source lines are the slow part of a plan."""
+    if self._equations is None:
+      eqns = self._program.jaxpr.eqns
+      self._equations = tuple(
+          PlannedEquation(
+              index, eqn.primitive.name, equation_name(eqn), placement.stream,
+              placement.rule, self._graph.region_of[index],
+              _compat.source_location(eqn), placement.note, cost.flops,
+              cost.bytes, cost.seconds())
+          for index, (eqn, placement, cost) in enumerate(
+              zip(eqns, self._placements, self._costs)))
+    return self._equations
+
+  @property
+  def notes(self) -> tuple[str, ...]:
+    """What could not be honoured as asked, one line per equation."""
+    return tuple(f"#{e.index} {e.primitive} at {e.location}: {e.note}"
+                 for e in self.equations if e.note)
 
   @property
   def critical_path(self) -> tuple[int, ...]:
@@ -102,10 +126,10 @@ class StreamPlan:
     return all(not r.is_call for r in self.regions)
 
   def region_of(self, equation: int) -> Region:
-    return self.regions[self.equations[equation].region]
+    return self.regions[self._graph.region_of[equation]]
 
   def __repr__(self) -> str:
-    return (f"<StreamPlan {self.function_name}: {len(self.equations)} "
+    return (f"<StreamPlan {self.function_name}: {len(self._placements)} "
             f"equations, {len(self.regions)} regions on streams "
             f"{list(self.streams_used)}, {len(self.dependencies)} cross-stream "
             "dependencies>")
@@ -243,22 +267,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def make_plan(function_name: str, streams: int, program: ExposedProgram,
               placements: Sequence[Placement], graph: RegionGraph, *,
-              schedule: Schedule, summary: str = "",
+              schedule: Schedule, costs: Sequence[Cost], summary: str = "",
               reduce_stream_wait: bool = True) -> StreamPlan:
-  jaxpr = program.jaxpr
-  names = _value_names(jaxpr)
-  equations = []
-  notes = []
-  for index, (eqn, placement) in enumerate(zip(jaxpr.eqns, placements)):
-    location = _compat.source_location(eqn)
-    cost = equation_cost(eqn)
-    equations.append(PlannedEquation(
-        index, eqn.primitive.name, equation_name(eqn), placement.stream,
-        placement.rule, graph.region_of[index], location, placement.note,
-        cost.flops, cost.bytes, cost.seconds()))
-    if placement.note:
-      notes.append(f"#{index} {eqn.primitive.name} at {location}: "
-                   f"{placement.note}")
+  names = _value_names(program.jaxpr)
   regions = [
       Region(i, graph.streams[i], tuple(graph.members[i]),
              tuple(names[v] for v in graph.inputs[i]),
@@ -272,9 +283,9 @@ def make_plan(function_name: str, streams: int, program: ExposedProgram,
       for (a, b), values in sorted(graph.edges.items())
       if (a, b) in kept and graph.streams[a] != graph.streams[b]]
   return StreamPlan(function_name=function_name, streams=streams,
-                    equations=equations, regions=regions,
-                    dependencies=dependencies, notes=notes, program=program,
-                    graph=graph, schedule=schedule, summary=summary)
+                    placements=placements, costs=costs, regions=regions,
+                    dependencies=dependencies, program=program, graph=graph,
+                    schedule=schedule, summary=summary)
 
 
 def _value_names(jaxpr) -> dict[Any, str]:

@@ -20,6 +20,9 @@ from typing import Any, Sequence
 import jax.extend.core as jcore
 
 
+CANDIDATES = 4
+
+
 @dataclasses.dataclass
 class RegionGraph:
   """Regions in emission (topological) order and the edges between them."""
@@ -47,7 +50,9 @@ def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
     pred_regions = {region_of[producer[v]] for v in eqn.invars
                     if not isinstance(v, jcore.Literal) and v in producer}
     chosen = None
-    for region in reversed(by_stream.get(stream, ())):
+    # Only the newest few regions of the stream are candidates: that finds
+    # the merges blocks and independent work need, and keeps planning linear.
+    for region in reversed(by_stream.get(stream, ())[-CANDIDATES:]):
       bit = 1 << region
       if all(r == region or not ancestors[r] & bit for r in pred_regions):
         chosen = region
@@ -60,7 +65,8 @@ def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
       by_stream.setdefault(stream, []).append(chosen)
     region_of.append(chosen)
     region_eqns[chosen].append(index)
-    _add_ancestors(ancestors, chosen, pred_regions)
+    _add_ancestors(ancestors, chosen, pred_regions,
+                   new=len(region_eqns[chosen]) == 1)
     for var in eqn.outvars:
       producer[var] = index
 
@@ -72,9 +78,11 @@ def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
                    [region_eqns[old] for old in order])
 
 
-def _add_ancestors(ancestors: list[int], region: int, pred_regions) -> None:
+def _add_ancestors(ancestors: list[int], region: int, pred_regions,
+                   new: bool) -> None:
   """Record that ``region`` now reads from ``pred_regions``, and pass the new
-  ancestry on to every region that already depends on ``region``."""
+  ancestry on to every region that already depends on ``region`` (a region
+  created for this very equation has none yet, which is the common case)."""
   added = 0
   for r in pred_regions:
     if r != region:
@@ -82,8 +90,10 @@ def _add_ancestors(ancestors: list[int], region: int, pred_regions) -> None:
   added &= ~ancestors[region]
   if not added:
     return
-  bit = 1 << region
   ancestors[region] |= added
+  if new:
+    return
+  bit = 1 << region
   for other, mask in enumerate(ancestors):
     if mask & bit:
       ancestors[other] = mask | added
