@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
-from jaxstreams import _pipeline, config
+from jaxstreams import _checks, _pipeline, config
 from jaxstreams.lower import emit
 from jaxstreams.partition import StreamPlan
 from jaxstreams.runtime.profile import profiling_now
@@ -33,13 +33,8 @@ _TRACE_ONLY_PARAMETERS = frozenset({"static_argnums", "static_argnames"})
 
 
 def _check_streams(streams: Any, source: str) -> int:
-  if isinstance(streams, bool) or not isinstance(streams, int):
-    raise TypeError(f"{source}: streams must be an integer >= 1, got "
-                    f"{streams!r} of type {type(streams).__name__}")
-  if streams < 1:
-    raise ValueError(f"{source}: streams must be >= 1 (1 means only the main "
-                     f"stream), got {streams}")
-  return streams
+  return _checks.integer(streams, name="streams", context=source, minimum=1,
+                         meaning=" (1 means only the main stream)")
 
 
 def jit(fun: Callable | None = None, *, streams: int | None = None,

@@ -357,7 +357,7 @@ def test_abandoned_runner_stops_its_workers():
     (dict(capacity=0), ValueError, "capacity must be >= 1, got 0"),
     (dict(capacity="2"), TypeError, "capacity must be an integer >= 1"),
     (dict(stream=-1), ValueError, "stream must be >= 0"),
-    (dict(stream=1.0), TypeError, "stream must be None or a stream id"),
+    (dict(stream=1.0), TypeError, "stream must be None or an integer >= 0"),
     (dict(data_argnum="x"), TypeError, "data_argnum must be an int"),
     (dict(smart=1), TypeError, "smart must be True or False"),
 ])

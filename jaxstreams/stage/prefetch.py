@@ -35,13 +35,14 @@ The pipeline, and the guarantees it keeps:
 from __future__ import annotations
 
 import itertools
-import operator
 import threading
 import types
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
+
+from jaxstreams import _checks
 
 __all__ = ["prefetch", "Prefetcher"]
 
@@ -69,17 +70,7 @@ def _exception_types(value: Any, name: str) -> tuple[type[BaseException], ...]:
 
 
 def _positive_int(value: Any, name: str, func: str) -> int:
-  if isinstance(value, bool):
-    raise TypeError(f"{func}: {name} must be an integer >= 1, got the bool "
-                    f"{value!r}")
-  try:
-    number = operator.index(value)
-  except TypeError:
-    raise TypeError(f"{func}: {name} must be an integer >= 1, got {value!r} "
-                    f"of type {type(value).__name__}") from None
-  if number < 1:
-    raise ValueError(f"{func}: {name} must be >= 1, got {number}")
-  return number
+  return _checks.integer(value, name=name, context=func, minimum=1)
 
 
 def _timeout(value: Any, func: str) -> float | None:

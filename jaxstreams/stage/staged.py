@@ -57,7 +57,8 @@ from jax import tree_util
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxstreams import _compat
-from jaxstreams.stage.prefetch import Prefetcher, _positive_int
+from jaxstreams import _checks
+from jaxstreams.stage.prefetch import Prefetcher
 
 __all__ = ["stage", "staged", "staged_plan", "StagedPlan", "StagedRunner"]
 
@@ -578,19 +579,10 @@ def _check_options(data_argnum, capacity, stream, smart):
   if isinstance(data_argnum, bool) or not isinstance(data_argnum, int):
     raise TypeError(f"{_FUNC}: data_argnum must be an int (the position of the "
                     f"data argument, -1 for the last), got {data_argnum!r}")
-  capacity = _positive_int(capacity, "capacity", _FUNC)
-  if stream is not None:
-    if isinstance(stream, bool):
-      raise TypeError(f"{_FUNC}: stream must be None or a stream id >= 0, got "
-                      f"the bool {stream!r}")
-    try:
-      stream = operator.index(stream)
-    except TypeError:
-      raise TypeError(f"{_FUNC}: stream must be None or a stream id >= 0, got "
-                      f"{stream!r} of type {type(stream).__name__}") from None
-    if stream < 0:
-      raise ValueError(f"{_FUNC}: stream must be >= 0 (0 is the main stream), "
-                       f"got {stream}")
+  capacity = _checks.integer(capacity, name="capacity", context=_FUNC,
+                             minimum=1)
+  stream = _checks.integer(stream, name="stream", context=_FUNC, minimum=0,
+                           meaning=" (0 is the main stream)", none_ok=True)
   if not isinstance(smart, bool):
     raise TypeError(f"{_FUNC}: smart must be True or False, got {smart!r}")
   return capacity, stream

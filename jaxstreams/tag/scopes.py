@@ -18,7 +18,6 @@ and drops the anchor.
 from __future__ import annotations
 
 import itertools
-import operator
 import re
 import threading
 from typing import Any
@@ -26,6 +25,8 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 from jax.interpreters import ad, batching, mlir
+
+from jaxstreams import _checks
 
 __all__ = ["stream", "colocate_with"]
 
@@ -44,19 +45,9 @@ def parse_scope(name: str) -> tuple[str, int, bool] | None:
 
 
 def _stream_id(stream_id: Any) -> int:
-  if isinstance(stream_id, bool):
-    raise TypeError(f"jaxstreams.stream(stream_id): stream_id must be a "
-                    f"non-negative integer, got the bool {stream_id!r}")
-  try:
-    value = operator.index(stream_id)
-  except TypeError:
-    raise TypeError(f"jaxstreams.stream(stream_id): stream_id must be a "
-                    f"non-negative integer, got {stream_id!r} of type "
-                    f"{type(stream_id).__name__}") from None
-  if value < 0:
-    raise ValueError(f"jaxstreams.stream(stream_id): stream_id must be >= 0 "
-                     f"(0 is the main stream), got {value}")
-  return value
+  return _checks.integer(stream_id, name="stream_id", minimum=0,
+                         context="jaxstreams.stream(stream_id)",
+                         meaning=" (0 is the main stream)")
 
 
 class stream:
