@@ -166,6 +166,27 @@ def jit_params_are_plain(params: dict) -> bool:
   return not any(params.get("donated_invars", ()))
 
 
+_HAS_SUBJAXPRS: dict[Any, bool] = {}
+
+
+def sub_jaxprs(eqn) -> list:
+  """The jaxprs in ``eqn``'s parameters (loop bodies, branches, calls).
+
+  Whether a primitive takes jaxpr parameters does not change from one
+  equation to the next, so primitives found to have none are remembered and
+  skipped: the generic scan of parameters is a large share of planning time.
+  """
+  known = _HAS_SUBJAXPRS.get(eqn.primitive)
+  if known is False:
+    return []
+  found = list(jcore.jaxprs_in_params(eqn.params))
+  if known is None:
+    _HAS_SUBJAXPRS[eqn.primitive] = bool(found) or any(
+        isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr, tuple, list))
+        for v in eqn.params.values())
+  return found
+
+
 def nested_jaxpr(params: dict):
   """The ClosedJaxpr a nested-jit / call eqn runs."""
   jaxpr = params.get("jaxpr", params.get("call_jaxpr"))

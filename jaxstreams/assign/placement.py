@@ -71,7 +71,7 @@ def _check_range(stream_id: int, streams: int, streams_source: str, eqn) -> None
 def _inner_stream_tags(eqn, outer_stack, streams, streams_source,
                        found: dict[int, Any]) -> None:
   """Collect stream tags from the bodies of ``eqn`` (any depth) into ``found``."""
-  for sub in jcore.jaxprs_in_params(eqn.params):
+  for sub in _compat.sub_jaxprs(eqn):
     for inner in sub.eqns:
       stack = outer_stack + _compat.name_stack_entries(inner)
       tag = effective_tag(stack)

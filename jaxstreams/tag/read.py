@@ -94,7 +94,7 @@ def has_tags(closed_jaxpr) -> bool:
       return True
     if eqn.primitive is colocate_anchor_p:
       return True
-    for sub in jcore.jaxprs_in_params(eqn.params):
+    for sub in _compat.sub_jaxprs(eqn):
       if has_tags(jcore.ClosedJaxpr(sub, ())):
         return True
   return False
