@@ -16,6 +16,17 @@ the whole thing inside one more block. For every program:
    name stack) has rule ``user`` and that block's stream, and every equation
    of a tagged top-level operation has the stream the generator asked for.
 
+Each example also draws the planner's options: automatic assignment (off, or
+on through ``jaxstreams_auto`` or ``jaxstreams.jit(auto=...)``), forward
+propagation, ``jaxstreams_reduce_stream_wait`` and sometimes a rules file
+(``jaxstreams_stream_from_file``, written to a temporary directory) mapping a
+few operations' names to streams. Whatever the options, user tags hold; an
+equation with rule ``file`` has the stream of the first rules line matching
+its name (and no equation the rules file could have placed is left to a later
+rule); one with rule ``forward`` has all its computed inputs on its stream;
+with reduce_stream_wait off the dependencies are every cross-stream region
+edge; and the results are still bitwise those of ``jax.jit``.
+
 Every operation runs in a ``jax.named_scope("op<k>")`` so its equations can be
 traced back to it. A failing example prints the program as Python source and
 its plan. ``JAXSTREAMS_PROPERTY_EXAMPLES=<n>`` sets the number of examples
@@ -28,6 +39,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import tempfile
 from typing import Optional
 
 import jax
@@ -35,7 +47,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 from jax import lax
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 import jaxstreams
@@ -82,6 +94,40 @@ class Program:
   outputs: tuple[int, ...]
   mode: str                    # "plain" | "grad" | "value_and_grad"
   outer: Tags                  # blocks around everything (the grad call too)
+
+
+# How automatic assignment is asked for: (jaxstreams_auto option,
+# jaxstreams.jit(auto=...)); the keyword wins over the option.
+AUTO_MODES = {
+    "off": (False, None),
+    "option": (True, None),
+    "keyword": (False, True),
+    "keyword_off": (True, False),   # auto=False beats jaxstreams_auto=True
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The planner's options for one example."""
+  auto: str                    # a key of AUTO_MODES
+  forward_propagation: bool
+  reduce_stream_wait: bool
+  # The rules file, None for none: (stream, regexes) per line, and the file's
+  # text (with comments and blank lines mixed in).
+  rules: Optional[tuple[tuple[int, tuple[str, ...]], ...]] = None
+  rules_text: str = ""
+
+  @property
+  def auto_on(self) -> bool:
+    option, keyword = AUTO_MODES[self.auto]
+    return option if keyword is None else keyword
+
+  def rule_for(self, name: str) -> Optional[int]:
+    """The stream of the first rules line with a regex found in ``name``."""
+    for stream, regexes in self.rules or ():
+      if any(re.search(r, name) for r in regexes):
+        return stream
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -158,6 +204,60 @@ def programs(draw):
   outer = draw(st.one_of(st.just(()), st.just(()), st.just(()),
                          tags_strategy(streams)))
   return Program(streams, tuple(ops), outputs, mode, outer)
+
+
+PRIMITIVES = ("sin", "tanh", "exp", "max", "add", "mul", "sub", "dot_general",
+              "reduce_sum", "broadcast_in_dim", "concatenate", "slice", "cond",
+              "scan", "jit", "cos", "transpose", "select_n", "clamp")
+
+
+@st.composite
+def regex_for(draw, program: Program):
+  """A regex naming a few equations: one operation (all of it, one of its
+  primitives, its forward or backward pass, an inlined jit body), or a
+  primitive anywhere."""
+  k = draw(st.integers(0, len(program.ops) - 1))
+  prim = draw(st.sampled_from(PRIMITIVES))
+  return draw(st.sampled_from((
+      rf"op{k}\b",
+      rf"\bop{k}\b.*/{prim}$",
+      rf"^transpose\(.*\bop{k}\b",
+      rf"^jvp\(op{k}\)",
+      rf"\bop{k}j_\d+\b",
+      rf"/{prim}$",
+      rf"^op{k}/",
+  )))
+
+
+@st.composite
+def options_for(draw, program: Program):
+  rules = rules_text = None
+  if draw(st.integers(0, 2)) == 0:
+    lines = []
+    for _ in range(draw(st.integers(1, 4))):
+      regexes = tuple(draw(st.lists(regex_for(program), min_size=1,
+                                    max_size=3)))
+      lines.append((draw(st.integers(0, program.streams - 1)), regexes))
+    rules = tuple(lines)
+    text = []
+    for stream, regexes in rules:
+      if draw(st.booleans()):
+        text.append(draw(st.sampled_from(("", "# a comment", "   "))))
+      spaced = draw(st.booleans())
+      sep = ", " if spaced else ","
+      text.append(f"{stream}:{' ' if spaced else ''}{sep.join(regexes)}")
+    rules_text = "\n".join(text) + "\n"
+  return Options(
+      auto=draw(st.sampled_from(tuple(AUTO_MODES))),
+      forward_propagation=draw(st.booleans()),
+      reduce_stream_wait=draw(st.booleans()),
+      rules=rules, rules_text=rules_text or "")
+
+
+@st.composite
+def examples(draw):
+  program = draw(programs())
+  return program, draw(options_for(program))
 
 
 # ---------------------------------------------------------------------------
@@ -428,6 +528,109 @@ def check_no_tag_moved(program: Program, plan):
           f"{where}: its body asks only for {sorted(asked_inside)}")
 
 
+def input_producers(plan, index: int) -> list:
+  """The planned equations that make equation ``index``'s inputs (arguments,
+  constants and literals have none)."""
+  jaxpr = plan._program.jaxpr
+  producer = {v: i for i, eqn in enumerate(jaxpr.eqns[:index])
+              for v in eqn.outvars}
+  return [plan.equations[producer[v]] for v in jaxpr.eqns[index].invars
+          if not isinstance(v, jcore.Literal) and v in producer]
+
+
+def check_options_honoured(program: Program, options: Options, plan):
+  """Each placement is one the options allow: rules ``file``, ``forward`` and
+  ``auto`` appear only when their option is on and place as documented, and
+  nothing the rules file or forward propagation could place is left on the
+  main stream by rule ``main``."""
+  for e in plan.equations:
+    where = f"#{e.index} {e.name} ({e.rule}, stream {e.stream})"
+    assert 0 <= e.stream < program.streams, where
+    from_file = options.rule_for(e.name)
+    if e.rule == "file":
+      assert options.rules is not None, f"{where}: there is no rules file"
+      assert from_file == e.stream, (
+          f"{where}: the first rules line matching it says {from_file}")
+    elif e.rule in ("forward", "auto", "main"):
+      # The rules file comes before forward propagation and the scheduler.
+      assert from_file is None, f"{where}: the rules file says {from_file}"
+    if e.rule == "forward":
+      assert options.forward_propagation, f"{where}: forward propagation is off"
+      sources = {p.stream for p in input_producers(plan, e.index)}
+      assert sources == {e.stream}, f"{where}: its inputs are on {sources}"
+    if e.rule == "auto":
+      assert options.auto_on, f"{where}: automatic assignment is off"
+    if e.rule == "main":
+      # With the scheduler on (and somewhere to put things), it takes
+      # everything no earlier rule placed.
+      assert not (options.auto_on and program.streams > 1), where
+      if options.forward_propagation:
+        # Forward propagation follows placed inputs only.
+        producers = input_producers(plan, e.index)
+        sources = {p.stream for p in producers}
+        assert len(sources) != 1 or any(p.rule == "main" for p in producers), (
+            f"{where}: forward propagation would put it on {sources}")
+  if not options.auto_on:
+    assert plan.summary == ""
+
+
+def region_edges(plan) -> set[tuple[int, int]]:
+  made_by = {}
+  edges = set()
+  for region in plan.regions:
+    for name in region.inputs:
+      if name in made_by:
+        edges.add((made_by[name], region.index))
+    for name in region.outputs:
+      made_by[name] = region.index
+  return edges
+
+
+def check_dependencies(options: Options, plan):
+  """Each dependency is a cross-stream edge carrying the values the consumer
+  reads from the producer; with reduce_stream_wait off, every cross-stream
+  edge is one."""
+  for d in plan.dependencies:
+    producer, consumer = plan.regions[d.producer], plan.regions[d.consumer]
+    assert (d.producer_stream, d.consumer_stream) == (producer.stream,
+                                                      consumer.stream)
+    assert d.producer_stream != d.consumer_stream
+    assert d.values and set(d.values) == (set(producer.outputs)
+                                          & set(consumer.inputs)), d
+  listed = [(d.producer, d.consumer) for d in plan.dependencies]
+  assert len(listed) == len(set(listed))
+  cross = {(a, b) for a, b in region_edges(plan)
+           if plan.regions[a].stream != plan.regions[b].stream}
+  assert set(listed) <= cross
+  if not options.reduce_stream_wait:
+    assert set(listed) == cross, (
+        f"reduce_stream_wait is off, but these cross-stream edges are not "
+        f"listed: {sorted(cross - set(listed))}")
+
+
+@contextlib.contextmanager
+def planner_options(options: Options):
+  """The options set in jaxstreams.config (the rules file in a temporary
+  directory); the config is reset on the way out, whatever happens."""
+  with tempfile.TemporaryDirectory() as tmp:
+    try:
+      option_auto, _ = AUTO_MODES[options.auto]
+      if option_auto:
+        jaxstreams.config.update("jaxstreams_auto", True)
+      if options.forward_propagation:
+        jaxstreams.config.update("jaxstreams_forward_propagation", True)
+      if not options.reduce_stream_wait:
+        jaxstreams.config.update("jaxstreams_reduce_stream_wait", False)
+      if options.rules is not None:
+        path = os.path.join(tmp, "rules.txt")
+        with open(path, "w") as f:
+          f.write(options.rules_text)
+        jaxstreams.config.update("jaxstreams_stream_from_file", path)
+      yield
+    finally:
+      jaxstreams.config.reset()
+
+
 INPUTS = random_inputs(*INPUT_SHAPES, seed=7)
 
 
@@ -435,17 +638,29 @@ INPUTS = random_inputs(*INPUT_SHAPES, seed=7)
           database=None, print_blob=False,
           suppress_health_check=[HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
-@given(programs())
-def test_random_programs_match_jax_jit_and_plan_soundly(program):
+@given(examples())
+def test_random_programs_match_jax_jit_and_plan_soundly(example):
+  program, options = example
   note(to_source(program))
+  note(f"options: {options}")
+  if options.rules is not None:
+    note(f"rules file:\n{options.rules_text}")
   f = build(program)
-  jitted = jaxstreams.jit(f, streams=program.streams)
-  plan = jitted.plan(*INPUTS)
-  note(str(plan))
-  check_regions_match_program(plan)
-  check_region_graph(plan)
-  check_no_tag_moved(program, plan)
-  assert_bitwise_equal(jitted(*INPUTS), jax.jit(f)(*INPUTS))
+  with planner_options(options):
+    _, auto_keyword = AUTO_MODES[options.auto]
+    jitted = jaxstreams.jit(f, streams=program.streams, auto=auto_keyword)
+    plan = jitted.plan(*INPUTS)
+    note(str(plan))
+    check_regions_match_program(plan)
+    check_region_graph(plan)
+    check_no_tag_moved(program, plan)
+    check_options_honoured(program, options, plan)
+    check_dependencies(options, plan)
+    for rule in sorted({e.rule for e in plan.equations}):
+      event(f"rule {rule}")        # --hypothesis-show-statistics
+    if plan.summary:
+      event(plan.summary.partition(",")[0].partition(" (")[0])
+    assert_bitwise_equal(jitted(*INPUTS), jax.jit(f)(*INPUTS))
 
 
 # ---------------------------------------------------------------------------
@@ -479,3 +694,34 @@ def test_a_nograd_block_around_grad_holds_its_whole_backward_pass(inner):
 
   plan = jaxstreams.plan(f, streams=3)(jnp.ones(4))
   assert [(e.name, e.stream) for e in plan.equations if e.stream != 1] == []
+
+
+# Found by the property test with the planner's options: with forward
+# propagation and automatic assignment both on, forward propagation followed
+# producers that no rule had placed (rule "main", stream 0 for now) and
+# pinned their consumers to stream 0 as rule "forward"; the scheduler then
+# moved the producers and never the consumers, which were left behind on the
+# main stream (a "forward" equation whose inputs are all on another stream),
+# and in a chain every equation after the first was pinned, so auto could
+# split almost nothing. Forward propagation now follows placed inputs only.
+
+def test_forward_propagation_leaves_unplaced_chains_to_the_scheduler():
+  def three_chains(x, w):
+    outs = []
+    for k in range(3):
+      h = x * (k + 1)
+      for _ in range(4):
+        h = jnp.tanh(h @ w)
+      outs.append(h)
+    return outs[0] + outs[1] + outs[2]
+
+  x, w = random_inputs((8, 256), (256, 256))
+  jaxstreams.config.update("jaxstreams_forward_propagation", True)
+  try:
+    plan = jaxstreams.plan(three_chains, streams=3, auto=True)(x, w)
+  finally:
+    jaxstreams.config.reset()
+  assert plan.summary.startswith("auto: split pays"), plan.summary
+  assert {e.rule for e in plan.equations} == {"auto"}
+  assert len({e.stream for e in plan.equations
+              if e.primitive == "dot_general"}) == 3

@@ -14,7 +14,8 @@ Rules, in order (the first that applies wins):
 4. ``file``: the first line of the ``jaxstreams_stream_from_file`` rules
    whose regex matches the equation's name.
 5. ``forward``: with ``jaxstreams_forward_propagation``, an equation whose
-   inputs all come from equations on one stream joins that stream.
+   inputs all come from equations placed (by rules 1-5) on one stream joins
+   that stream.
 6. ``auto``: with automatic assignment on, the cost-model scheduler
    (``assign/auto.py``) places the rest; if the split does not pay, they
    stay on the main stream and the plan says so.
@@ -142,8 +143,11 @@ def _place(eqn, stack, tag: Tag | None, program, producer, placements,
       stream, _ = matched
       return Placement(stream, "file", note)
   if options.forward_propagation:
-    sources = {placements[producer[v]].stream for v in eqn.invars
-               if not isinstance(v, jcore.Literal) and v in producer}
-    if len(sources) == 1:
-      return Placement(sources.pop(), "forward", note)
+    # Only placed inputs count: an unplaced ("main") producer may still be
+    # moved by the scheduler, which would leave this equation behind.
+    sources = [placements[producer[v]] for v in eqn.invars
+               if not isinstance(v, jcore.Literal) and v in producer]
+    streams_in = {p.stream for p in sources}
+    if len(streams_in) == 1 and all(p.rule != "main" for p in sources):
+      return Placement(streams_in.pop(), "forward", note)
   return Placement(0, "main", note)

@@ -38,29 +38,27 @@ class StreamRules:
             f"{streams} or raise streams")
 
 
-_cache: dict[tuple[str, float], StreamRules] = {}
+_cache: dict[tuple[str, str], StreamRules] = {}
 
 
 def load_rules(path: str | os.PathLike) -> StreamRules:
-  """Parse a rules file (cached while the file is unchanged)."""
+  """Parse a rules file. The file is read every time (it is small, and a
+  rewrite that keeps the modification time, as ``cp -p`` does, must still
+  count); parsing is cached by content."""
   path = os.fspath(path)
-  try:
-    mtime = os.stat(path).st_mtime
-  except OSError as e:
-    raise RulesFileError(f"jaxstreams_stream_from_file: cannot read {path!r}: "
-                         f"{e.strerror}") from None
-  cached = _cache.get((path, mtime))
-  if cached is not None:
-    return cached
   try:
     with open(path, encoding="utf-8") as f:
       text = f.read()
   except (OSError, UnicodeDecodeError) as e:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     raise RulesFileError(f"jaxstreams_stream_from_file: cannot read {path!r}: "
-                         f"{e}") from None
-  rules = StreamRules(path, tuple(_parse(path, text)))
-  _cache[(path, mtime)] = rules
-  return rules
+                         f"{reason}") from None
+  cached = _cache.get((path, text))
+  if cached is None:
+    if len(_cache) > 64:
+      _cache.clear()
+    cached = _cache[(path, text)] = StreamRules(path, tuple(_parse(path, text)))
+  return cached
 
 
 def _parse(path: str, text: str):
