@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from typing import Any, Callable
 
 import jax
@@ -93,6 +94,7 @@ class _Spec:
     self.auto = auto
     self.jit_kwargs = jit_kwargs
     self.by_streams: dict[int, Any] = {}
+    self._lock = threading.Lock()   # one jax.jit per count, even when racing
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
                    else "the jaxstreams_streams option")
 
@@ -104,8 +106,11 @@ class _Spec:
   def jitted(self, streams: int):
     jitted = self.by_streams.get(streams)
     if jitted is None:
-      jitted = jax.jit(self._staged(streams), **self.jit_kwargs)
-      self.by_streams[streams] = jitted
+      with self._lock:
+        jitted = self.by_streams.get(streams)
+        if jitted is None:
+          jitted = jax.jit(self._staged(streams), **self.jit_kwargs)
+          self.by_streams[streams] = jitted
     return jitted
 
   def _staged(self, streams: int) -> Callable:

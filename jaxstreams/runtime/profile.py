@@ -76,6 +76,10 @@ class profile:
   """
 
   def __init__(self, path: str | os.PathLike | None = None):
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+      raise TypeError(f"jaxstreams.profile: path must be None or a file path "
+                      f"(str or os.PathLike), got {path!r} of type "
+                      f"{type(path).__name__}")
     self.path = path
     self.timeline = None
     self.intervals: list[Any] = []

@@ -53,7 +53,10 @@ def _default_platform() -> str:
 def _timeout(value: float | None, what: str) -> int:
     if value is None:
         return -1
-    if value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"jaxstreams stage: {what} must be a number of ms >= 0 or None, "
+                        f"got {value!r} of type {type(value).__name__}")
+    if not value >= 0:
         raise ValueError(f"jaxstreams stage: {what} must be >= 0 ms or None, got {value}")
     return int(value)
 
@@ -80,6 +83,9 @@ class StageArea:
             raise ValueError("jaxstreams stage: an item must have at least one byte")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"jaxstreams stage: capacity must be an int >= 1, got {capacity!r}")
+        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+            raise ValueError(f"jaxstreams stage: device must be a device ordinal (an int "
+                             f">= 0), got {device!r}")
         self.platform = platform or _default_platform()
         self.device = device
         self.capacity = capacity
@@ -98,7 +104,10 @@ class StageArea:
         frees up within the timeout, StageClosedError after `close`.
         `delay_us` makes the copy stream slow first (tests of ordering).
         """
-        leaves = self._treedef.flatten_up_to(item)
+        leaves, treedef = jax.tree_util.tree_flatten(item)
+        if treedef != self._treedef:
+            raise ValueError(f"jaxstreams stage {self.id}: the item has structure {treedef}, "
+                             f"the stage holds items of structure {self._treedef}")
         arrays = []
         for i, (leaf, (shape, dtype)) in enumerate(zip(leaves, self._avals)):
             a = np.ascontiguousarray(np.asarray(leaf))

@@ -362,7 +362,8 @@ class _Core:
       try:
         request.signature = _signature(request.payload)
         self.traced_for(request.signature)   # f's own trace errors: here
-      except Exception as e:  # noqa: BLE001 -- it is this caller's error
+      except BaseException as e:  # noqa: BLE001 -- this caller's error, even a
+        # KeyboardInterrupt raised by f: it must not fail the rest of the batch
         self._fail(request, e)
         continue
       runnable.append(request)
@@ -669,14 +670,15 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
       max_batch_wait_ms, numbers.Real):
     raise TypeError(f"jaxstreams.serve: max_batch_wait_ms must be a number "
                     f">= 0, got {max_batch_wait_ms!r}")
-  if max_batch_wait_ms < 0:
-    raise ValueError(f"jaxstreams.serve: max_batch_wait_ms must be >= 0, got "
-                     f"{max_batch_wait_ms}")
+  if not 0 <= max_batch_wait_ms < float("inf"):
+    raise ValueError(f"jaxstreams.serve: max_batch_wait_ms must be a finite "
+                     f"number >= 0, got {max_batch_wait_ms}")
   if not isinstance(block, bool):
-    if not isinstance(block, numbers.Real) or block < 0:
+    if not isinstance(block, numbers.Real) or not block >= 0:
       raise TypeError(f"jaxstreams.serve: block must be True, False or a "
                       f"timeout in seconds >= 0, got {block!r}")
-    block = float(block)
+    # An infinite timeout is block=True (threading cannot wait for inf s).
+    block = True if block == float("inf") else float(block)
   if fun is None:
     return lambda f: serve(f, groups=groups,
                            max_batch_wait_ms=max_batch_wait_ms,

@@ -35,6 +35,7 @@ The pipeline, and the guarantees it keeps:
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import types
 import weakref
@@ -73,6 +74,9 @@ def _positive_int(value: Any, name: str, func: str) -> int:
   return _checks.integer(value, name=name, context=func, minimum=1)
 
 
+MAX_THREADS = 1024   # far more than the items worth placing at once
+
+
 def _timeout(value: Any, func: str) -> float | None:
   if value is None:
     return None
@@ -82,6 +86,8 @@ def _timeout(value: Any, func: str) -> float | None:
   if not value > 0:
     raise ValueError(f"{func}: timeout must be > 0 seconds or None, got "
                      f"{value!r}")
+  if math.isinf(value):
+    return None       # no bound (threading cannot wait an infinite time)
   return float(value)
 
 
@@ -129,12 +135,16 @@ class _Pipeline:
     self.stopped = False
     self.pulling = False        # a worker is inside next(iterator)
     self.max_in_flight = 0      # pulled but not yet delivered (for tests)
-    self.threads = [
-        threading.Thread(target=self._work, name=f"{name}-worker{i}",
-                         daemon=True)
-        for i in range(num_threads)]
-    for thread in self.threads:
-      thread.start()
+    self.threads = []
+    try:
+      for i in range(num_threads):
+        thread = threading.Thread(target=self._work, name=f"{name}-worker{i}",
+                                  daemon=True)
+        thread.start()
+        self.threads.append(thread)
+    except BaseException:
+      self.stop(join=True)    # no half-started pipeline keeps its workers
+      raise
 
   # Workers -------------------------------------------------------------------
   def _classify(self, exc: BaseException) -> str:
@@ -171,6 +181,8 @@ class _Pipeline:
         if kind in (_END, _ERROR):
           self.source_done = True   # nothing is pulled past an end or failure
         self.cond.notify_all()
+        if self.stopped:
+          return                    # closed while pulling: deliver nothing
       if kind == _VALUE:
         try:
           item = self.transform(item)
@@ -180,6 +192,8 @@ class _Pipeline:
             with self.cond:
               self.source_done = True
       with self.cond:
+        if self.stopped:
+          return                    # closed meanwhile: nothing is handed out
         self.results[number] = (kind, item)
         self.cond.notify_all()
 
@@ -361,6 +375,10 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
   func = "jaxstreams.prefetch"
   size = _positive_int(size, "size", func)
   num_threads = _positive_int(num_threads, "num_threads", func)
+  if num_threads > MAX_THREADS:
+    raise ValueError(f"{func}: num_threads must be <= {MAX_THREADS} (one "
+                     f"thread each; at most size={size} items are placed at "
+                     f"once), got {num_threads}")
   timeout = _timeout(timeout, func)
   closed = _exception_types(closed_exception_types, "closed_exception_types")
   ignored = _exception_types(ignored_exception_types, "ignored_exception_types")

@@ -126,6 +126,13 @@ class colocate_with:
 
   def __init__(self, x: Any):
     if not isinstance(x, jax.core.Tracer):
+      if any(isinstance(leaf, jax.core.Tracer)
+             for leaf in jax.tree_util.tree_leaves(x)):
+        raise TypeError(
+            "jaxstreams.colocate_with(x): x must be one traced array, got a "
+            f"{type(x).__name__} of them; its leaves may come from different "
+            "streams, so pass the one leaf whose stream the work should "
+            "follow, e.g. colocate_with(jax.tree_util.tree_leaves(x)[0])")
       raise TypeError(
           "jaxstreams.colocate_with(x): x must be a value traced inside a "
           "jaxstreams.jit function (a jax tracer), got "
