@@ -6,6 +6,8 @@ Kept apart from ``_jit.py`` so the stages can be driven without jax.jit
 
 from __future__ import annotations
 
+import gc
+
 from jaxstreams import config
 from jaxstreams.assign import (Placement, PlanOptions, assign_streams,
                                auto_assign, equation_cost, load_rules)
@@ -31,6 +33,20 @@ def options_from_config(auto: bool | None = None) -> PlanOptions:
 
 def plan_program(closed_jaxpr, streams: int, source: str, function_name: str,
                  options: PlanOptions = PlanOptions()) -> StreamPlan:
+  """Plan a traced program. Python's cyclic garbage collector is paused
+  meanwhile: planning allocates many small objects and frees none in cycles,
+  and full collections over a large traced program made planning time grow
+  faster than the program."""
+  collecting = gc.isenabled()
+  gc.disable()
+  try:
+    return _plan(closed_jaxpr, streams, source, function_name, options)
+  finally:
+    if collecting:
+      gc.enable()
+
+
+def _plan(closed_jaxpr, streams, source, function_name, options) -> StreamPlan:
   program = expose_tags(closed_jaxpr)
   placements = assign_streams(program, streams, source, options)
   costs = [equation_cost(e) for e in program.jaxpr.eqns]

@@ -87,10 +87,11 @@ def estimate(graph: RegionGraph, seconds: Sequence[float],
     cause[region] = why
     free[stream] = (end[region], region)
   makespan = max(max(end, default=0.0), work_seconds)
-  path = []
+  path, seen = [], set()
   node = max(range(count), key=end.__getitem__) if count else None
-  while node is not None and node not in path:
+  while node is not None and node not in seen:
     path.append(node)
+    seen.add(node)
     node = cause[node]
   single = max(sum(seconds), work_seconds)
   return Schedule(tuple(start), tuple(end), makespan, single,
