@@ -72,6 +72,31 @@ inline int Fail(JaxstreamsStatus status, const std::string& message, char* err,
   return status;
 }
 
+// Checks the host buffers of a stage put (CPU and CUDA alike): none null
+// unless empty, and together exactly one item of `item_bytes`.
+inline int CheckPutBuffers(int64_t id, int64_t n, const void* const* ptrs,
+                           const int64_t* sizes, int64_t item_bytes, char* err,
+                           int64_t errlen) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (sizes[i] < 0 || (sizes[i] > 0 && ptrs[i] == nullptr)) {
+      return Fail(JAXSTREAMS_INVALID_ARGUMENT,
+                  "jaxstreams: stage " + std::to_string(id) + " put: buffer " +
+                      std::to_string(i) + " is null or has a negative size",
+                  err, errlen);
+    }
+    total += sizes[i];
+  }
+  if (total != item_bytes) {
+    return Fail(JAXSTREAMS_INVALID_ARGUMENT,
+                "jaxstreams: stage " + std::to_string(id) + " holds items of " +
+                    std::to_string(item_bytes) + " bytes, the put has " +
+                    std::to_string(total) + " bytes",
+                err, errlen);
+  }
+  return JAXSTREAMS_OK;
+}
+
 }  // namespace jaxstreams
 #endif
 

@@ -102,22 +102,11 @@ int JaxstreamsCudaStagePut(int64_t id, int64_t n, const void* const* ptrs,
     return Fail(JAXSTREAMS_NOT_FOUND,
                 StrCat("jaxstreams: no CUDA stage with id ", id), err, errlen);
   }
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (sizes[i] < 0 || (sizes[i] > 0 && ptrs[i] == nullptr)) {
-      return Fail(JAXSTREAMS_INVALID_ARGUMENT,
-                  StrCat("jaxstreams: stage ", id, " put: buffer ", i,
-                         " is null or has a negative size"),
-                  err, errlen);
-    }
-    total += sizes[i];
-  }
-  if (total != stage->item_bytes) {
-    return Fail(JAXSTREAMS_INVALID_ARGUMENT,
-                StrCat("jaxstreams: stage ", id, " holds items of ",
-                       stage->item_bytes, " bytes, the put has ", total,
-                       " bytes"),
-                err, errlen);
+  if (int status = jaxstreams::CheckPutBuffers(id, n, ptrs, sizes,
+                                               stage->item_bytes, err,
+                                               errlen);
+      status != JAXSTREAMS_OK) {
+    return status;
   }
   int64_t slot = -1;
   switch (stage->queue->AcquireFree(timeout_ms, &slot)) {
