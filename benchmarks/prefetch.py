@@ -15,7 +15,19 @@ first. Two producers of host batches:
   expect well under 2x; with more cores than the step uses, close to 2x.
 
 Each configuration runs `--steps` steps after a warm-up, `--repeats` times,
-alternating configurations; the median steps/s is reported.
+alternating configurations; the median steps/s is reported. `prefetch` is
+`jaxstreams.prefetch` with its default transfer ("auto"); `prefetch_device_put`
+and `prefetch_stage_area` force each transfer path.
+
+The transfer paths themselves: a third case, "transfer", has a free
+producer (batches made in advance) of `--transfer-mb` MiB each and a consumer
+that only reduces each batch on the device, so the loop is bound by getting
+items onto the device. It compares jax.device_put ahead of time (flax's
+prefetch_to_device), prefetch with transfer="device_put" and prefetch with
+transfer="stage_area" (the runtime's StageArea: slots, copy stream, ready
+events; on CPU the CPU runtime's host slots and copy worker). The faster of
+the two prefetch paths here is what `transfer="auto"` should pick on this
+backend; the output says whether `AUTO_TRANSFER` agrees.
 
   python benchmarks/prefetch.py [--steps 40] [--repeats 3] [--out DIR]
 """
@@ -33,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
+from jaxstreams.stage.prefetch import AUTO_TRANSFER
 
 BATCH, WIDTH, HIDDEN = 256, 64, 512
 
@@ -107,10 +120,18 @@ def run_device_put_ahead(step, params, batches, size=2):
     step(params, b).block_until_ready()
 
 
-def run_prefetch(step, params, batches, size=2):
-  with jaxstreams.prefetch(batches, size=size) as it:
+def run_prefetch(step, params, batches, size=2, transfer="auto"):
+  with jaxstreams.prefetch(batches, size=size, transfer=transfer) as it:
     for b in it:
       step(params, b).block_until_ready()
+
+
+def run_prefetch_device_put(step, params, batches, size=2):
+  run_prefetch(step, params, batches, size, transfer="device_put")
+
+
+def run_prefetch_stage_area(step, params, batches, size=2):
+  run_prefetch(step, params, batches, size, transfer="stage_area")
 
 
 def run_staged(step, params, batches, capacity=2):
@@ -123,7 +144,95 @@ def run_staged(step, params, batches, capacity=2):
 
 
 CONFIGS = {"plain": run_plain, "device_put_ahead": run_device_put_ahead,
-           "prefetch": run_prefetch, "staged": run_staged}
+           "prefetch": run_prefetch,
+           "prefetch_device_put": run_prefetch_device_put,
+           "prefetch_stage_area": run_prefetch_stage_area,
+           "staged": run_staged}
+
+@jax.jit
+def reduce_step(params, batch):
+  del params
+  return sum(jnp.sum(leaf[:, :8]) for leaf in jax.tree_util.tree_leaves(batch))
+
+
+def transfer_batches(n, mib, seed=0):
+  """`n` host batches of about `mib` MiB (two float32 leaves and an int32 one),
+  made before the clock starts: the producer costs nothing."""
+  rows = max(1, int(mib * 2**20) // (4 * (WIDTH + WIDTH + 1)))
+  rng = np.random.default_rng(seed)
+  base = [{"x": rng.standard_normal((rows, WIDTH)).astype(np.float32),
+           "z": rng.standard_normal((rows, WIDTH)).astype(np.float32),
+           "ids": rng.integers(0, 1 << 20, (rows, 1), dtype=np.int32)}
+          for _ in range(4)]
+  # Fresh arrays per item: no path may reuse a copy of an earlier item.
+  return [jax.tree_util.tree_map(np.copy, base[i % 4]) for i in range(n)]
+
+
+def _timed_items(items):
+  """Consumes `items` (device arrays), reducing each on the device and
+  waiting for it; returns (seconds to the first item, seconds per later item)."""
+  t0 = time.perf_counter()
+  first = None
+  n = 0
+  for b in items:
+    reduce_step(None, b).block_until_ready()
+    n += 1
+    if first is None:
+      first = time.perf_counter()
+  end = time.perf_counter()
+  return first - t0, (end - first) / max(n - 1, 1)
+
+
+def _device_put_ahead_items(batches, size=2):
+  import collections
+  queue = collections.deque()
+  it = iter(batches)
+  for b in it:
+    queue.append(jax.device_put(b))
+    if len(queue) >= size:
+      break
+  while queue:
+    yield queue.popleft()
+    for b in it:
+      queue.append(jax.device_put(b))
+      break
+
+
+def _prefetch_items(transfer):
+  def items(batches, size=2):
+    with jaxstreams.prefetch(batches, size=size, transfer=transfer) as it:
+      yield from it
+  return items
+
+
+TRANSFER_CONFIGS = {"device_put_ahead": _device_put_ahead_items,
+                    "prefetch_device_put": _prefetch_items("device_put"),
+                    "prefetch_stage_area": _prefetch_items("stage_area")}
+
+
+def measure_transfer(steps, repeats, mib):
+  """Per path: the time to the first item (thread start, for the stage area
+  also creating it and compiling its get program) and the steady-state rate
+  over the items after it; `items_per_s` is the whole run's."""
+  item_mib = sum(a.nbytes for a in transfer_batches(1, mib)[0].values()) / 2**20
+  for fn in TRANSFER_CONFIGS.values():   # compile and warm up
+    _timed_items(fn(transfer_batches(3, mib)))
+  firsts = {name: [] for name in TRANSFER_CONFIGS}
+  steady = {name: [] for name in TRANSFER_CONFIGS}
+  for _ in range(repeats):
+    for name, fn in TRANSFER_CONFIGS.items():
+      first, per_item = _timed_items(fn(transfer_batches(steps, mib)))
+      firsts[name].append(first)
+      steady[name].append(1 / per_item)
+  first_ms = {k: statistics.median(v) * 1e3 for k, v in firsts.items()}
+  rate = {k: statistics.median(v) for k, v in steady.items()}
+  whole = {k: steps / (first_ms[k] / 1e3 + (steps - 1) / rate[k]) for k in rate}
+  return {"item_mib": item_mib, "items": steps, "first_item_ms": first_ms,
+          "steady_items_per_s": rate,
+          "steady_mib_per_s": {k: v * item_mib for k, v in rate.items()},
+          "items_per_s": whole,
+          "vs_device_put_ahead": {k: v / whole["device_put_ahead"] for k, v in whole.items()},
+          "runs_first_s": firsts, "runs_steady_items_per_s": steady}
 
 
 def measure_step(step, params, repeats=20):
@@ -142,6 +251,10 @@ def main():
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--transfer-steps", type=int, default=100,
+                      help="items per run in the transfer case")
+  parser.add_argument("--transfer-mb", type=float, nargs="+", default=[0.25, 4.0],
+                      help="item sizes (MiB) of the transfer case")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args()
 
@@ -169,6 +282,9 @@ def main():
         "speedup_vs_plain": {k: v / med["plain"] for k, v in med.items()},
         "runs": rates}
 
+  transfer = {f"{mib:g}MiB": measure_transfer(args.transfer_steps, args.repeats, mib)
+              for mib in args.transfer_mb}
+
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, {cores} cores, "
         f"step {step_s * 1e3:.2f} ms (batch {BATCH}, {args.layers} hidden layers)")
   for case, r in results.items():
@@ -188,6 +304,32 @@ def main():
         "host work: it stays at the plain loop's rate. The threaded prefetch "
         "stays the default path.")
 
+  print("\ntransfer paths (free producer, the consumer only reduces each item; "
+        "first item: time to it, incl. threads, stage area and its get program; "
+        "steady: the items after it; whole: the run):")
+  wins = {}
+  for size, r in transfer.items():
+    print(f"  {r['items']} items of {r['item_mib']:.2f} MiB:")
+    for name, rate in r["items_per_s"].items():
+      print(f"    {name:<20} first {r['first_item_ms'][name]:6.1f} ms  steady "
+            f"{r['steady_items_per_s'][name]:8.1f} items/s "
+            f"{r['steady_mib_per_s'][name]:8.1f} MiB/s  whole {rate:8.1f} items/s "
+            f"{r['vs_device_put_ahead'][name]:.2f}x device_put ahead")
+    dp, sa = (r["items_per_s"][k] for k in ("prefetch_device_put", "prefetch_stage_area"))
+    wins[size] = "stage_area" if sa > dp else "device_put"
+  for case in ("sleeping", "cpu"):
+    dp, sa = (results[case]["steps_per_s"][k]
+              for k in ("prefetch_device_put", "prefetch_stage_area"))
+    print(f"  producer '{case}': prefetch device_put {dp:.1f}, stage_area {sa:.1f} steps/s")
+  backend = jax.default_backend()
+  votes = list(wins.values())
+  measured = max(set(votes), key=votes.count)
+  auto = AUTO_TRANSFER.get(backend, "device_put")
+  verdict = ("agrees" if auto == measured else
+             "DISAGREES: update AUTO_TRANSFER in jaxstreams/stage/prefetch.py")
+  print(f"\nfaster prefetch transfer on {backend}, by item size: {wins}; "
+        f"transfer='auto' picks {auto!r}: {verdict}")
+
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"prefetch_{jax.default_backend()}.json")
   with open(path, "w") as f:
@@ -195,7 +337,10 @@ def main():
                "backend": jax.default_backend(), "device": str(jax.devices()[0]),
                "cores": cores, "machine": platform.machine(),
                "python": platform.python_version(), "step_ms": step_s * 1e3,
-               "steps": args.steps, "repeats": args.repeats, "cases": results},
+               "steps": args.steps, "repeats": args.repeats, "cases": results,
+               "transfer": transfer,
+               "transfer_faster": wins, "auto_transfer": auto,
+               "auto_agrees_with_measurement": auto == measured},
               f, indent=2)
   print(f"\nwrote {path}")
 

@@ -1,5 +1,7 @@
 """jaxstreams.prefetch: order, bounded lookahead, exceptions, timeouts,
-placement, argument checks, and that no worker thread outlives its iterator.
+placement, argument checks, and that no worker thread outlives its iterator;
+for both transfer paths (jax.device_put and the runtime's StageArea), which
+must hand out the same items bit for bit and leave no stage area behind.
 
 Structure and values only: no assertion depends on how fast anything runs.
 Waits are bounded (``_wait_until``, ``timeout=``), so a bug fails instead of
@@ -16,7 +18,10 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from jaxstreams.stage.prefetch import Prefetcher
+import jaxstreams.runtime as rt
+from jaxstreams.stage.prefetch import AUTO_TRANSFER, Prefetcher
+
+PATHS = ["device_put", "stage_area"]
 
 
 def _workers():
@@ -298,3 +303,260 @@ def test_single_exception_class_accepted():
   source = _Records(4, {1: KeyError("x")})
   with jaxstreams.prefetch(source, ignored_exception_types=KeyError) as it:
     assert [int(x) for x in it] == [0, 2, 3]
+
+
+# The stage-area path -----------------------------------------------------------
+
+
+def _assert_destroyed(area):
+  with pytest.raises(rt.RuntimeOpError, match=rf"stage {area.id} was destroyed"):
+    area.stats()
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.dtype, x.shape, x.tobytes()
+
+
+def _mixed_items(n):
+  rng = np.random.default_rng(0)
+  nan_payloads = np.array([0x7FC00001, 0xFFC00002, 0x7F800000, 0x80000000],
+                          np.uint32).view(np.float32)
+  for i in range(n):
+    yield {"x": np.concatenate([rng.standard_normal(60).astype(np.float32),
+                                nan_payloads]).reshape(8, 8),
+           "f64": rng.standard_normal(5) * 10.0 ** rng.integers(-30, 30, 5),
+           "ids": rng.integers(-2**31, 2**31, (3, 2), dtype=np.int64),
+           "mask": rng.integers(0, 2, 7).astype(bool),
+           "small": (rng.integers(-128, 128, 4).astype(np.int8),
+                     np.asarray(rng.standard_normal(3), jax.numpy.bfloat16)),
+           "step": np.int32(i),
+           "t": np.float32(i) / 3}
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_both_paths_give_the_same_items_bitwise(num_threads):
+  items = list(_mixed_items(12))
+  outs = {}
+  for path in PATHS:
+    with jaxstreams.prefetch(items, size=3, num_threads=num_threads,
+                             transfer=path, timeout=30) as it:
+      outs[path] = list(it)
+      assert it.transfer == path
+      assert it.placed == ({"device_put": 12, "stage_area": 0}
+                           if path == "device_put" else
+                           {"device_put": 0, "stage_area": 12})
+  want = [jax.device_put(item) for item in items]
+  for path, out in outs.items():
+    assert len(out) == len(items)
+    for got, ref in zip(out, want):
+      assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+      for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        assert isinstance(g, jax.Array), path
+        assert _bits(g) == _bits(r), path
+        assert g.weak_type == r.weak_type
+        assert g.devices() == r.devices()
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+def test_stage_area_keeps_order_with_many_threads(num_threads):
+  rng = random.Random(num_threads)
+
+  def source():
+    for i in range(60):
+      if rng.random() < 0.3:
+        time.sleep(rng.uniform(0, 0.003))
+      yield {"i": np.full((16,), i, np.int32)}
+
+  with jaxstreams.prefetch(source(), size=4, num_threads=num_threads,
+                           transfer="stage_area", timeout=30) as it:
+    got = [int(item["i"][0]) for item in it]
+    area = it.stage
+  assert got == list(range(60))
+  assert area.capacity == 4
+  _assert_destroyed(area)
+
+
+def test_stage_area_lookahead_is_bounded_by_size():
+  size = 3
+  pulled = []
+
+  def source():
+    for i in range(30):
+      pulled.append(i)
+      yield np.full(1000, i, np.float32)
+
+  allocations = []
+  with jaxstreams.prefetch(source(), size=size, transfer="stage_area",
+                           timeout=30) as it:
+    for i in range(30):
+      if i in (0, 10):
+        assert _wait_until(lambda: len(pulled) == min(30, i + size))
+        time.sleep(0.05)
+        assert len(pulled) == i + size
+        stats = it.stage.stats()
+        # The area holds at most size items, in memory allocated once.
+        assert stats.capacity == size and stats.queued <= size
+        allocations.append(stats.allocations)
+      assert int(next(it)[0]) == i
+    stats = it.stage.stats()
+    assert stats.puts == 30 and stats.gets == 30
+    assert allocations == [stats.allocations] * 2
+  assert it.max_in_flight == size
+
+
+def test_stage_area_errors_at_item_k_and_area_destroyed():
+  def source():
+    for i in range(3):
+      yield np.full(4, i, np.float32)
+    raise ValueError("bad record 3")
+
+  it = jaxstreams.prefetch(source(), size=4, transfer="stage_area", timeout=10)
+  assert [int(next(it)[0]) for _ in range(3)] == [0, 1, 2]
+  area = it.stage
+  with pytest.raises(ValueError, match="bad record 3"):
+    next(it)
+  _assert_destroyed(area)   # the error ended the iteration: area gone
+  with pytest.raises(StopIteration):
+    next(it)
+
+
+def test_stage_area_ignored_and_closed_exceptions():
+  source = _Records(9, {2: KeyError("x"), 5: KeyError("y"), 7: EOFError()})
+  with jaxstreams.prefetch(source, size=2, timeout=10, transfer="stage_area",
+                           ignored_exception_types=(KeyError,),
+                           closed_exception_types=(EOFError,)) as it:
+    assert [int(x) for x in it] == [0, 1, 3, 4, 6]
+    assert it.placed == {"device_put": 0, "stage_area": 5}
+  assert source.i == 8
+
+
+def test_stage_area_items_that_do_not_fit_use_device_put_in_order():
+  base = {"x": np.zeros((4, 2), np.float32), "n": np.int32(0)}
+  items = [
+      {"x": np.full((4, 2), 0, np.float32), "n": np.int32(0)},  # fixes the spec
+      {"x": np.full((3, 2), 1, np.float32), "n": np.int32(1)},  # shape
+      {"x": np.full((4, 2), 2, np.float16), "n": np.int32(2)},  # dtype
+      {"x": np.full((4, 2), 3, np.float32), "n": np.int32(3)},  # fits
+      {"x": np.full((4, 2), 4, np.float32)},                    # structure
+      {"x": np.full((4, 2), 5, np.float32), "n": 5},            # Python int
+      {"x": jax.numpy.full((4, 2), 6.0), "n": np.int32(6)},     # on device
+      {"x": np.full((4, 2), 7, np.float64), "n": np.int64(7)},  # canonical: fits
+      [np.float32(8)],                                         # another tree
+      {"x": np.full((4, 2), 9, np.float32), "n": np.int32(9)},  # fits
+  ]
+  del base
+  for num_threads in (1, 3):
+    with jaxstreams.prefetch(items, size=3, num_threads=num_threads,
+                             transfer="stage_area", timeout=30) as it:
+      out = list(it)
+      assert it.placed == {"stage_area": 4, "device_put": 6}
+    for got, item in zip(out, items):
+      ref = jax.device_put(item)
+      assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
+      for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        assert _bits(g) == _bits(r) and g.weak_type == r.weak_type
+
+
+def test_stage_area_first_item_that_cannot_be_staged_does_not_fix_the_spec():
+  items = [{"a": 1.5}, {"a": np.float32(2.5)}, {"a": np.float32(3.5)}]
+  with jaxstreams.prefetch(items, transfer="stage_area", timeout=10) as it:
+    assert [float(x["a"]) for x in it] == [1.5, 2.5, 3.5]
+    assert it.placed == {"device_put": 1, "stage_area": 2}
+
+
+def test_stage_area_placement_error_is_delivered_at_its_item():
+  items = [np.int32(0), np.int32(1), object(), np.int32(3)]
+  it = jaxstreams.prefetch(items, size=2, timeout=10, transfer="stage_area")
+  assert int(next(it)) == 0 and int(next(it)) == 1
+  with pytest.raises(TypeError):
+    next(it)
+  with pytest.raises(StopIteration):
+    next(it)
+
+
+def test_stage_area_destroyed_at_the_end_on_close_and_on_collection():
+  # The end.
+  it = jaxstreams.prefetch([np.ones(3, np.float32)] * 4, transfer="stage_area")
+  assert len(list(it)) == 4
+  _assert_destroyed(it.stage)
+
+  def forever():
+    i = 0
+    while True:
+      yield np.full(256, i, np.float32)
+      i += 1
+
+  # close() with workers blocked: size=1 and 3 threads, so two of them wait
+  # for a slot or their turn while the area is full.
+  it = jaxstreams.prefetch(forever(), size=1, num_threads=3,
+                           transfer="stage_area")
+  assert [int(next(it)[0]) for _ in range(5)] == [0, 1, 2, 3, 4]
+  area = it.stage
+  assert _wait_until(lambda: area.stats().queued == 1)
+  it.close()
+  assert not any(t.is_alive() for t in it.threads)
+  _assert_destroyed(area)
+
+  # Abandoned: collected while the worker waits on a full pipeline.
+  before = len(_workers())
+  it = jaxstreams.prefetch(forever(), size=2, num_threads=2,
+                           transfer="stage_area")
+  next(it)
+  area = it.stage
+  del it
+  gc.collect()
+  assert _wait_until(lambda: len(_workers()) == before, 10.0)
+  assert _wait_until(lambda: _raises_destroyed(area), 10.0)
+
+
+def _raises_destroyed(area):
+  try:
+    area.stats()
+  except rt.RuntimeOpError:
+    return True
+  return False
+
+
+def test_stage_area_outputs_survive_close_and_donation():
+  step = jax.jit(lambda b: b * 2, donate_argnums=0)
+  items = [np.full((64,), i, np.float32) for i in range(4)]
+  it = jaxstreams.prefetch(items, size=2, transfer="stage_area")
+  outs = [step(next(it)) for _ in range(2)]
+  it.close()   # the gets already dispatched have run before the area goes
+  _assert_destroyed(it.stage)
+  for i, out in enumerate(outs):
+    np.testing.assert_array_equal(out, items[i] * 2)
+
+
+def test_stage_area_timeout_then_usable():
+  release = threading.Event()
+
+  def source():
+    yield np.int32(0)
+    release.wait(10)
+    yield np.int32(1)
+
+  with jaxstreams.prefetch(source(), size=2, timeout=0.05,
+                           transfer="stage_area") as it:
+    assert int(next(it)) == 0
+    with pytest.raises(TimeoutError, match=r"item 1 of .*generator"):
+      next(it)
+    release.set()
+    it.timeout = 10
+    assert int(next(it)) == 1
+
+
+def test_transfer_argument():
+  with pytest.raises(ValueError, match=r"transfer must be one of \['auto', "
+                                       r"'device_put', 'stage_area'\], got 'pinned'"):
+    jaxstreams.prefetch([1], transfer="pinned")
+  with pytest.raises(ValueError, match="transfer='stage_area' cannot be used "
+                                       "here: it places items on jax's default"):
+    jaxstreams.prefetch([1], sharding=jax.devices()[0], transfer="stage_area")
+  # auto: the measured choice for this backend, device_put with a sharding.
+  with jaxstreams.prefetch([np.ones(2)]) as it:
+    assert it.transfer == AUTO_TRANSFER[jax.default_backend()]
+  with jaxstreams.prefetch([np.ones(2)], sharding=jax.devices()[0]) as it:
+    assert it.transfer == "device_put"
+  assert AUTO_TRANSFER["gpu"] == "device_put"  # not measured

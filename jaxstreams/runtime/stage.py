@@ -110,7 +110,8 @@ class StageArea:
                              f"the stage holds items of structure {self._treedef}")
         arrays = []
         for i, (leaf, (shape, dtype)) in enumerate(zip(leaves, self._avals)):
-            a = np.ascontiguousarray(np.asarray(leaf))
+            # order="C", not ascontiguousarray: that one makes a 0-d leaf 1-d.
+            a = np.asarray(leaf, order="C")
             if a.shape != shape or a.dtype != dtype:
                 raise ValueError(
                     f"jaxstreams stage {self.id}: item leaf {i} is {a.dtype}{list(a.shape)}, "

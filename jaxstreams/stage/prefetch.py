@@ -30,10 +30,32 @@ The pipeline, and the guarantees it keeps:
   iterator being garbage-collected stops the workers. Workers hold only the
   shared ``_Pipeline`` state, never the public iterator, so an abandoned
   iterator can be collected; a ``weakref.finalize`` then stops them.
+
+Two transfer paths (``transfer=``):
+
+* ``"device_put"``: the worker calls ``jax.device_put`` and waits until the
+  copy is done, so an item handed out is on the device.
+* ``"stage_area"``: the runtime's ``StageArea`` (``jaxstreams.runtime``) with
+  ``size`` slots. The first item whose leaves are all numpy arrays fixes the
+  structure, shapes and dtypes (dtypes as ``jax.device_put`` would make them:
+  float64 becomes float32 without x64) and creates the area. A worker
+  ``put()``s each item (on a GPU: into a pinned host slot, then a copy into
+  the slot's device buffer on the runtime's copy stream, with a ready event
+  per slot; on CPU the CPU runtime's host slots and copy worker); the
+  consumer takes it out with a small jitted function, cached per area, that
+  calls ``get()`` and returns device arrays. Puts are made in item order
+  (a ticket per item, taken when it is pulled), because the area is a FIFO
+  and ``get()`` takes the oldest item. An item that does not fit (another
+  structure, shape or dtype, or a leaf that is not a numpy array: a Python
+  scalar, an array already on a device) is placed with ``jax.device_put``
+  instead, in its place in the order, and counted in ``Prefetcher.placed``.
+  ``close()`` (and collection, and the end) closes the area, joins the
+  workers, waits for the gets already dispatched and destroys the area.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import threading
@@ -42,10 +64,11 @@ import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
+import numpy as np
 
 from jaxstreams import _checks
 
-__all__ = ["prefetch", "Prefetcher"]
+__all__ = ["prefetch", "Prefetcher", "TRANSFERS", "AUTO_TRANSFER"]
 
 _names = itertools.count()
 
@@ -117,11 +140,11 @@ class _Pipeline:
   """State shared by the workers and the consumer (never the public object,
   so that the public iterator can be garbage-collected while workers run)."""
 
-  def __init__(self, iterator: Iterator[Any], transform: Callable[[Any], Any],
+  def __init__(self, iterator: Iterator[Any], transfer: _Transfer,
                size: int, num_threads: int, closed: tuple, ignored: tuple,
                description: str, name: str):
     self.iterator = iterator
-    self.transform = transform
+    self.transfer = transfer
     self.size = size
     self.closed_types = closed
     self.ignored_types = ignored
@@ -135,12 +158,22 @@ class _Pipeline:
     self.stopped = False
     self.pulling = False        # a worker is inside next(iterator)
     self.max_in_flight = 0      # pulled but not yet delivered (for tests)
+    self.next_ticket = 0        # order of the items handed to the transfer
+    self.live_workers = 0       # started and not yet returned
+    self.released = False       # the transfer's resources were freed
     self.threads = []
     try:
       for i in range(num_threads):
         thread = threading.Thread(target=self._work, name=f"{name}-worker{i}",
                                   daemon=True)
-        thread.start()
+        with self.cond:
+          self.live_workers += 1
+        try:
+          thread.start()
+        except BaseException:
+          with self.cond:
+            self.live_workers -= 1
+          raise
         self.threads.append(thread)
     except BaseException:
       self.stop(join=True)    # no half-started pipeline keeps its workers
@@ -155,6 +188,14 @@ class _Pipeline:
     return _ERROR
 
   def _work(self) -> None:
+    try:
+      self._work_loop()
+    finally:
+      with self.cond:
+        self.live_workers -= 1
+      self._release_if_idle()
+
+  def _work_loop(self) -> None:
     while True:
       with self.cond:
         # A slot, and the right to pull (pulls are serialised to keep order).
@@ -180,12 +221,17 @@ class _Pipeline:
         self.pulling = False
         if kind in (_END, _ERROR):
           self.source_done = True   # nothing is pulled past an end or failure
+        if kind == _VALUE:
+          # Tickets follow pull order: the transfer may need to place items
+          # in order (a stage area is a FIFO) while threads place at once.
+          ticket = self.next_ticket
+          self.next_ticket += 1
         self.cond.notify_all()
         if self.stopped:
           return                    # closed while pulling: deliver nothing
       if kind == _VALUE:
         try:
-          item = self.transform(item)
+          item = self.transfer.place(ticket, item)
         except BaseException as exc:  # noqa: BLE001
           kind, item = self._classify(exc), exc
           if kind in (_END, _ERROR):
@@ -221,7 +267,9 @@ class _Pipeline:
         self.free_slots += 1
         self.cond.notify_all()
         if kind == _VALUE:
-          return value
+          # Under the lock: takes from a stage area happen in item order
+          # even if several threads call next() at once.
+          return self.transfer.deliver(value)
         if kind == _SKIP:
           continue
         self.stopped = True     # end or failure: nothing more to deliver
@@ -241,15 +289,18 @@ class _Pipeline:
       self.stopped = True
       self.results.clear()
       self.cond.notify_all()
+    self.transfer.stop()        # wakes a worker waiting in a stage put
     upstream = self.iterator
     if isinstance(upstream, Prefetcher):
       upstream._pipeline.stop(join=False)
     if not join:
+      self._release_if_idle()   # or the last worker does, when it returns
       return
     current = threading.current_thread()
     for thread in self.threads:
       if thread is not current:
         thread.join()
+    self._release_if_idle()
     if any(t.is_alive() for t in self.threads):
       return
     # Close what we own: an upstream pipeline (joins its workers) and a
@@ -260,6 +311,16 @@ class _Pipeline:
         upstream.close()
       except Exception:  # noqa: BLE001 - closing is best effort
         pass
+
+
+  def _release_if_idle(self) -> None:
+    """Frees the transfer's resources (a stage area) once the pipeline is
+    stopped and no worker can touch them any more; exactly once."""
+    with self.cond:
+      if not self.stopped or self.live_workers > 0 or self.released:
+        return
+      self.released = True
+    self.transfer.release()
 
 
 def _stop_unjoined(pipeline: _Pipeline) -> None:
@@ -276,20 +337,28 @@ class Prefetcher:
   """
 
   def __init__(self, iterable: Iterable[Any], size: int, *,
-               transform: Callable[[Any], Any], num_threads: int,
+               transform: Callable[[Any], Any] | None = None, num_threads: int,
                timeout: float | None, closed_exception_types: tuple,
-               ignored_exception_types: tuple, func: str = "jaxstreams.prefetch"):
+               ignored_exception_types: tuple, func: str = "jaxstreams.prefetch",
+               transfer: _Transfer | None = None):
+    if (transform is None) == (transfer is None):
+      raise TypeError(f"{func}: give exactly one of transform and transfer")
+    if transfer is None:
+      transfer = _FunctionTransfer(transform)
+    self.transfer = transfer.name
     self.size = size
     self.num_threads = num_threads
     self.timeout = timeout
     try:
       iterator = iter(iterable)
     except TypeError:
+      transfer.release()
       raise TypeError(f"{func}: iterable must be iterable, got {iterable!r} "
                       f"of type {type(iterable).__name__}") from None
     name = f"jaxstreams-prefetch-{next(_names)}"
+    self._transfer = transfer
     self._pipeline = _Pipeline(
-        iterator, transform, size, num_threads,
+        iterator, transfer, size, num_threads,
         closed_exception_types, ignored_exception_types,
         _describe(iterable), name)
     self._finalizer = weakref.finalize(self, _stop_unjoined, self._pipeline)
@@ -321,6 +390,20 @@ class Prefetcher:
   def threads(self) -> list[threading.Thread]:
     return list(self._pipeline.threads)
 
+  @property
+  def placed(self) -> dict[str, int]:
+    """How many items each path placed so far: ``{"device_put": n,
+    "stage_area": m}`` (with ``transfer="stage_area"``, ``device_put``
+    counts the items that did not fit the stage area)."""
+    return self._transfer.counts()
+
+  @property
+  def stage(self) -> Any:
+    """The ``jaxstreams.runtime.StageArea`` in use (``transfer="stage_area"``,
+    once the first item that fits was placed), else None. It is destroyed
+    when the iterator stops (its ``stats()`` then raises)."""
+    return getattr(self._transfer, "area", None)
+
   def __enter__(self) -> Prefetcher:
     return self
 
@@ -329,21 +412,285 @@ class Prefetcher:
 
   def __repr__(self) -> str:
     return (f"<jaxstreams.prefetch of {self._pipeline.description}, "
-            f"size={self.size}, num_threads={self.num_threads}>")
+            f"size={self.size}, num_threads={self.num_threads}, "
+            f"transfer={self.transfer!r}>")
 
 
-def _device_put(sharding: Any) -> Callable[[Any], Any]:
-  def place(item: Any) -> Any:
-    # Waiting here, in the worker, means an item handed out is really on the
-    # device, and the lookahead bound counts real device memory.
-    return jax.block_until_ready(jax.device_put(item, sharding))
-  return place
+# Transfers -------------------------------------------------------------------
+
+TRANSFERS = ("auto", "device_put", "stage_area")
+
+# What transfer="auto" picks, by jax.default_backend(), from the figures of
+# benchmarks/prefetch.py (benchmarks/results/prefetch_<backend>.json).
+# CPU: measured; see the "transfer" case there. GPU: not measured by this
+# project yet (no GPU was available to the session that wrote the stage-area
+# path), so it stays on jax.device_put until a GPU measurement supports the
+# stage area. Other backends have no runtime library: device_put.
+AUTO_TRANSFER = {"cpu": "device_put", "gpu": "device_put"}
+
+# A get is only dispatched for an item already put, so it never waits for a
+# producer; the bound only turns a runtime bug into an error, not a hang.
+_GET_TIMEOUT_MS = 60_000
+
+
+class _Transfer:
+  """How a worker places an item and how the consumer receives it.
+
+  ``place(ticket, item)`` runs in a worker (tickets are 0, 1, 2... in pull
+  order, one per item pulled); ``deliver(value)`` runs in the consumer, under
+  the pipeline's lock, in item order, with what ``place`` returned; ``stop()``
+  may run on any thread and only signals; ``release()`` runs once, when no
+  worker is left and nothing more will be delivered."""
+
+  name = "custom"
+
+  def place(self, ticket: int, item: Any) -> Any:
+    raise NotImplementedError
+
+  def deliver(self, value: Any) -> Any:
+    return value
+
+  def stop(self) -> None:
+    pass
+
+  def release(self) -> None:
+    pass
+
+  def counts(self) -> dict[str, int]:
+    return {}
+
+
+class _FunctionTransfer(_Transfer):
+  """A plain function of the item (``Prefetcher(transform=...)``)."""
+
+  def __init__(self, transform: Callable[[Any], Any]):
+    self.transform = transform
+
+  def place(self, ticket: int, item: Any) -> Any:
+    return self.transform(item)
+
+
+def _device_put_now(item: Any, sharding: Any) -> Any:
+  # Waiting here, in the worker, means an item handed out is really on the
+  # device, and the lookahead bound counts real device memory.
+  return jax.block_until_ready(jax.device_put(item, sharding))
+
+
+class _DevicePutTransfer(_Transfer):
+  name = "device_put"
+
+  def __init__(self, sharding: Any):
+    self.sharding = sharding
+    self.lock = threading.Lock()
+    self.placed = 0
+
+  def place(self, ticket: int, item: Any) -> Any:
+    out = _device_put_now(item, self.sharding)
+    with self.lock:
+      self.placed += 1
+    return out
+
+  def counts(self) -> dict[str, int]:
+    return {"device_put": self.placed, "stage_area": 0}
+
+
+class _InStage:
+  """What a worker hands the consumer for an item waiting in the stage area:
+  its structure (the area holds the flat leaves)."""
+  __slots__ = ("treedef",)
+
+  def __init__(self, treedef: Any):
+    self.treedef = treedef
+
+
+def _stageable_leaves(item: Any) -> tuple[Any, list[np.ndarray]] | None:
+  """(treedef, leaves as the numpy arrays ``jax.device_put`` would copy), or
+  None when a leaf is not a numpy array of a dtype a device holds."""
+  leaves, treedef = jax.tree_util.tree_flatten(item)
+  if not leaves:
+    return None
+  arrays = []
+  for leaf in leaves:
+    # Python scalars become weakly typed arrays under device_put, jax arrays
+    # are already placed: neither goes through the area.
+    if not isinstance(leaf, (np.ndarray, np.generic)):
+      return None
+    dtype = leaf.dtype
+    if dtype.kind not in "biufc" and dtype.name not in _EXTRA_DTYPES:
+      return None
+    try:
+      canonical = jax.dtypes.canonicalize_dtype(dtype)
+    except (TypeError, ValueError):
+      return None
+    # The same conversion device_put makes (float64 -> float32 without x64).
+    arrays.append(np.asarray(leaf, dtype=canonical, order="C"))
+  return treedef, arrays
+
+
+# ml_dtypes' types have numpy kind "V"; they are ordinary device dtypes.
+_EXTRA_DTYPES = frozenset({
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e3m4", "float8_e4m3",
+    "float8_e8m0fnu", "int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
+
+
+class _StageAreaTransfer(_Transfer):
+  """Items through a ``jaxstreams.runtime.StageArea`` of ``size`` slots."""
+
+  name = "stage_area"
+
+  def __init__(self, size: int, platform: str):
+    self.size = size
+    self.platform = platform
+    self.cond = threading.Condition()
+    self.turn = 0               # the ticket whose turn it is to put
+    self.stopped = False
+    self.area = None            # created by the first item that fits
+    self.spec = None            # ((shape, dtype), ...) of its leaves
+    self.treedef = None
+    self.getter = None
+    self.pending = collections.deque()   # gets dispatched, maybe not run yet
+    self.staged = 0
+    self.fallbacks = 0
+
+  # Worker side -----------------------------------------------------------------
+  def place(self, ticket: int, item: Any) -> Any:
+    with self.cond:
+      while self.turn != ticket and not self.stopped:
+        self.cond.wait()
+      if self.stopped:
+        raise _Stopped
+    fits = False
+    try:
+      flat = _stageable_leaves(item)
+      if flat is not None:
+        treedef, arrays = flat
+        spec = tuple((a.shape, a.dtype) for a in arrays)
+        if self.area is None and sum(a.nbytes for a in arrays) > 0:
+          self._create(spec, treedef)
+        fits = self.area is not None and spec == self.spec and (
+            treedef == self.treedef)
+      if fits:
+        # Blocks while the area is full (a get dispatched but not yet run);
+        # stop() closes the area, which ends the wait with StageClosedError.
+        self.area.put(arrays)
+        with self.cond:
+          self.staged += 1
+        return _InStage(treedef)
+    finally:
+      with self.cond:
+        self.turn += 1          # the next ticket may put now
+        self.cond.notify_all()
+    out = _device_put_now(item, None)
+    with self.cond:
+      self.fallbacks += 1
+    return out
+
+  def _create(self, spec, treedef) -> None:
+    from jaxstreams import runtime   # pylint: disable=import-outside-toplevel
+    with self.cond:
+      if self.stopped:
+        raise _Stopped
+      self.area = runtime.StageArea(
+          [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in spec],
+          capacity=self.size, platform=self.platform)
+      self.spec, self.treedef = spec, treedef
+      area = self.area
+      # One small program per area: the area's id is an attribute of the
+      # custom call. The extra scalar is written by the same execution; the
+      # consumer keeps it to know when the get has run (the arrays handed out
+      # may be donated or deleted by then).
+      self.getter = jax.jit(lambda: (area.get(timeout_ms=_GET_TIMEOUT_MS),
+                                     jax.numpy.zeros((), jax.numpy.int32)))
+
+  # Consumer side ---------------------------------------------------------------
+  def deliver(self, value: Any) -> Any:
+    if not isinstance(value, _InStage):
+      return value              # placed with device_put
+    leaves, done = self.getter()
+    while self.pending and self.pending[0].is_ready():
+      self.pending.popleft()
+    self.pending.append(done)
+    return value.treedef.unflatten(leaves)
+
+  # Lifetime ----------------------------------------------------------------------
+  def stop(self) -> None:
+    with self.cond:
+      self.stopped = True
+      self.cond.notify_all()
+      area = self.area
+    if area is not None:
+      area.close()              # a put waiting for a free slot fails now
+
+  def release(self) -> None:
+    with self.cond:
+      self.stopped = True
+      self.cond.notify_all()
+      area = self.area          # kept, destroyed: stats() says so
+      pending, self.pending = list(self.pending), collections.deque()
+    if area is None:
+      return
+    # A get dispatched but not yet run would find no area: wait for them.
+    for done in pending:
+      try:
+        done.block_until_ready()
+      except Exception:  # noqa: BLE001 - its error went to the item's user
+        pass
+    area.destroy()
+
+  def counts(self) -> dict[str, int]:
+    with self.cond:
+      return {"device_put": self.fallbacks, "stage_area": self.staged}
+
+
+class _Stopped(Exception):
+  """The pipeline stopped while a worker waited for its turn to put."""
+
+
+def _stage_platform(sharding: Any) -> tuple[str | None, str]:
+  """The runtime platform a stage area would use, or None and why not."""
+  if sharding is not None:
+    return None, ("it places items on jax's default device only, and "
+                  f"sharding={sharding!r} was given")
+  backend = jax.default_backend()
+  platform = {"cpu": "cpu", "gpu": "cuda"}.get(backend)
+  if platform is None:
+    return None, f"the native runtime has no {backend!r} implementation"
+  try:
+    from jaxstreams import runtime   # pylint: disable=import-outside-toplevel
+    available = runtime.available_platforms()
+  except Exception as e:  # noqa: BLE001 - reported in the message
+    return None, f"the native runtime could not be loaded ({e})"
+  if platform not in available:
+    return None, (f"the runtime library for {platform!r} is not built or not "
+                  f"found (loaded: {list(available)}; set "
+                  f"{runtime.ENV_LIB_DIR} to a build's lib/ directory)")
+  return platform, ""
+
+
+def _resolve_transfer(transfer: Any, sharding: Any, size: int,
+                      func: str) -> _Transfer:
+  if not isinstance(transfer, str) or transfer not in TRANSFERS:
+    raise ValueError(f"{func}: transfer must be one of {list(TRANSFERS)}, got "
+                     f"{transfer!r}")
+  if transfer == "auto":
+    transfer = AUTO_TRANSFER.get(jax.default_backend(), "device_put")
+    if transfer == "stage_area" and _stage_platform(sharding)[0] is None:
+      transfer = "device_put"
+  if transfer == "device_put":
+    return _DevicePutTransfer(sharding)
+  platform, why_not = _stage_platform(sharding)
+  if platform is None:
+    raise ValueError(f"{func}: transfer='stage_area' cannot be used here: "
+                     f"{why_not}. Use transfer='device_put' or 'auto'.")
+  return _StageAreaTransfer(size, platform)
 
 
 def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
              num_threads: int = 1, timeout: float | None = None,
              closed_exception_types: Any = (StopIteration,),
-             ignored_exception_types: Any = ()) -> Prefetcher:
+             ignored_exception_types: Any = (),
+             transfer: str = "auto") -> Prefetcher:
   """An iterator over ``iterable``'s items, placed on the device ahead of use.
 
   Args:
@@ -364,13 +711,38 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
       raised for an item (``StopIteration`` from the iterable always does).
     ignored_exception_types: exceptions that skip the item they were raised
       for; iteration continues with the next one.
+    transfer: how items reach the device.
+
+      * ``"device_put"``: ``jax.device_put`` in the worker, which waits until
+        the copy is done.
+      * ``"stage_area"``: the runtime's ``StageArea`` with ``size`` slots (on
+        a GPU: pinned host slots, copies on the runtime's copy stream, a
+        ready event per slot; on CPU: the CPU runtime's slots). The first
+        item whose leaves are all numpy arrays fixes the structure, shapes
+        and dtypes; an item that does not fit them, or has a leaf that is
+        not a numpy array (a Python scalar, an array already on a device),
+        is placed with ``jax.device_put`` instead, in its place in the order
+        (``Prefetcher.placed`` counts both). Items go to jax's default
+        device: with a ``sharding``, ``"stage_area"`` raises ValueError.
+        Each iterator compiles one small program for its area's gets.
+      * ``"auto"`` (default): the path ``benchmarks/prefetch.py`` measured
+        faster on this backend (``AUTO_TRANSFER``). On CPU that is
+        ``"device_put"`` (the stage area adds host copies there and moves no
+        data to another memory). On a GPU it is ``"device_put"`` too: the
+        stage-area path has not been measured on a GPU by this project yet,
+        and ``"auto"`` will pick it only once a measurement supports it.
+        ``"device_put"`` also whenever ``"stage_area"`` cannot be used (a
+        ``sharding`` given, no runtime library for the backend).
+
+      Both paths hand out the same arrays, bit for bit, with the same dtypes.
 
   Any other exception raised for item ``k`` is raised by ``next()`` after
   items ``< k`` were delivered, and ends the iteration.
 
   Returns a ``Prefetcher``: an iterator and a context manager with
   ``close()``. Workers stop at the end, on ``close()``, on leaving the
-  ``with`` block, or when the iterator is garbage-collected.
+  ``with`` block, or when the iterator is garbage-collected; a stage area is
+  destroyed then (once the gets already dispatched have run).
   """
   func = "jaxstreams.prefetch"
   size = _positive_int(size, "size", func)
@@ -388,7 +760,8 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
                      "closed_exception_types and ignored_exception_types; an "
                      "exception either ends the iteration or skips an item")
   _check_sharding(sharding)
-  return Prefetcher(iterable, size, transform=_device_put(sharding),
+  placer = _resolve_transfer(transfer, sharding, size, func)
+  return Prefetcher(iterable, size, transfer=placer,
                     num_threads=num_threads, timeout=timeout,
                     closed_exception_types=closed,
                     ignored_exception_types=ignored)
