@@ -25,10 +25,11 @@ Three loops over the same batches, from the same parameters:
 
 * unstaged: `for raw in rows: params, loss = step(params, prepare(raw))`.
 * staged: `jaxstreams.staged(step, data=prepared_batches, smart=True)`. The
-  host preparation runs in the runner's reader thread, the data-only part of
-  the step (the count transform, the per-feature id offsets, the labels) and
-  the host-to-device copy in its producer thread, a batch ahead, while the
-  consumer (lookups, MLPs, towers, update; its stream plan kept) runs.
+  host preparation and the host-to-device copy run in the runner's reader
+  thread; each call is one program that runs the consumer (lookups, MLPs,
+  towers, update; its stream plan kept) for this batch and, on a stream of
+  its own, the data-only part of the step (the count transform, the
+  per-feature id offsets, the labels) for the next batch.
 * prefetch: `for batch in jaxstreams.prefetch(prepared_batches):` the same
   step, with the preparation and copy in a worker thread.
 
@@ -39,8 +40,8 @@ already overlaps host work with the previous step through JAX's asynchronous
 dispatch, and staging has less to add. The example prints the throughputs
 (steps/s, first step excluded), the speedups, and whether every loss and the
 final parameters are identical to the unstaged loop: bitwise on CPU, where the
-staged split runs exactly the step's equations; to rounding on a GPU, where
-XLA fuses the split programs differently.
+staged program runs exactly the step's equations; to rounding on a GPU, where
+XLA fuses the staged program differently.
 
 On a CPU the host preparation and XLA's computation share the cores: the
 gain from overlapping CPU work with CPU work needs a free core for each, so

@@ -28,8 +28,8 @@ It then runs the same step as a plain loop (`for batch in reader:
 params, loss = step(params, batch)`, with `jax.jit`) and prints both
 throughputs (steps/s, first step excluded, median of `--repeats` runs) and
 whether the two loss trajectories and final parameters are identical: bitwise
-on CPU, where the staged split computes exactly the equations of the step.
-(On a GPU, XLA may fuse the split programs differently, so agreement is to
+on CPU, where the staged program computes exactly the equations of the step.
+(On a GPU, XLA may fuse the staged program differently, so agreement is to
 rounding.) Both loops fetch the loss every `--fetch_every` steps (default 1,
 as `sess.run([target])` does in the seed's example each step).
 
@@ -244,8 +244,9 @@ def run_unstaged(step, params, batches, fetch_every):
 
 
 def run_staged(step, params, batches, fetch_every, capacity):
-  """SmartStage: each call consumes the next batch; the reader and the
-  data-only part of the following batches already run in their threads."""
+  """SmartStage: each call consumes the next batch; the reader thread has
+  read it ahead, and the program of the previous call already computed its
+  data-only part (beside that call's consumer, on a stream of its own)."""
   loop = Loop(fetch_every)
   with jaxstreams.staged(step, data=batches, smart=True,
                          capacity=capacity) as runner:

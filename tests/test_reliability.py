@@ -446,13 +446,18 @@ def _staged_step(params, batch):
   return batch["i"], jnp.sum(g * params)
 
 
+STAGED_MODES = ["fused", "threads"]
+
+
+@pytest.mark.parametrize("mode", STAGED_MODES)
 @pytest.mark.parametrize("error", [OSError("unreadable shard"),
                                    KeyboardInterrupt("producer interrupted")])
-def test_staged_error_at_batch_k(error):
+def test_staged_error_at_batch_k(error, mode):
   k = 5
   source = _Source(12, fail_at=k, error=error)
   params = jnp.float32(0.5)
-  runner = jaxstreams.staged(_staged_step, data=iter(source), capacity=2)
+  runner = jaxstreams.staged(_staged_step, data=iter(source), capacity=2,
+                             mode=mode)
   seen = []
   with pytest.raises(type(error), match=str(error)):
     for _ in range(12):
@@ -468,7 +473,8 @@ def test_staged_error_at_batch_k(error):
     runner(params)
 
 
-def test_staged_producer_stage_failing_at_batch_k():
+@pytest.mark.parametrize("mode", STAGED_MODES)
+def test_staged_producer_stage_failing_at_batch_k(mode):
   """A producer stage's own computation fails for batch k (in a worker)."""
   def check(i):
     if int(i) == 4:
@@ -481,7 +487,7 @@ def test_staged_producer_stage_failing_at_batch_k():
     return batch["i"], jnp.sum(f) * params
 
   source = _Source(10)
-  runner = jaxstreams.staged(step, data=iter(source), capacity=2)
+  runner = jaxstreams.staged(step, data=iter(source), capacity=2, mode=mode)
   seen = []
   with pytest.raises(Exception, match="bad batch 4"):
     for _ in range(10):
@@ -491,10 +497,14 @@ def test_staged_producer_stage_failing_at_batch_k():
   assert source.closed.is_set()
 
 
-def test_staged_keyboard_interrupt_while_waiting_for_a_hung_batch():
+@pytest.mark.parametrize("mode", STAGED_MODES)
+def test_staged_keyboard_interrupt_while_waiting_for_a_hung_batch(mode):
+  # Fused: the calls for batches 0-2 do not wait for batch 3 (which their
+  # programs would have started producing); the call for batch 3 does.
   source = _Source(10, hang_at=3)
   params = jnp.float32(0.5)
-  runner = jaxstreams.staged(_staged_step, data=iter(source), capacity=1)
+  runner = jaxstreams.staged(_staged_step, data=iter(source), capacity=1,
+                             mode=mode)
   seen = [int(runner(params)[0]) for _ in range(3)]
   threading.Timer(0.4, source.release.set).start()
   with pytest.raises(KeyboardInterrupt):
@@ -507,10 +517,12 @@ def test_staged_keyboard_interrupt_while_waiting_for_a_hung_batch():
     runner(params)
 
 
-def test_staged_abandoned_halfway_closes_the_data():
+@pytest.mark.parametrize("mode", STAGED_MODES)
+def test_staged_abandoned_halfway_closes_the_data(mode):
   source = _Source(1000)
   params = jnp.float32(0.5)
-  with jaxstreams.staged(_staged_step, data=iter(source), capacity=2) as runner:
+  with jaxstreams.staged(_staged_step, data=iter(source), capacity=2,
+                         mode=mode) as runner:
     assert [int(runner(params)[0]) for _ in range(4)] == [0, 1, 2, 3]
   assert source.closed.is_set()
   assert len(source.pulled) < 20                # bounded lookahead

@@ -4,6 +4,14 @@ for 1, 2 and 3 stages and several capacities; smart staging picks the
 data-only subgraph; misuse gives errors that name the offending value; no
 worker thread outlives the runner.
 
+Both modes are checked: ``mode="fused"`` (the default: one jaxstreams.jit
+program per call runs the consumer of batch k and the producer stages of the
+following batches, seed 004's ``A0; A1 B0; A2 B1 C0; ...``) and
+``mode="threads"`` (a worker thread and a program per producer stage). For
+the fused mode the device-overlap claim is checked structurally: the program
+lowered for CUDA has the producer inside calls annotated with its stream and
+the consumer outside them.
+
 The reference is the step as one jitted program (how steps run): the staged
 outputs are bitwise equal to it. Op-by-op eager execution of the same Python
 function agrees only to rounding (XLA fuses a jitted reduction differently
@@ -13,6 +21,7 @@ Structure and values only, never timings.
 """
 
 import gc
+import re
 import threading
 import time
 
@@ -105,12 +114,17 @@ def _assert_same(got, want):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+MODES = ["fused", "threads"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("step, n_stages", [(step1, 1), (step2, 2), (step3, 3)])
 @pytest.mark.parametrize("capacity", [1, 2, 3])
-def test_outputs_identical_to_plain_loop(step, n_stages, capacity):
+def test_outputs_identical_to_plain_loop(step, n_stages, capacity, mode):
   params, data = _params(), _batches(7)
   want = [jax.jit(step)(params, b) for b in data]
-  with jaxstreams.staged(step, data=data, capacity=capacity) as runner:
+  with jaxstreams.staged(step, data=data, capacity=capacity,
+                         mode=mode) as runner:
     got = _run(runner, params)
     plan = runner.staged_plan()
   _assert_same(got, want)
@@ -122,22 +136,25 @@ def test_outputs_identical_to_plain_loop(step, n_stages, capacity):
     assert spec.equations and all(e.level is not None for e in spec.equations)
 
 
-def test_stop_iteration_after_drain_and_threads_gone():
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_iteration_after_drain_and_threads_gone(mode):
   params, data = _params(), _batches(3)
-  runner = jaxstreams.staged(step2, data=iter(data), capacity=2)
+  runner = jaxstreams.staged(step2, data=iter(data), capacity=2, mode=mode)
   assert len(_run(runner, params)) == 3
   assert _workers() == []
   with pytest.raises(StopIteration):
     runner(params)
 
 
-def test_empty_data():
-  runner = jaxstreams.staged(step1, data=[])
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_data(mode):
+  runner = jaxstreams.staged(step1, data=[], mode=mode)
   with pytest.raises(StopIteration):
     runner(_params())
 
 
-def test_lookahead_bounded_by_capacity_per_stage():
+@pytest.mark.parametrize("mode", MODES)
+def test_lookahead_bounded_by_capacity_per_stage(mode):
   params, data = _params(), _batches(30)
   pulled, calls, ahead = [0], [0], []
 
@@ -148,19 +165,27 @@ def test_lookahead_bounded_by_capacity_per_stage():
       yield b
 
   capacity = 2
-  with jaxstreams.staged(step3, data=source(), capacity=capacity) as runner:
+  with jaxstreams.staged(step3, data=source(), capacity=capacity,
+                         mode=mode) as runner:
     for _ in range(30):
       runner(params)
       calls[0] += 1
+  if mode == "threads":
     # The reader and 3 producer stages, `capacity` finished items each and
     # one in hand between stages; +1 for the item the consumer counts after
     # the call returns.
-  assert max(ahead) <= 4 * (capacity + 1) + 1
+    assert max(ahead) <= 4 * (capacity + 1) + 1
+  else:
+    # At most K + 1 = 4 batches in the pipeline (the one consumed and one
+    # per stage), `capacity` read ahead and one in the reader's hand; +1 as
+    # above.
+    assert max(ahead) <= 4 + capacity + 1 + 1
   assert pulled[0] == 30
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("data_argnum", [0, 1, -2])
-def test_data_argnum(data_argnum):
+def test_data_argnum(data_argnum, mode):
   params, data = _params(), _batches(4)
   scale = jnp.float32(0.5)
 
@@ -177,22 +202,25 @@ def test_data_argnum(data_argnum):
     return jax.jit(step)(*args)
 
   want = [call(b) for b in data]
-  with jaxstreams.staged(step, data=data, data_argnum=data_argnum) as runner:
+  with jaxstreams.staged(step, data=data, data_argnum=data_argnum,
+                         mode=mode) as runner:
     _assert_same(_run(runner, params, scale), want)
 
 
-def test_jaxstreams_jit_and_jax_jit_steps():
+@pytest.mark.parametrize("mode", MODES)
+def test_jaxstreams_jit_and_jax_jit_steps(mode):
   params, data = _params(), _batches(4)
   want = [jax.jit(step1)(params, b) for b in data]
   for wrapped in (jaxstreams.jit(step1, streams=2), jax.jit(step1)):
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(
         lambda a, b: bool(jnp.all(a == b)), wrapped(params, data[0]), want[0]))
-    with jaxstreams.staged(wrapped, data=data, capacity=2) as runner:
+    with jaxstreams.staged(wrapped, data=data, capacity=2, mode=mode) as runner:
       _assert_same(_run(runner, params), want)
       assert len(runner.staged_plan().producers) == 1
 
 
-def test_training_step_with_grad():
+@pytest.mark.parametrize("mode", MODES)
+def test_training_step_with_grad(mode):
   data = _batches(5)
 
   def step(params, batch):
@@ -207,7 +235,7 @@ def test_training_step_with_grad():
     value, params = jax.jit(step)(params, b)
     want.append((value, params))
   params, got = _params(), []
-  with jaxstreams.staged(step, data=data) as runner:
+  with jaxstreams.staged(step, data=data, mode=mode) as runner:
     for _ in data:
       value, params = runner(params)   # parameters change every step
       got.append((value, params))
@@ -235,9 +263,11 @@ def test_smart_stages_the_data_only_subgraph():
   assert "stage 0 (producer)" in str(plan) and "smart" in str(plan)
 
   want = [jax.jit(step)(params, b) for b in data]
-  with jaxstreams.staged(step, data=data, smart=True, capacity=2) as runner:
-    _assert_same(_run(runner, params), want)
-    assert runner.plan.smart
+  for mode in MODES:
+    with jaxstreams.staged(step, data=data, smart=True, capacity=2,
+                           mode=mode) as runner:
+      _assert_same(_run(runner, params), want)
+      assert runner.plan.smart
 
 
 def test_smart_widens_beyond_stage_calls():
@@ -254,16 +284,19 @@ def test_smart_widens_beyond_stage_calls():
   assert "sin" in {e.primitive for e in smart.producers[0].equations}
   want = [jax.jit(step)(params, b) for b in data]
   for is_smart in (False, True):
-    with jaxstreams.staged(step, data=data, smart=is_smart) as runner:
-      _assert_same(_run(runner, params), want)
+    for mode in MODES:
+      with jaxstreams.staged(step, data=data, smart=is_smart,
+                             mode=mode) as runner:
+        _assert_same(_run(runner, params), want)
 
 
-def test_producer_reading_parameters_is_an_error_naming_them():
+@pytest.mark.parametrize("mode", MODES)
+def test_producer_reading_parameters_is_an_error_naming_them(mode):
   def step(params, batch):
     f = jaxstreams.stage(batch["x"] @ params["w"][:4])
     return jnp.sum(f)
 
-  runner = jaxstreams.staged(step, data=_batches(3))
+  runner = jaxstreams.staged(step, data=_batches(3), mode=mode)
   with pytest.raises(ValueError, match=r"depends on args\[0\]\['w'\], which is "
                      r"not the data argument args\[1\]"):
     runner(_params())
@@ -306,7 +339,8 @@ def test_stage_outside_a_staged_step_is_the_identity():
   np.testing.assert_array_equal(grad, jnp.cos(jnp.ones(3)))
 
 
-def test_data_exception_raised_at_its_batch():
+@pytest.mark.parametrize("mode", MODES)
+def test_data_exception_raised_at_its_batch(mode):
   params, data = _params(), _batches(3)
 
   def source():
@@ -314,7 +348,7 @@ def test_data_exception_raised_at_its_batch():
     yield data[1]
     raise OSError("unreadable file 2")
 
-  runner = jaxstreams.staged(step2, data=source(), capacity=2)
+  runner = jaxstreams.staged(step2, data=source(), capacity=2, mode=mode)
   runner(params)
   runner(params)
   with pytest.raises(OSError, match="unreadable file 2"):
@@ -323,31 +357,37 @@ def test_data_exception_raised_at_its_batch():
     runner(params)
 
 
-def test_other_argument_shape_change_is_an_error():
+@pytest.mark.parametrize("mode", MODES)
+def test_other_argument_shape_change_is_an_error(mode):
   params, data = _params(), _batches(3)
-  with jaxstreams.staged(step1, data=data) as runner:
+  with jaxstreams.staged(step1, data=data, mode=mode) as runner:
     runner(params)
     bad = {"w": jnp.ones((6, 5)), "v": jnp.ones(5)}
     with pytest.raises(ValueError, match="other arguments changed"):
       runner(bad)
 
 
-def test_stream_option_keeps_results():
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stream", [0, 1, 3])
+def test_stream_option_keeps_results(stream, mode):
   params, data = _params(), _batches(4)
   want = [jax.jit(step2)(params, b) for b in data]
-  with jaxstreams.staged(step2, data=data, stream=1, capacity=2) as runner:
+  with jaxstreams.staged(step2, data=data, stream=stream, capacity=2,
+                         mode=mode) as runner:
     _assert_same(_run(runner, params), want)
 
 
-def test_abandoned_runner_stops_its_workers():
+@pytest.mark.parametrize("mode, workers", [("fused", 1), ("threads", 4)])
+def test_abandoned_runner_stops_its_workers(mode, workers):
   def forever():
     b = _batches(1)[0]
     while True:
       yield b
 
-  runner = jaxstreams.staged(step3, data=forever(), capacity=1)
+  runner = jaxstreams.staged(step3, data=forever(), capacity=1, mode=mode)
   runner(_params())
-  assert len(_workers()) == 4   # the reader and one per producer stage
+  # Fused: the reader only. Threads: the reader and one per producer stage.
+  assert len(_workers()) == workers
   del runner
   gc.collect()
   assert _wait_until(lambda: _workers() == [], 10.0)
@@ -360,6 +400,9 @@ def test_abandoned_runner_stops_its_workers():
     (dict(stream=1.0), TypeError, "stream must be None or an integer >= 0"),
     (dict(data_argnum="x"), TypeError, "data_argnum must be an int"),
     (dict(smart=1), TypeError, "smart must be True or False"),
+    (dict(mode="thread"), ValueError, r"mode must be one of \('fused', "
+     r"'threads'\), got 'thread'"),
+    (dict(mode=None), ValueError, "mode must be one of"),
 ])
 def test_argument_errors(kwargs, error, match):
   with pytest.raises(error, match=match):
@@ -379,3 +422,213 @@ def test_staged_plan_before_first_call_is_an_error():
   runner = jaxstreams.staged(step1, data=_batches(2))
   with pytest.raises(RuntimeError, match="has not traced a batch yet"):
     runner.staged_plan()
+
+
+# ---------------------------------------------------------------------------
+# Fused mode: one program per call, seed 004's pipeline, producer on a stream.
+
+def _seed_004(n_batches, k):
+  """Seed 004's programs for ``k`` producer stages (letters A.., the
+  consumer the letter after them) over ``n_batches`` batches."""
+  programs = []
+  for tick in range(n_batches + k):
+    names = [f"{chr(ord('A') + j)}{tick - j}" for j in range(k + 1)
+             if 0 <= tick - j < n_batches]
+    programs.append(" ".join(names))
+  return programs
+
+
+@pytest.mark.parametrize("step, k", [(step1, 1), (step2, 2), (step3, 3)])
+@pytest.mark.parametrize("capacity", [1, 3])
+def test_fused_runs_seed_004_pipeline(step, k, capacity):
+  params, data = _params(), _batches(6)
+  want = [jax.jit(step)(params, b) for b in data]
+  with jaxstreams.staged(step, data=data, capacity=capacity) as runner:
+    got = _run(runner, params)
+    schedule, programs = runner.schedule, runner.programs_run
+    assert runner.mode == "fused"
+  _assert_same(got, want)
+  ideal = _seed_004(len(data), k)
+  # The first call warms up exactly as seed 004: A0; A1 B0; ...
+  assert schedule[:k] == ideal[:k]
+  if programs == len(ideal):      # the reader kept up: one program per call
+    assert schedule == ideal
+  # Whatever the reader's timing: every batch runs its stages in order, one
+  # per program, and the consumer takes the batches in order.
+  consumer = chr(ord("A") + k)
+  seen = {}
+  for program in schedule:
+    for name in program.split():
+      letter, batch = name[0], int(name[1:])
+      assert seen.get(batch, -1) == ord(letter) - ord("A") - 1, schedule
+      seen[batch] = ord(letter) - ord("A")
+  consumed = [int(n[1:]) for p in schedule for n in p.split() if n[0] == consumer]
+  assert consumed == list(range(len(data)))
+
+
+def _functions(module_text):
+  """Function name -> its text, from a lowered module's text."""
+  functions = {}
+  for part in re.split(r"\n\s*func\.func ", module_text)[1:]:
+    name = re.match(r"(?:public |private )?@([\w.$-]+)", part).group(1)
+    functions[name] = part
+  return functions
+
+
+def _closure(functions, name):
+  """The text of ``name`` and of every function it calls, transitively."""
+  todo, seen, text = [name], set(), []
+  while todo:
+    current = todo.pop()
+    if current in seen:
+      continue
+    seen.add(current)
+    text.append(functions[current])
+    todo.extend(re.findall(r"call @([\w.$-]+)\(", functions[current]))
+  return "\n".join(text)
+
+
+def _stream_calls(module_text):
+  """stream -> the text of the functions its annotated calls in main run."""
+  functions = _functions(module_text)
+  calls = re.findall(r"call @([\w.$-]+)\(.*_xla_stream_annotation = \"(\d+)\"",
+                     functions["main"])
+  by_stream = {}
+  for callee, stream in calls:
+    by_stream.setdefault(int(stream), []).append(_closure(functions, callee))
+  main = re.sub(r"call @[\w.$-]+\(.*_xla_stream_annotation.*", "",
+                functions["main"])
+  return {s: "\n".join(texts) for s, texts in by_stream.items()}, main
+
+
+@pytest.mark.parametrize("step, producer_ops, consumer_ops", [
+    (step1, ["xor", "sine", "concatenate"], ["tanh", "dot_general"]),
+    (step2, ["xor", "cosine"], ["tanh", "dot_general"]),
+    (step3, ["xor", "cosine", "exponential"], ["tanh", "dot_general"]),
+])
+def test_fused_program_puts_the_producer_on_its_stream_for_cuda(
+    step, producer_ops, consumer_ops):
+  params, data = _params(), _batches(3)
+  with jaxstreams.staged(step, data=data) as runner:
+    runner(params)
+    assert (runner.stream, runner.streams) == (1, 2)
+    program, args = runner.step_program()
+    text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  by_stream, main = _stream_calls(text)
+  assert set(by_stream) == {1}, text
+  for op in producer_ops:           # the producer: in the stream-1 call only
+    assert f"stablehlo.{op}" in by_stream[1], (op, text)
+    assert f"stablehlo.{op}" not in main, (op, text)
+  for op in consumer_ops:           # the consumer: inline on the main stream
+    assert f"stablehlo.{op}" in main, (op, text)
+    assert f"stablehlo.{op}" not in by_stream[1], (op, text)
+
+
+def test_fused_producer_stream_beside_a_jaxstreams_jit_step():
+  params, data = _params(), _batches(4)
+
+  @jaxstreams.jit(streams=3)
+  def towers(params, batch):
+    f = jaxstreams.stage(_features(batch))
+    with jaxstreams.stream(1):
+      a = jnp.tanh(f @ params["w"])
+    with jaxstreams.stream(2):
+      b = jnp.cos(f @ params["w"])
+    return jnp.sum((a + b) @ params["v"])
+
+  want = [towers(params, b) for b in data]
+  with jaxstreams.staged(towers, data=data) as runner:
+    got = _run(runner, params)
+    # stream=None: the first stream the step does not use itself.
+    assert (runner.stream, runner.streams) == (3, 4)
+    program, args = runner.step_program()
+    text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  _assert_same(got, want)
+  by_stream, main = _stream_calls(text)
+  assert set(by_stream) == {1, 2, 3}, text
+  assert "stablehlo.xor" in by_stream[3] and "stablehlo.xor" not in main
+  assert "stablehlo.tanh" in by_stream[1] and "stablehlo.tanh" not in by_stream[3]
+  assert "stablehlo.cosine" in by_stream[2]
+
+
+@pytest.mark.parametrize("stream", [0, 2])
+def test_fused_explicit_stream(stream):
+  params, data = _params(), _batches(3)
+  with jaxstreams.staged(step2, data=data, stream=stream) as runner:
+    runner(params)
+    assert (runner.stream, runner.streams) == (stream, stream + 1)
+    program, args = runner.step_program()
+    text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  by_stream, main = _stream_calls(text)
+  if stream == 0:                   # on the main stream: no call, no overlap
+    assert by_stream == {} and "stablehlo.xor" in main
+  else:
+    assert set(by_stream) == {stream} and "stablehlo.xor" in by_stream[stream]
+
+
+def test_fused_batches_of_different_shapes():
+  params = _params()
+  data = _batches(5) + [
+      {k: v[:3] for k, v in b.items()} for b in _batches(3, seed=7)]
+  want = [jax.jit(step2)(params, b) for b in data]
+  with jaxstreams.staged(step2, data=data) as runner:
+    _assert_same(_run(runner, params), want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_producer_stage_failure_raised_at_its_batch(mode):
+  params, data = _params(), _batches(6)
+  for i, b in enumerate(data):
+    b["ids"][0] = i
+
+  def check(ids):
+    if int(ids[0]) == 3:
+      raise ValueError("corrupt batch 3")
+    return ids
+
+  def step(params, batch):
+    f = jaxstreams.stage(_features(batch))
+    # Reads the staged f: the callback runs in producer stage B.
+    ids = jax.pure_callback(check, jax.ShapeDtypeStruct((8,), jnp.int32),
+                            batch["ids"] + (f[:, 0] * 0).astype(jnp.int32))
+    g = jaxstreams.stage(jnp.cos(f) + ids[:, None].astype(jnp.float32))
+    return jnp.sum(jnp.tanh(g @ params["w"]) @ params["v"])
+
+  want = [jax.jit(step)(params, b) for b in data[:3]]
+  plan = staged_plan(step, params, data[0])
+  assert "pure_callback" in {e.primitive for e in plan.producers[1].equations}
+  runner = jaxstreams.staged(step, data=data, capacity=2, mode=mode)
+  got = [runner(params) for _ in range(3)]
+  _assert_same(got, want)
+  with pytest.raises(Exception, match="corrupt batch 3"):
+    runner(params)
+  with pytest.raises(StopIteration):
+    runner(params)
+
+
+def test_step_program_needs_a_fused_runner_that_ran():
+  runner = jaxstreams.staged(step1, data=_batches(2), mode="threads")
+  with pytest.raises(RuntimeError, match="needs a fused runner"):
+    runner.step_program()
+  assert runner.schedule == [] and runner.programs_run == 0
+
+
+def test_fused_plain_step_with_its_own_stream_blocks():
+  """A plain step whose consumer uses stream(2): the fused program has the
+  streams its blocks need, and the producer goes above them."""
+  def step(w, batch):
+    feats = jaxstreams.stage(jnp.sin(batch) * 2.0)
+    with jaxstreams.stream(2):
+      h = jnp.tanh(feats @ w)
+    return h.sum()
+
+  w = jnp.ones((4, 4)) * 0.1
+  batches = [jnp.full((3, 4), float(i)) for i in range(5)]
+  runner = jaxstreams.staged(step, data=iter(batches))
+  outs = [runner(w) for _ in batches]
+  with pytest.raises(StopIteration):
+    runner(w)
+  expected = [jax.jit(step)(w, b) for b in batches]
+  for a, e in zip(outs, expected):
+    np.testing.assert_array_equal(a, e)
+  assert (runner.stream, runner.streams) == (3, 4)

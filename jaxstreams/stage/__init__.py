@@ -6,7 +6,9 @@
 * ``staged(step, data=iterable, ...)``: runs a step as a software pipeline
   (seed 004's staging areas, DeepRec's SmartStage): the producer part of the
   step (what computes the staged values from the data argument) runs for the
-  next batches while the consumer part runs for this one.
+  next batches while the consumer part runs for this one; by default in one
+  program per call, the producer on a stream of its own (``mode="fused"``),
+  or in worker threads (``mode="threads"``).
 
 Note: ``jaxstreams.stage`` is the function (the package exports it), so reach
 this subpackage's other names with ``from jaxstreams.stage import ...``.

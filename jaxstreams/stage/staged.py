@@ -26,14 +26,40 @@ A marker whose input depends on a non-data argument is an error naming that
 argument: the producer runs ahead on later batches, so it would read the
 parameters of an earlier step, silently.
 
-How it runs. Each producer stage is a jitted function of the values it needs,
-run by a ``jaxstreams.prefetch`` pipeline (one worker thread, ``capacity``
-items ahead) over the previous stage's pipeline; stage 0's worker also does
-the host-to-device copy of the batch. Workers wait until their results are
-ready, so an item handed on is complete and memory is bounded by
-``capacity`` items per stage. The consumer runs in the caller's thread, on
-values that are already there. Each equation is the one ``step`` would run,
-on the same inputs, so the outputs are ``step``'s.
+How it runs, ``mode="fused"`` (the default). On a GPU, separate programs on
+one device do not run their device work at the same time, so the producer
+of batch ``k + 1`` can only overlap the consumer of batch ``k`` inside one
+program. Each call therefore runs ONE ``jaxstreams.jit`` program that
+computes the consumer part for batch ``k`` and producer stage ``j`` for
+batch ``k + K - j`` (``K`` producer stages), the producer's equations under
+``jaxstreams.stream(stream)``: on a GPU they become a call annotated with
+that stream (``_xla_stream_annotation``) beside the consumer on the main
+stream; on CPU regions are inlined. The staged values stay on the device
+from call to call (the pipeline holds at most ``K + 1`` batches), as in seed
+004: the first call warms up with ``A0; A1 B0; ...``, steady calls run
+``A2 B1 C0``, and the last ones drain (``B4 C3``, ``C4``). A reader thread
+(a ``Prefetcher``) pulls the batches from the iterable and places them on the
+device ``capacity`` ahead. Once warm, a call takes a new batch into the
+pipeline only if the reader has it ready (a slow read never delays the
+consumer of a batch already staged; a later program catches up); programs
+are cached per set of batch shapes in flight. ``stream=None`` picks the
+first stream the step does not use itself (above its own ``stream()``
+blocks, and ``N`` for ``jaxstreams.jit(streams=N)``), so the producer never
+queues behind a consumer region; the program has ``max(N, stream + 1)``
+streams.
+
+``mode="threads"``. Each producer stage is a jitted function of the values
+it needs, run by a ``jaxstreams.prefetch`` pipeline (one worker thread,
+``capacity`` items ahead) over the previous stage's pipeline; stage 0's
+worker also does the host-to-device copy of the batch. Workers wait until
+their results are ready, so an item handed on is complete and memory is
+bounded by ``capacity`` items per stage. The consumer runs in the caller's
+thread, on values that are already there. On CPU this runs producer
+computation on other cores (each program runs on its caller's thread); on a
+GPU it hides host work and copies only.
+
+Either way each equation is the one ``step`` would run, on the same inputs,
+so the outputs are ``step``'s (bitwise on CPU).
 
 ``stage(x)`` outside a staged step (eagerly, under ``jax.jit`` or a plain
 ``jaxstreams.jit`` call) is the identity: the same step function can be run
@@ -45,9 +71,11 @@ batches and lowers already), which XLA removes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 import threading
+import types
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -59,6 +87,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxstreams import _compat
 from jaxstreams import _checks
 from jaxstreams.stage.prefetch import Prefetcher
+from jaxstreams.tag.read import stream_ids
 
 __all__ = ["stage", "staged", "staged_plan", "StagedPlan", "StagedRunner"]
 
@@ -158,7 +187,8 @@ class _Split:
   variables it reads and hands on and its jitted function."""
 
   def __init__(self, plan: StagedPlan, other_invars, data_invars, consts,
-               stage_ins, stage_outs, keep_after, fns, out_tree, other_sig):
+               stage_ins, stage_outs, keep_after, fns, bodies, out_tree,
+               other_sig):
     self.plan = plan
     self.other_invars = other_invars
     self.data_invars = data_invars
@@ -166,7 +196,8 @@ class _Split:
     self.stage_ins = stage_ins
     self.stage_outs = stage_outs
     self.keep_after = keep_after
-    self.fns = fns
+    self.fns = fns          # jitted per stage (thread mode), None: no equations
+    self.bodies = bodies    # the same as plain functions, to fuse (fused mode)
     self.out_tree = out_tree
     self.other_sig = other_sig
 
@@ -319,14 +350,16 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
     stage_outs.append(list(dict.fromkeys(outs)))
 
   # Functions.
-  fns = []
+  fns, bodies = [], []
   for s in range(n_producers):
     eqns = [e for i, e in enumerate(jaxpr.eqns) if stage_of[i] == s]
     if not eqns:
       fns.append(None)
+      bodies.append(None)
       continue
     body = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(
         _compat.make_jaxpr(stage_ins[s], stage_outs[s], eqns), ()))
+    bodies.append(body)
     if stream is not None:
       from jaxstreams import jit as streams_jit, stream as stream_scope
 
@@ -342,6 +375,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   consumer = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(_compat.make_jaxpr(
       other_invars + consumer_carried, jaxpr.outvars, consumer_eqns), ()))
   fns.append(consumer_jit(consumer))
+  bodies.append(consumer)
 
   def describe(s):
     return tuple(
@@ -356,17 +390,22 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
                      for i in markers)
   plan = StagedPlan(function_name, smart, position, stages, boundaries)
   other_sig = _signature([leaf for leaf, d in zip(leaves, is_data) if not d])
-  return _Split(plan, other_invars, data_invars,
+  split = _Split(plan, other_invars, data_invars,
                 (list(jaxpr.constvars), list(closed.consts)),
-                stage_ins, stage_outs, keep_after, fns, out_tree_cell[0],
-                other_sig)
+                stage_ins, stage_outs, keep_after, fns, bodies,
+                out_tree_cell[0], other_sig)
+  # Streams the step's own stream() blocks ask for: a fused program needs
+  # them all, and the producer's default stream is the first one above them.
+  split.streams_used = max(stream_ids(jaxpr), default=0) + 1
+  return split
 
 
 # ---------------------------------------------------------------------------
 # The runner.
 
-def _unwrap(step: Callable) -> tuple[Callable, Callable, str]:
-  """The function to trace, how to jit the consumer, and a name."""
+def _unwrap(step: Callable) -> tuple[Callable, Callable, str, Callable[[], int]]:
+  """The function to trace, how to jit the consumer (thread mode), a name,
+  and how many streams the step's own plan uses (read when a runner starts)."""
   spec = getattr(step, "_jaxstreams_spec", None)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
@@ -379,11 +418,11 @@ def _unwrap(step: Callable) -> tuple[Callable, Callable, str]:
     def consumer_jit(f):
       return streams_jit(f, streams=spec.streams)
     consumer_jit.cache_key = ("jaxstreams.jit", spec.streams)
-    return spec.fun, consumer_jit, name
+    return spec.fun, consumer_jit, name, spec.streams_now
   inner = getattr(step, "__wrapped__", None)
   if inner is not None and hasattr(step, "lower"):
     step = inner    # a jax.jit function: trace what it wraps, so stage() is visible
-  return step, jax.jit, name
+  return step, jax.jit, name, lambda: 1
 
 
 # Splits by step function, so that a new runner over the same step (the next
@@ -393,16 +432,20 @@ _SPLITS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _SPLITS_LOCK = threading.Lock()
 
 
+def _per_fun_cache(fun) -> dict:
+  try:
+    with _SPLITS_LOCK:
+      return _SPLITS.setdefault(fun, {})
+  except TypeError:      # not weak-referenceable: no sharing across runners
+    return {}
+
+
 def _cached_split(producer, other_args, kwargs, batch, data_key) -> _Split:
   other = (other_args, kwargs)
   key = (data_key, tree_util.tree_structure(other),
          _signature(tree_util.tree_leaves(other)), producer.data_argnum,
          producer.smart, producer.stream, producer.consumer_key)
-  try:
-    with _SPLITS_LOCK:
-      per_fun = _SPLITS.setdefault(producer.fun, {})
-  except TypeError:      # not weak-referenceable: no sharing across runners
-    per_fun = {}
+  per_fun = producer.cache
   split = per_fun.get(key)
   if split is None:
     split = _build_split(producer.fun, producer.name, other_args, kwargs, batch,
@@ -421,6 +464,7 @@ class _Producer:
     self.fun, self.name, self.consumer_jit = fun, name, consumer_jit
     self.consumer_key = getattr(consumer_jit, "cache_key", consumer_jit)
     self.data_argnum, self.smart, self.stream = data_argnum, smart, stream
+    self.cache = _per_fun_cache(fun)
     self.splits: dict[tuple, _Split] = {}
     self.lock = threading.Lock()
     self.other = None
@@ -470,34 +514,326 @@ class _Producer:
     return split, {v: x for v, x in env.items() if v in keep}
 
 
+# ---------------------------------------------------------------------------
+# Fused mode: one program per call.
+
+class _DataError:
+  """What the fused reader hands on for a batch whose reading or placing
+  raised: the exception, delivered in the batch's place (a real
+  ``KeyboardInterrupt`` in the caller's thread stays apart from one the
+  iterable raised for batch ``k``, which is raised by call ``k``)."""
+
+  __slots__ = ("exc",)
+
+  def __init__(self, exc: BaseException):
+    self.exc = exc
+
+
+def _guarded(iterable: Iterable[Any]):
+  """``iterable``'s items; an exception it raises becomes a ``_DataError``
+  item, the last one. Closing this closes ``iterable`` when it is a
+  generator (as the reader does for what it owns)."""
+  iterator = iter(iterable)
+  try:
+    while True:
+      try:
+        item = next(iterator)
+      except StopIteration:
+        return
+      except BaseException as exc:  # noqa: BLE001 - raised at its batch
+        yield _DataError(exc)
+        return
+      yield item
+  finally:
+    if isinstance(iterator, types.GeneratorType):
+      iterator.close()
+
+
+def _place(batch: Any) -> Any:
+  """The reader's transform in fused mode: the batch on the device, complete
+  (the host-to-device copy happens in the reader thread, not in the step)."""
+  if isinstance(batch, _DataError):
+    return batch
+  try:
+    return jax.block_until_ready(jax.device_put(batch))
+  except Exception as exc:  # noqa: BLE001 - raised at its batch
+    return _DataError(exc)
+
+
+class _InFlight:
+  """A batch inside the fused pipeline: its split, the values its later
+  stages and the consumer still need, how many producer stages it has done;
+  or, for ``error``, the exception that batch ``index`` raised."""
+
+  __slots__ = ("index", "split", "env", "done", "error")
+
+  def __init__(self, index, split=None, env=None, error=None):
+    self.index, self.split, self.env, self.error = index, split, env, error
+    self.done = 0
+
+
+def _fused_program(cache: dict, consumer: _Split | None,
+                   stages: tuple, stream: int, streams: int) -> Callable:
+  """The ``jaxstreams.jit`` program that runs, in one execution, the consumer
+  part of ``consumer``'s batch (when not None) and producer stage ``j`` of
+  the batch whose split is ``stages[j]`` (when not None), that stage's
+  equations under ``stream(stream)``. Cached by the splits' identities (the
+  splits live in the same cache, so the ids stay theirs)."""
+  key = ("fused", id(consumer), tuple(map(id, stages)), stream, streams)
+  program = cache.get(key)
+  if program is not None:
+    return program
+  from jaxstreams import jit as streams_jit, stream as stream_scope
+  n = len(stages)
+
+  def fused(other, carried, stage_inputs):
+    outs = None
+    if consumer is not None:
+      # Emitted as in the step: untagged equations stay on the main stream.
+      outs = consumer.bodies[n](*other, *carried)
+    produced = []
+    for j, split in enumerate(stages):
+      if split is None:
+        produced.append(None)
+        continue
+      # Equations the step placed itself keep their stream (innermost wins).
+      with stream_scope(stream):
+        produced.append(split.bodies[j](*stage_inputs[j]))
+    return outs, produced
+
+  fused.__name__ = fused.__qualname__ = "jaxstreams_staged_step"
+  program = streams_jit(fused, streams=streams)
+  cache[key] = program
+  return program
+
+
+class _Fused:
+  """The fused pipeline's state (the runner's, only used from the caller's
+  thread; the reader thread holds none of it)."""
+
+  def __init__(self, producer: _Producer, reader, n_producers: int,
+               stream: int, streams: int):
+    self.producer = producer
+    self.reader = reader
+    self.k = n_producers
+    self.stream, self.streams = stream, streams
+    self.inflight: collections.deque[_InFlight] = collections.deque()
+    self.next_index = 0
+    self.ended = False            # nothing more comes from the reader
+    self.first = None             # the batch read to trace before starting
+    self.warm = False             # the first call (warm-up) is over
+    self.schedule: collections.deque[str] = collections.deque(maxlen=_SCHEDULE)
+    self.programs = 0
+
+  # Reading -------------------------------------------------------------------
+  def _admit(self, block: bool) -> _InFlight | None:
+    """The next batch from the reader, as a new in-flight entry; None when
+    the reader has none ready (``block=False``) or has ended."""
+    if self.ended:
+      return None
+    if self.first is not None:
+      batch, self.first = self.first, None
+    else:
+      self.reader.timeout = None if block else 0.0
+      try:
+        batch = next(self.reader)
+      except TimeoutError:
+        return None               # not read yet: the consumer does not wait
+      except StopIteration:
+        self.ended = True
+        return None
+    if isinstance(batch, _DataError):   # batch k's error, raised by call k
+      self.ended = True
+      self.inflight.append(_InFlight(self.next_index, error=batch.exc))
+      self.next_index += 1
+      return None
+    split = self.producer._split_for(batch)
+    env = dict(zip(split.const_vars, split.consts))
+    env.update(zip(split.data_invars, tree_util.tree_leaves(batch)))
+    entry = _InFlight(self.next_index, split, env)
+    self.next_index += 1
+    return entry
+
+  # One program ---------------------------------------------------------------
+  def _slots(self, consume: bool, block: bool):
+    """Who runs in the next program: the consumer's batch (the head, when
+    ``consume``) and, per producer stage ``j``, the in-flight batch that has
+    done ``j`` stages (at most one: batches enter one per program)."""
+    head = self.inflight[0] if consume else None
+    stages: list[_InFlight | None] = [None] * self.k
+    for entry in self.inflight:
+      if entry is not head and entry.error is None and entry.done < self.k:
+        stages[entry.done] = entry
+    # A new batch enters at stage 0 while the pipeline holds fewer than
+    # ``k`` batches besides the one consumed now (seed 004's depth).
+    if stages[0] is None and len(self.inflight) - (1 if consume else 0) < self.k:
+      entry = self._admit(block)
+      if entry is not None:
+        self.inflight.append(entry)
+        stages[0] = entry
+    return head, stages
+
+  def _label(self, head, stages) -> str:
+    names = [f"{chr(ord('A') + j)}{e.index}" for j, e in enumerate(stages)
+             if e is not None]
+    if head is not None:
+      names.append(f"{chr(ord('A') + self.k)}{head.index}")
+    return " ".join(names)
+
+  def _run(self, head, stages, other_leaves):
+    """Runs one program; returns the consumer's flat outputs (or None)."""
+    runnable = [e if e is not None and e.split.bodies[j] is not None else None
+                for j, e in enumerate(stages)]
+    for j, entry in enumerate(stages):
+      if entry is not None and runnable[j] is None:   # a stage without work
+        self._advance(entry, j, ())
+    pieces = ([("consumer", head)] if head is not None else []) + [
+        (j, e) for j, e in reversed(list(enumerate(runnable))) if e is not None]
+    if not pieces:
+      return None
+    self.schedule.append(self._label(head, stages))
+    self.programs += 1
+    try:
+      outs, produced = self._call(head, runnable, other_leaves)
+    except Exception as exc:    # noqa: BLE001 - whose batch failed?
+      if len(pieces) == 1:
+        return self._failed(pieces[0], exc)
+      # Run the pieces one by one, oldest batch first, to raise the error at
+      # the batch it belongs to (a consumer with effects runs them again).
+      outs = None
+      for piece in pieces:
+        who, entry = piece
+        only = [None] * self.k
+        try:
+          if who == "consumer":
+            outs, _ = self._call(entry, only, other_leaves)
+          else:
+            only[who] = entry
+            _, produced = self._call(None, only, other_leaves)
+            self._advance(entry, who, produced[who])
+        except Exception as piece_exc:  # noqa: BLE001
+          self._failed(piece, piece_exc)
+          if who == "consumer":
+            raise
+          break   # newer batches were dropped with the failing one
+      return outs
+    for j, entry in enumerate(runnable):
+      if entry is not None:
+        self._advance(entry, j, produced[j])
+    return outs
+
+  def _call(self, head, runnable, other_leaves):
+    program = _fused_program(
+        self.producer.cache, None if head is None else head.split,
+        tuple(None if e is None else e.split for e in runnable),
+        self.stream, self.streams)
+    carried = ([] if head is None else
+               [head.env[v] for v in head.split.stage_ins[self.k]])
+    inputs = [None if e is None else [e.env[v] for v in e.split.stage_ins[j]]
+              for j, e in enumerate(runnable)]
+    return program(other_leaves if head is not None else [], carried, inputs)
+
+  def _advance(self, entry: _InFlight, j: int, outs) -> None:
+    split = entry.split
+    env = entry.env
+    if outs:
+      env = {**env, **dict(zip(split.stage_outs[j], outs))}
+    keep = split.keep_after[j]
+    entry.env = {v: x for v, x in env.items() if v in keep}
+    entry.done = j + 1
+
+  def _failed(self, piece, exc):
+    """Piece ``(who, entry)`` raised ``exc``: the consumer's error is raised
+    now; a producer stage's error becomes its batch's, raised by the call
+    for that batch, and nothing after that batch runs."""
+    who, entry = piece
+    if who == "consumer":
+      raise exc
+    keep = collections.deque()
+    for e in self.inflight:
+      if e.index < entry.index:
+        keep.append(e)
+    keep.append(_InFlight(entry.index, error=exc))
+    self.inflight = keep
+    self.ended = True
+    self.reader.close()           # nothing is read past a failure
+    return None
+
+  # One call ------------------------------------------------------------------
+  def step(self, other_leaves):
+    """Runs until the head batch is consumed; returns its split and flat
+    outputs."""
+    # Warm-up (the first call) and catch-up: producer-only programs until
+    # the oldest batch has done every stage: ``A0; A1 B0; ...``.
+    while True:
+      if not self.inflight:
+        if self.ended:
+          raise StopIteration
+        block = True
+      else:
+        head = self.inflight[0]
+        if head.error is not None:
+          raise head.error
+        if head.done == self.k:
+          break
+        block = not self.warm
+      head, stages = self._slots(consume=False, block=block)
+      if not self.inflight:
+        continue                  # nothing came: ended, or the reader failed
+      self._run(None, stages, other_leaves)
+    head, stages = self._slots(consume=True, block=not self.warm)
+    self.warm = True
+    outs = self._run(head, stages, other_leaves)
+    if self.inflight and self.inflight[0] is head:
+      self.inflight.popleft()
+    return head.split, outs
+
+
+_SCHEDULE = 64        # programs the fused runner remembers for ``schedule``
+MODES = ("fused", "threads")
+
+
 class StagedRunner:
   """What ``jaxstreams.staged`` returns: call it with the step's other
   arguments to run the next batch. Raises ``StopIteration`` once the data is
   exhausted and drained; also an iterator-friendly context manager with
   ``close()``. ``plan`` is the ``StagedPlan`` of the latest batch (None
-  before the first call)."""
+  before the first call); ``mode`` is ``"fused"`` or ``"threads"``;
+  ``stream`` and ``streams`` (fused mode, from the first call on) the
+  producer's stream and the stream count its program is compiled with."""
 
   def __init__(self, step: Callable, data: Iterable[Any], data_argnum: int,
-               capacity: int, stream: int | None, smart: bool):
-    self._fun, self._consumer_jit, self._name = _unwrap(step)
+               capacity: int, stream: int | None, smart: bool, mode: str):
+    self._fun, self._consumer_jit, self._name, self._streams_now = _unwrap(step)
     self._data = data
     self.data_argnum = data_argnum
     self.capacity = capacity
     self.stream = stream
+    self.streams: int | None = None
     self.smart = smart
+    self.mode = mode
     self.plan: StagedPlan | None = None
+    # In fused mode the producer is never jitted on its own with a stream:
+    # the stream is applied inside the fused program.
     self._producer = _Producer(self._fun, self._name, self._consumer_jit,
-                               data_argnum, smart, stream)
+                               data_argnum, smart,
+                               stream if mode == "threads" else None)
     self._pipeline: Prefetcher | None = None
     self._stages: list[Prefetcher] = []
+    self._fused: _Fused | None = None
+    self._last_split: _Split | None = None
     self._done = False
 
   def _start(self, other_args: tuple, kwargs: dict) -> None:
     """Warm-up: trace with the first batch (in the caller, so a planning
-    error is raised by this call), then start one worker per producer stage;
-    they fill their ``capacity`` slots as in seed 004's ``A0; A1 B0; ...``."""
+    error is raised by this call), then start the reader (and, in thread
+    mode, one worker per producer stage: they fill their ``capacity`` slots
+    as in seed 004's ``A0; A1 B0; ...``)."""
     producer = self._producer
     producer.other = (other_args, kwargs)
+    if self.mode == "fused":
+      self._start_fused()
+      return
     iterator = iter(self._data)
     self._data = None               # the pipeline owns the iterator now
     first = next(iterator)          # StopIteration: no data, nothing to run
@@ -524,29 +860,100 @@ class StagedRunner:
       self._stages.append(pipe)
     self._pipeline = pipe
 
+  def _start_fused(self) -> None:
+    producer = self._producer
+    # The reader thread pulls and places batches ``capacity`` ahead; the
+    # first one is taken here, in the caller, to trace (a planning error is
+    # raised by this call).
+    reader = Prefetcher(_guarded(self._data), self.capacity, transform=_place,
+                        num_threads=1, timeout=None,
+                        closed_exception_types=(StopIteration,),
+                        ignored_exception_types=(), func=_FUNC)
+    self._data = None
+    self._stages = [reader]
+    first = next(reader)          # StopIteration: no data
+    if isinstance(first, _DataError):
+      raise first.exc
+    split = producer._split_for(first)
+    producer.n_producers = len(split.plan.producers)
+    consumer_streams = max(self._streams_now(), split.streams_used)
+    stream = consumer_streams if self.stream is None else self.stream
+    self.stream, self.streams = stream, max(consumer_streams, stream + 1)
+    self.plan = split.plan
+    self._fused = _Fused(producer, reader, producer.n_producers,
+                         self.stream, self.streams)
+    self._fused.first = first
+
   # Consumer side ----------------------------------------------------------------
   def __call__(self, *other_args, **kwargs):
     if self._done:
       raise StopIteration
+    call = (other_args, kwargs)
     try:
-      if self._pipeline is None:
+      if self._pipeline is None and self._fused is None:
         self._start(other_args, kwargs)
-      split, env = next(self._pipeline)
+      self._check_other(call)
+      leaves = tree_util.tree_leaves(call)
+      if self._fused is not None:
+        split, outs = self._fused.step(leaves)
+      else:
+        split, env = next(self._pipeline)
+        carried = [env[v] for v in split.stage_ins[-1]]
+        outs = split.fns[-1](*leaves, *carried)
     except BaseException:
       self.close()
       raise
-    call = (other_args, kwargs)
-    if (tree_util.tree_structure(call) != tree_util.tree_structure(self._producer.other)
-        or _signature(tree_util.tree_leaves(call)) != split.other_sig):
-      self.close()
+    self.plan = split.plan
+    self._last_split = split
+    return tree_util.tree_unflatten(split.out_tree, outs)
+
+  def _check_other(self, call) -> None:
+    other = self._producer.other
+    sig = _signature(tree_util.tree_leaves(other))
+    if (tree_util.tree_structure(call) != tree_util.tree_structure(other)
+        or _signature(tree_util.tree_leaves(call)) != sig):
       raise ValueError(
           f"{_FUNC}: the step's other arguments changed structure, shape or "
           f"dtype since the first call; a staged runner traces its producer "
           f"with the first call's arguments, so they must keep their shapes")
-    self.plan = split.plan
-    carried = [env[v] for v in split.stage_ins[-1]]
-    outs = split.fns[-1](*tree_util.tree_leaves(call), *carried)
-    return tree_util.tree_unflatten(split.out_tree, outs)
+
+  @property
+  def schedule(self) -> list[str]:
+    """Fused mode: the latest programs run (up to 64), oldest first, in seed
+    004's notation: ``"A2 B1 C0"`` is one program that ran producer stage A
+    (stage 0) for batch 2, stage B for batch 1 and the consumer (the letter
+    after the last stage) for batch 0. Empty in thread mode."""
+    return [] if self._fused is None else list(self._fused.schedule)
+
+  def step_program(self) -> tuple[Callable, tuple]:
+    """Fused mode: the steady-state program (consumer of batch ``k`` with
+    every producer stage of the following batches) for the latest batch
+    shapes, and its arguments as ``jax.ShapeDtypeStruct``s, to inspect it:
+    ``program, args = runner.step_program();
+    program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()``
+    shows the producer inside calls annotated with ``stream``."""
+    if self._fused is None or self._last_split is None:
+      raise RuntimeError(f"{_FUNC}: step_program() needs a fused runner that "
+                         "has run a call")
+    split, k = self._last_split, self._fused.k
+    stages = tuple(split if split.bodies[j] is not None else None
+                   for j in range(k))
+    program = _fused_program(self._producer.cache, split, stages,
+                             self.stream, self.streams)
+
+    def spec(v):
+      a = v.aval
+      return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+    args = ([spec(v) for v in split.other_invars],
+            [spec(v) for v in split.stage_ins[k]],
+            [None if stages[j] is None else [spec(v) for v in split.stage_ins[j]]
+             for j in range(k)])
+    return program, args
+
+  @property
+  def programs_run(self) -> int:
+    """Fused mode: how many programs ran (one per call after the warm-up)."""
+    return 0 if self._fused is None else self._fused.programs
 
   def staged_plan(self) -> StagedPlan:
     """What was staged: the ``StagedPlan`` of the latest batch (available
@@ -559,10 +966,14 @@ class StagedRunner:
     return self.plan
 
   def close(self) -> None:
-    """Stops every stage's worker and waits for them; idempotent."""
+    """Stops the reader and every stage's worker and waits for them;
+    idempotent. Staged values still in flight are dropped."""
     self._done = True
     for stage_pipe in reversed(self._stages):
       stage_pipe.close()
+    if self._fused is not None:
+      self._fused.inflight.clear()
+      self._fused.ended = True
 
   def __enter__(self) -> StagedRunner:
     return self
@@ -571,11 +982,10 @@ class StagedRunner:
     self.close()
 
   def __repr__(self) -> str:
-    return (f"<jaxstreams.staged {self._name}, capacity={self.capacity}, "
-            f"smart={self.smart}>")
+    return (f"<jaxstreams.staged {self._name}, mode={self.mode!r}, "
+            f"capacity={self.capacity}, smart={self.smart}>")
 
-
-def _check_options(data_argnum, capacity, stream, smart):
+def _check_options(data_argnum, capacity, stream, smart, mode="fused"):
   if isinstance(data_argnum, bool) or not isinstance(data_argnum, int):
     raise TypeError(f"{_FUNC}: data_argnum must be an int (the position of the "
                     f"data argument, -1 for the last), got {data_argnum!r}")
@@ -585,12 +995,14 @@ def _check_options(data_argnum, capacity, stream, smart):
                            meaning=" (0 is the main stream)", none_ok=True)
   if not isinstance(smart, bool):
     raise TypeError(f"{_FUNC}: smart must be True or False, got {smart!r}")
+  if not isinstance(mode, str) or mode not in MODES:
+    raise ValueError(f"{_FUNC}: mode must be one of {MODES}, got {mode!r}")
   return capacity, stream
 
 
 def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
            capacity: int = 1, stream: int | None = None,
-           smart: bool = False) -> StagedRunner:
+           smart: bool = False, mode: str = "fused") -> StagedRunner:
   """Runs ``step`` as a software pipeline over the batches of ``data``.
 
   ``runner = jaxstreams.staged(step, data=batches)``; then each
@@ -598,27 +1010,63 @@ def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
   ``step(*other_args, b)`` returns (``b`` goes in at ``data_argnum``), while
   the producer part of the step (what computes the ``jaxstreams.stage()``
   values from ``b``; with ``smart=True`` all of the step that depends only on
-  ``b``) already runs for the next batches, ``capacity`` items ahead per
-  stage. The first call warms the pipeline up; once ``data`` is exhausted and
-  drained, calls raise ``StopIteration``. An exception raised by ``data`` at
-  batch ``k`` is raised by call ``k``.
+  ``b``) already runs for the following batches. The first call warms the
+  pipeline up; once ``data`` is exhausted and drained, calls raise
+  ``StopIteration``. An exception raised by ``data`` at batch ``k``, or by a
+  producer stage's computation for batch ``k``, is raised by call ``k``.
+
+  ``mode="fused"`` (the default): each call runs ONE ``jaxstreams.jit``
+  program that computes the consumer part for batch ``k`` and, at the same
+  time, producer stage ``j`` for batch ``k + K - j`` (``K`` producer stages),
+  and hands the staged values on to the next call on the device: seed 004's
+  software pipeline, ``A0; A1 B0`` on the first call (warm-up), then
+  ``A2 B1 C0``, ``A3 B2 C1``, ... and ``B4 C3``, ``C4`` at the end (drain);
+  ``runner.schedule`` lists the programs run in that notation. The producer
+  part is placed on stream ``stream`` inside the program, so on a GPU it
+  runs on its own CUDA stream beside the consumer (an annotated call, as for
+  any ``jaxstreams.stream()`` block); on CPU it is inlined and the results
+  are bitwise those of the unstaged step. ``stream=None`` picks the first
+  stream the step does not use itself (one above its own ``stream()``
+  blocks, ``N`` for a ``jaxstreams.jit(streams=N)`` step), and the program is
+  compiled with ``streams = max(step's streams, stream + 1)``; ``stream=0``
+  keeps the producer on the main stream (no overlap). A thread reads and
+  places the batches on the device ahead of the programs that need them,
+  at most ``capacity`` ahead; a call never waits for a batch the reader has
+  not finished once the pipeline is warm (the program then runs without
+  that producer stage, and a later program catches up). The staged values
+  of at most ``K + 1`` batches are on the device at once.
+
+  ``mode="threads"``: every producer stage is a program of its own run by a
+  worker thread, ``capacity`` finished items ahead per stage, and the
+  consumer runs in the caller's thread. On a GPU separate programs do not
+  run their device work at the same time, so this hides only host work
+  (reading, Python parsing, dispatch) and copies; on CPU, where each program
+  runs on its caller's thread, producer work also runs on other cores,
+  which helps when the producer's computation is heavy. ``stream`` tags the
+  producer's programs.
 
   ``step`` is a plain function, a ``jaxstreams.jit`` function (its consumer
   part keeps its stream plan) or a ``jax.jit`` function (its wrapped function
   is traced). Its other arguments must keep their shapes from call to call.
-  ``stream``: the producer's equations are tagged for that stream (the
-  ``stage_subgraph_stream_id`` of SmartStage).
+  In fused mode, a consumer that uses ``jaxstreams.stream()`` blocks gets
+  them honoured even for a plain or ``jax.jit`` step (the program is a
+  ``jaxstreams.jit`` one), within the ``streams`` count above. When a fused
+  program fails (on CPU, where errors are raised by the call), its parts are
+  run again one by one to find the batch the error belongs to, so the
+  consumer's side effects of that call may happen twice; on a GPU an error
+  raised asynchronously by the device surfaces in the outputs of the call
+  that ran it.
   """
   if not callable(step):
     raise TypeError(f"{_FUNC}: step must be callable, got {step!r} of type "
                     f"{type(step).__name__}")
-  capacity, stream = _check_options(data_argnum, capacity, stream, smart)
+  capacity, stream = _check_options(data_argnum, capacity, stream, smart, mode)
   try:
     iter(data)
   except TypeError:
     raise TypeError(f"{_FUNC}: data must be an iterable of batches, got "
                     f"{data!r} of type {type(data).__name__}") from None
-  return StagedRunner(step, data, data_argnum, capacity, stream, smart)
+  return StagedRunner(step, data, data_argnum, capacity, stream, smart, mode)
 
 
 def staged_plan(step: Callable, *args, data_argnum: int = -1,
@@ -626,7 +1074,7 @@ def staged_plan(step: Callable, *args, data_argnum: int = -1,
   """The ``StagedPlan`` ``staged`` would make for ``step(*args, **kwargs)``,
   where ``args[data_argnum]`` is an example batch. Traces; runs nothing."""
   _check_options(data_argnum, 1, None, smart)
-  fun, consumer_jit, name = _unwrap(step)
+  fun, consumer_jit, name, _ = _unwrap(step)
   position = data_argnum if data_argnum >= 0 else len(args) + data_argnum
   if not 0 <= position < len(args):
     raise ValueError(f"{_FUNC}: data_argnum={data_argnum} does not name one of "

@@ -100,6 +100,19 @@ def has_tags(closed_jaxpr) -> bool:
   return False
 
 
+def stream_ids(jaxpr, outer_stack=()) -> set[int]:
+  """The stream ids that ``stream()`` blocks ask for anywhere in ``jaxpr``."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    stack = tuple(outer_stack) + _compat.name_stack_entries(eqn)
+    tag = effective_tag(stack)
+    if tag is not None and tag.kind == "stream":
+      found.add(tag.value)
+    for sub in _compat.sub_jaxprs(eqn):
+      found |= stream_ids(sub, stack)
+  return found
+
+
 @dataclasses.dataclass
 class ExposedProgram:
   """A traced program with its tags at the top level."""
