@@ -1,5 +1,8 @@
 """Small programs the tests run through jaxstreams and jax.jit alike."""
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,3 +89,20 @@ def cuda_text(jitted, *args, **kwargs):
   """StableHLO of ``jitted`` lowered for CUDA: works on a CPU-only machine."""
   return jitted.trace(*args, **kwargs).lower(
       lowering_platforms=("cuda",)).as_text()
+
+
+def jaxstreams_threads(prefix="jaxstreams-"):
+  """Live threads that jaxstreams started (prefetch, staged and serve
+  workers name theirs jaxstreams-...)."""
+  return [t for t in threading.enumerate()
+          if t.name.startswith(prefix) and t.is_alive()]
+
+
+def wait_until(predicate, seconds=10.0):
+  """Poll ``predicate`` until it holds (True) or ``seconds`` pass (False)."""
+  deadline = time.monotonic() + seconds
+  while not predicate():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.005)
+  return True

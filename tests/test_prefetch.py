@@ -20,29 +20,9 @@ import pytest
 import jaxstreams
 import jaxstreams.runtime as rt
 from jaxstreams.stage.prefetch import AUTO_TRANSFER, Prefetcher
+from programs import jaxstreams_threads, wait_until
 
 PATHS = ["device_put", "stage_area"]
-
-
-def _workers():
-  return [t for t in threading.enumerate()
-          if t.name.startswith("jaxstreams-prefetch") and t.is_alive()]
-
-
-def _wait_until(predicate, seconds=10.0):
-  deadline = time.monotonic() + seconds
-  while not predicate():
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.005)
-  return True
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads():
-  before = set(_workers())
-  yield
-  assert _wait_until(lambda: set(_workers()) <= before, 10.0), _workers()
 
 
 def test_items_in_order_on_device():
@@ -82,7 +62,7 @@ def test_lookahead_is_bounded_by_size():
     for i in range(40):
       if i in (0, 10):
         # Give the worker every chance to run ahead: it must stop at `size`.
-        assert _wait_until(lambda: len(pulled) == min(40, i + size))
+        assert wait_until(lambda: len(pulled) == min(40, i + size))
         time.sleep(0.05)
         assert len(pulled) == i + size
       item = next(it)
@@ -248,13 +228,13 @@ def test_abandoned_iterator_stops_when_collected():
     while True:
       yield np.zeros(4)
 
-  before = len(_workers())
+  before = len(jaxstreams_threads("jaxstreams-prefetch"))
   it = jaxstreams.prefetch(forever(), size=2, num_threads=2)
   next(it)
-  assert len(_workers()) == before + 2
+  assert len(jaxstreams_threads("jaxstreams-prefetch")) == before + 2
   del it
   gc.collect()
-  assert _wait_until(lambda: len(_workers()) == before, 10.0)
+  assert wait_until(lambda: len(jaxstreams_threads("jaxstreams-prefetch")) == before, 10.0)
 
 
 def test_sharding_is_honoured():
@@ -391,7 +371,7 @@ def test_stage_area_lookahead_is_bounded_by_size():
                            timeout=30) as it:
     for i in range(30):
       if i in (0, 10):
-        assert _wait_until(lambda: len(pulled) == min(30, i + size))
+        assert wait_until(lambda: len(pulled) == min(30, i + size))
         time.sleep(0.05)
         assert len(pulled) == i + size
         stats = it.stage.stats()
@@ -493,21 +473,21 @@ def test_stage_area_destroyed_at_the_end_on_close_and_on_collection():
                            transfer="stage_area")
   assert [int(next(it)[0]) for _ in range(5)] == [0, 1, 2, 3, 4]
   area = it.stage
-  assert _wait_until(lambda: area.stats().queued == 1)
+  assert wait_until(lambda: area.stats().queued == 1)
   it.close()
   assert not any(t.is_alive() for t in it.threads)
   _assert_destroyed(area)
 
   # Abandoned: collected while the worker waits on a full pipeline.
-  before = len(_workers())
+  before = len(jaxstreams_threads("jaxstreams-prefetch"))
   it = jaxstreams.prefetch(forever(), size=2, num_threads=2,
                            transfer="stage_area")
   next(it)
   area = it.stage
   del it
   gc.collect()
-  assert _wait_until(lambda: len(_workers()) == before, 10.0)
-  assert _wait_until(lambda: _raises_destroyed(area), 10.0)
+  assert wait_until(lambda: len(jaxstreams_threads("jaxstreams-prefetch")) == before, 10.0)
+  assert wait_until(lambda: _raises_destroyed(area), 10.0)
 
 
 def _raises_destroyed(area):

@@ -31,35 +31,18 @@ import jaxstreams.runtime as rt
 from jaxstreams import config
 from jaxstreams.runtime import _ops
 from jaxstreams.stage import staged_plan
-from programs import assert_bitwise_equal
+from programs import assert_bitwise_equal, jaxstreams_threads, wait_until
 
 TIMEOUT = 30.0
 HANDLER_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
 
 
-def _threads(prefix="jaxstreams-"):
-  return [t for t in threading.enumerate()
-          if t.name.startswith(prefix) and t.is_alive()]
-
-
-def _wait_until(predicate, seconds=10.0):
-  deadline = time.monotonic() + seconds
-  while not predicate():
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.005)
-  return True
-
-
 @pytest.fixture(autouse=True)
-def no_leaked_threads():
-  """Every prefetch, staged and serve worker started by a test is gone after it."""
+def clean_config():
+  """Options set by a test do not leak into the next (threads: conftest)."""
   config.reset()
-  before = set(_threads())
   yield
   config.reset()
-  gc.collect()
-  assert _wait_until(lambda: set(_threads()) <= before), _threads()
 
 
 @contextlib.contextmanager
@@ -418,7 +401,7 @@ def test_prefetch_hanging_source_times_out_then_is_abandoned():
   finished, _ = _in_thread(it.close, timeout=0.2)
   assert not finished                           # blocked on the hung __next__
   source.release.set()
-  assert _wait_until(lambda: not any(t.is_alive() for t in it.threads))
+  assert wait_until(lambda: not any(t.is_alive() for t in it.threads))
   assert source.closed.is_set()
   assert source.pulled == [0, 1, 2, 3]
   with pytest.raises(StopIteration):
@@ -468,7 +451,7 @@ def test_staged_error_at_batch_k(error, mode):
       assert_bitwise_equal(value, want[1])
   assert seen == list(range(k))
   assert source.pulled == list(range(k + 1))
-  assert _wait_until(lambda: _threads("jaxstreams-prefetch") == [])
+  assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [])
   with pytest.raises(StopIteration):
     runner(params)
 
@@ -493,7 +476,7 @@ def test_staged_producer_stage_failing_at_batch_k(mode):
     for _ in range(10):
       seen.append(int(runner(jnp.float32(1.0))[0]))
   assert seen == [0, 1, 2, 3]
-  assert _wait_until(lambda: _threads("jaxstreams-prefetch") == [])
+  assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [])
   assert source.closed.is_set()
 
 
@@ -511,7 +494,7 @@ def test_staged_keyboard_interrupt_while_waiting_for_a_hung_batch(mode):
     with keyboard_interrupt_after(0.1):
       seen.append(int(runner(params)[0]))
   assert seen == [0, 1, 2]
-  assert _wait_until(lambda: _threads("jaxstreams-prefetch") == [])
+  assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [])
   assert source.closed.is_set()
   with pytest.raises(StopIteration):
     runner(params)
@@ -575,7 +558,7 @@ def test_serve_abandoned_with_requests_queued_finishes_them():
   assert_bitwise_equal(hung.result(TIMEOUT), jnp.ones(_Hold.HANG) + 1.0)
   for i, fut in enumerate(futures):
     assert_bitwise_equal(fut.result(TIMEOUT), jnp.full((2,), float(i)) + 1.0)
-  assert _wait_until(lambda: _threads("jaxstreams-serve") == [])
+  assert wait_until(lambda: jaxstreams_threads("jaxstreams-serve") == [])
 
 
 def test_serve_keyboard_interrupt_while_a_caller_waits():
@@ -590,7 +573,7 @@ def test_serve_keyboard_interrupt_while_a_caller_waits():
     hung.result(TIMEOUT)
     # The server lives on and serves the next caller.
     assert_bitwise_equal(server(jnp.arange(3.0)), jnp.sin(jnp.arange(3.0)))
-  assert _wait_until(lambda: _threads("jaxstreams-serve") == [])
+  assert wait_until(lambda: jaxstreams_threads("jaxstreams-serve") == [])
 
 
 def test_serve_keyboard_interrupt_raised_by_one_request_reaches_only_it():

@@ -26,29 +26,19 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from programs import assert_bitwise_equal
+from programs import assert_bitwise_equal, jaxstreams_threads, wait_until
 
 TIMEOUT = 60
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def serve_threads():
-  return [t for t in threading.enumerate()
-          if t.name.startswith("jaxstreams-serve")]
+  return jaxstreams_threads("jaxstreams-serve")
 
 
 def wait_for_no_serve_threads(timeout=10.0):
-  deadline = time.monotonic() + timeout
-  while serve_threads() and time.monotonic() < deadline:
-    time.sleep(0.01)
+  wait_until(lambda: not serve_threads(), timeout)
   return serve_threads()
-
-
-@pytest.fixture(autouse=True)
-def no_thread_left_behind():
-  yield
-  gc.collect()
-  assert wait_for_no_serve_threads() == []
 
 
 # ---------------------------------------------------------------------------

@@ -22,8 +22,6 @@ Structure and values only, never timings.
 
 import gc
 import re
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,28 +30,7 @@ import pytest
 
 import jaxstreams
 from jaxstreams.stage import staged_plan
-
-
-def _workers():
-  return [t for t in threading.enumerate()
-          if t.name.startswith("jaxstreams-prefetch") and t.is_alive()]
-
-
-def _wait_until(predicate, seconds=10.0):
-  deadline = time.monotonic() + seconds
-  while not predicate():
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.005)
-  return True
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_threads():
-  before = set(_workers())
-  yield
-  gc.collect()
-  assert _wait_until(lambda: set(_workers()) <= before, 10.0), _workers()
+from programs import jaxstreams_threads, wait_until
 
 
 def _batches(n, seed=0):
@@ -141,7 +118,7 @@ def test_stop_iteration_after_drain_and_threads_gone(mode):
   params, data = _params(), _batches(3)
   runner = jaxstreams.staged(step2, data=iter(data), capacity=2, mode=mode)
   assert len(_run(runner, params)) == 3
-  assert _workers() == []
+  assert jaxstreams_threads("jaxstreams-prefetch") == []
   with pytest.raises(StopIteration):
     runner(params)
 
@@ -387,10 +364,10 @@ def test_abandoned_runner_stops_its_workers(mode, workers):
   runner = jaxstreams.staged(step3, data=forever(), capacity=1, mode=mode)
   runner(_params())
   # Fused: the reader only. Threads: the reader and one per producer stage.
-  assert len(_workers()) == workers
+  assert len(jaxstreams_threads("jaxstreams-prefetch")) == workers
   del runner
   gc.collect()
-  assert _wait_until(lambda: _workers() == [], 10.0)
+  assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [], 10.0)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
