@@ -20,7 +20,6 @@ import dataclasses
 import math
 
 import jax.extend.core as jcore
-import numpy as np
 
 from jaxstreams import _compat
 
@@ -78,10 +77,8 @@ def _size(aval) -> int:
 
 
 def _bytes(aval) -> int:
-  dtype = getattr(aval, "dtype", None)
-  try:
-    itemsize = np.dtype(dtype).itemsize
-  except TypeError:
+  itemsize = getattr(getattr(aval, "dtype", None), "itemsize", None)
+  if itemsize is None:   # tokens, opaque or extended dtypes
     itemsize = 4
   return _size(aval) * itemsize
 
@@ -90,39 +87,8 @@ def _avals(atoms):
   return [a.aval for a in atoms if hasattr(a, "aval")]
 
 
-_simple_costs: dict[tuple, Cost] = {}
-
-
 def equation_cost(eqn) -> Cost:
-  """FLOPs and bytes of one equation (sub-jaxprs counted per iteration).
-
-  Equations without sub-jaxprs are cached by primitive, parameters that
-  matter and operand types: programs repeat the same few shapes, and
-  planning time is dominated by per-equation work.
-  """
-  name = eqn.primitive.name
-  if name in _NESTED or any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
-                            for v in eqn.params.values()):
-    return _equation_cost(eqn)
-  key = (name, str(eqn.params.get("dimension_numbers")),
-         tuple((getattr(a, "shape", None), getattr(a, "dtype", None))
-               for a in _avals(eqn.invars)),
-         tuple((getattr(a, "shape", None), getattr(a, "dtype", None))
-               for a in _avals(eqn.outvars)))
-  cost = _simple_costs.get(key)
-  if cost is None:
-    if len(_simple_costs) > 100_000:
-      _simple_costs.clear()
-    cost = _simple_costs[key] = _equation_cost(eqn)
-  return cost
-
-
-_NESTED = frozenset({"scan", "while", "cond", "pjit", "jit", "closed_call",
-                     "core_call", "remat", "checkpoint", "custom_jvp_call",
-                     "custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map"})
-
-
-def _equation_cost(eqn) -> Cost:
+  """FLOPs and bytes of one equation (sub-jaxprs counted per iteration)."""
   name = eqn.primitive.name
   ins, outs = _avals(eqn.invars), _avals(eqn.outvars)
   moved = float(sum(map(_bytes, ins)) + sum(map(_bytes, outs)))
