@@ -84,7 +84,8 @@ def _install_cpu_inline_lowering() -> None:
   probe = jax.make_jaxpr(stream_call(lambda x: x, 1))(1.0)
   primitive = probe.jaxpr.eqns[0].primitive
   from jax._src.interpreters import mlir as mlir_internal  # the default rule
-  default_rule = mlir_internal._lowerings[primitive]
+  entry = mlir_internal._lowerings[primitive]
+  default_rule = getattr(entry, "rule", entry)   # a LoweringRuleEntry since 0.9
 
   def cpu_rule(ctx, *args, jaxpr, **params):
     if REGION_ATTRIBUTE in _metadata_of(params):
@@ -153,6 +154,13 @@ def make_jaxpr(invars: Iterable, outvars: Iterable, eqns: Iterable,
                      frozenset(effects), debug)
 
 
+def jaxpr_function(invars: Iterable, outvars: Iterable, eqns: Iterable):
+  """A Python function evaluating ``eqns`` from ``invars`` to ``outvars``
+  (each equation bound again, with its name stack and context)."""
+  return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(make_jaxpr(invars, outvars, eqns),
+                                              ()))
+
+
 def is_unspecified_sharding(sharding: Any) -> bool:
   return type(sharding).__name__ in ("UnspecifiedValue", "NotSpecified")
 
@@ -188,8 +196,11 @@ def sub_jaxprs(eqn) -> list:
 
 
 def nested_jaxpr(params: dict):
-  """The ClosedJaxpr a nested-jit / call eqn runs."""
+  """The closed jaxpr a nested-jit / call eqn runs (with ``.jaxpr`` and
+  ``.consts``). From jax 0.11 ClosedJaxpr is Jaxpr, consts included."""
   jaxpr = params.get("jaxpr", params.get("call_jaxpr"))
+  if isinstance(jaxpr, jcore.ClosedJaxpr):
+    return jaxpr
   if isinstance(jaxpr, jcore.Jaxpr):
     return jcore.ClosedJaxpr(jaxpr, ())
   return jaxpr

@@ -208,3 +208,18 @@ def test_single_stream_lowers_exactly_like_jax_jit():
   ours = jaxstreams.jit(plain).lower(x, w1, w2).as_text()
   theirs = jax.jit(plain).lower(x, w1, w2).as_text()
   assert ours == theirs
+
+
+def test_other_xla_metadata_calls_still_lower_on_cpu():
+  """jaxstreams changes the CPU lowering of its own region calls only; a
+  user's own xla_metadata_call keeps JAX's lowering (a call op) and runs."""
+  from jaxstreams import _compat
+  meta_call = _compat._xla_metadata_call
+
+  def f(x):
+    return meta_call(lambda y: jnp.sin(y) * 2, scheduling_group="g")(x) + 1
+
+  x = jnp.arange(4.0)
+  text = jax.jit(f).lower(x).as_text()
+  assert 'scheduling_group = "g"' in text and "call @" in text
+  np.testing.assert_array_equal(jax.jit(f)(x), jnp.sin(x) * 2 + 1)

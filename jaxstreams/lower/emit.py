@@ -22,8 +22,7 @@ def region_function(plan: StreamPlan, index: int):
   """A function of the region's inputs returning its outputs."""
   graph = plan._graph
   eqns = [plan._program.jaxpr.eqns[i] for i in graph.members[index]]
-  jaxpr = _compat.make_jaxpr(graph.inputs[index], graph.outputs[index], eqns)
-  return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, ()))
+  return _compat.jaxpr_function(graph.inputs[index], graph.outputs[index], eqns)
 
 
 def emit(plan: StreamPlan, args: Sequence[Any], *, profile: bool = False

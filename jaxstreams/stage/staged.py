@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import operator
 import threading
 import types
 import weakref
@@ -357,8 +356,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
       fns.append(None)
       bodies.append(None)
       continue
-    body = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(
-        _compat.make_jaxpr(stage_ins[s], stage_outs[s], eqns), ()))
+    body = _compat.jaxpr_function(stage_ins[s], stage_outs[s], eqns)
     bodies.append(body)
     if stream is not None:
       from jaxstreams import jit as streams_jit, stream as stream_scope
@@ -372,8 +370,8 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   consumer_eqns = [e for i, e in enumerate(jaxpr.eqns) if stage_of[i] == n_producers]
   consumer_carried = [v for v in stage_ins[n_producers] if v not in set(other_invars)]
   stage_ins[n_producers] = consumer_carried
-  consumer = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(_compat.make_jaxpr(
-      other_invars + consumer_carried, jaxpr.outvars, consumer_eqns), ()))
+  consumer = _compat.jaxpr_function(other_invars + consumer_carried,
+                                    jaxpr.outvars, consumer_eqns)
   fns.append(consumer_jit(consumer))
   bodies.append(consumer)
 

@@ -86,16 +86,16 @@ def _without_repeated_context(stack):
   return stack
 
 
-def has_tags(closed_jaxpr) -> bool:
-  """Whether any equation in ``closed_jaxpr`` (at any depth) is tagged."""
-  for eqn in closed_jaxpr.jaxpr.eqns:
+def has_tags(jaxpr) -> bool:
+  """Whether any equation in ``jaxpr`` (closed or not; at any depth) is tagged."""
+  for eqn in jaxpr.eqns:
     if any(kind == "scope" and parse_scope(name) is not None
            for kind, name in _compat.name_stack_entries(eqn)):
       return True
     if eqn.primitive is colocate_anchor_p:
       return True
     for sub in _compat.sub_jaxprs(eqn):
-      if has_tags(jcore.ClosedJaxpr(sub, ())):
+      if has_tags(sub):
         return True
   return False
 
