@@ -148,8 +148,10 @@ def make_jaxpr(invars: Iterable, outvars: Iterable, eqns: Iterable,
   effects = set()
   for eqn in eqns:
     effects.update(eqn.effects)
-  debug = jcore.DebugInfo("jaxstreams", "region", (None,) * len(invars),
-                          (None,) * len(outvars))
+  # Empty names: these arguments have no user-facing names (jax's own
+  # convention for arguments it does not track).
+  debug = jcore.DebugInfo("jaxstreams", "region", ("",) * len(invars),
+                          ("",) * len(outvars))
   return jcore.Jaxpr(list(constvars), invars, outvars, eqns,
                      frozenset(effects), debug)
 
