@@ -540,3 +540,19 @@ def test_transfer_argument():
   with jaxstreams.prefetch([np.ones(2)], sharding=jax.devices()[0]) as it:
     assert it.transfer == "device_put"
   assert AUTO_TRANSFER["gpu"] == "device_put"  # not measured
+
+
+def test_describing_a_long_list_looks_at_a_few_items_only():
+  """The iterable is described once for error messages; a long list of big
+  arrays must not be printed whole (that cost 100 us per item)."""
+  printed = []
+
+  class Item(np.ndarray):
+    def __repr__(self):
+      printed.append(1)
+      return "Item"
+
+  items = [np.zeros(4, np.float32).view(Item) for _ in range(200)]
+  with jaxstreams.prefetch(items, size=2) as it:
+    assert len(list(it)) == 200
+  assert len(printed) <= 10

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import reprlib
 import math
 import threading
 import types
@@ -132,7 +133,9 @@ def _check_sharding(sharding: Any) -> None:
 
 
 def _describe(iterable: Any) -> str:
-  text = repr(iterable)
+  """A short description for error messages; bounded work even for a long
+  list of large arrays (reprlib looks at the first few elements only)."""
+  text = reprlib.repr(iterable)
   return text if len(text) <= 80 else text[:77] + "..."
 
 
