@@ -1,5 +1,9 @@
 """Small programs the tests run through jaxstreams and jax.jit alike."""
 
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 import time
 
@@ -106,3 +110,33 @@ def wait_until(predicate, seconds=10.0):
       return False
     time.sleep(0.005)
   return True
+
+
+def three_chains(x, w):
+  """Three independent matmul chains joined at the end: parallel work."""
+  outs = []
+  for k in range(3):
+    h = x * (k + 1)
+    for _ in range(4):
+      h = jnp.tanh(h @ w)
+    outs.append(h)
+  return outs[0] + outs[1] + outs[2]
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_example(name, *flags, env=None):
+  """Run ``examples/<name>`` from the repository root, as a user would (the
+  stream count from the environment left out unless ``env`` sets it);
+  returns its standard output, failing with its output if it fails."""
+  environ = dict(os.environ)
+  environ.pop("JAXSTREAMS_STREAMS", None)
+  environ.update(env or {})
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "examples" / name), *flags], cwd=ROOT,
+      env=environ, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, (
+      f"{name} exited with {proc.returncode}\nstdout:\n{proc.stdout}\n"
+      f"stderr:\n{proc.stderr[-4000:]}")
+  return proc.stdout

@@ -4,12 +4,12 @@ import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxstreams
 from jaxstreams import config
-from programs import assert_bitwise_equal, check_region_graph, random_inputs
+from programs import (assert_bitwise_equal, check_region_graph, random_inputs,
+                      three_chains)
 
 
 @pytest.fixture(autouse=True)
@@ -17,17 +17,6 @@ def clean_config():
   config.reset()
   yield
   config.reset()
-
-
-def three_chains(x, w):
-  """Three independent matmul chains joined at the end: parallel work."""
-  outs = []
-  for k in range(3):
-    h = x * (k + 1)
-    for _ in range(4):
-      h = jnp.tanh(h @ w)
-    outs.append(h)
-  return outs[0] + outs[1] + outs[2]
 
 
 def chain_of(plan, eqn_indices):

@@ -7,7 +7,6 @@ import textwrap
 
 import pytest
 
-import jaxstreams
 from jaxstreams import config
 
 

@@ -7,27 +7,9 @@ stream count it was given, losses going down, and results equal to jax.jit
 (bitwise on CPU, where regions are lowered inline).
 """
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-
-
-def run_example(name, *flags, env=None):
-  environ = dict(os.environ)
-  environ.pop("JAXSTREAMS_STREAMS", None)
-  environ.update(env or {})
-  proc = subprocess.run(
-      [sys.executable, str(EXAMPLES / name), *flags], cwd=ROOT, env=environ,
-      capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, (
-      f"{name} exited with {proc.returncode}\nstdout:\n{proc.stdout}\n"
-      f"stderr:\n{proc.stderr[-4000:]}")
-  return proc.stdout
+from programs import run_example
 
 
 def backend(out):

@@ -7,26 +7,9 @@ and for results equal to the unstaged loop (bitwise on CPU). Throughputs are
 printed by the examples and only checked to be there, never compared.
 """
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-
-
-def run_example(name, *flags):
-  environ = dict(os.environ)
-  environ.pop("JAXSTREAMS_STREAMS", None)
-  proc = subprocess.run(
-      [sys.executable, str(EXAMPLES / name), *flags], cwd=ROOT, env=environ,
-      capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, (
-      f"{name} exited with {proc.returncode}\nstdout:\n{proc.stdout}\n"
-      f"stderr:\n{proc.stderr[-4000:]}")
-  return proc.stdout
+from programs import run_example
 
 
 def line(pattern, out):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxstreams
-from programs import assert_bitwise_equal, random_inputs, two_towers
+from programs import random_inputs, two_towers
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxstreams

@@ -4,7 +4,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxstreams
 from programs import (assert_bitwise_equal, check_region_graph, cuda_text,

@@ -51,7 +51,8 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 import jaxstreams
-from programs import assert_bitwise_equal, check_region_graph, random_inputs
+from programs import (assert_bitwise_equal, check_region_graph, random_inputs,
+                      three_chains)
 
 EXAMPLES = int(os.environ.get("JAXSTREAMS_PROPERTY_EXAMPLES", "60"))
 
@@ -706,15 +707,6 @@ def test_a_nograd_block_around_grad_holds_its_whole_backward_pass(inner):
 # split almost nothing. Forward propagation now follows placed inputs only.
 
 def test_forward_propagation_leaves_unplaced_chains_to_the_scheduler():
-  def three_chains(x, w):
-    outs = []
-    for k in range(3):
-      h = x * (k + 1)
-      for _ in range(4):
-        h = jnp.tanh(h @ w)
-      outs.append(h)
-    return outs[0] + outs[1] + outs[2]
-
   x, w = random_inputs((8, 256), (256, 256))
   jaxstreams.config.update("jaxstreams_forward_propagation", True)
   try:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax.extend.core as jcore
-
 from jaxstreams import _compat
 
 

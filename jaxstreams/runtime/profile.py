@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any
 
 from jaxstreams import config
 
