@@ -57,9 +57,9 @@ from __future__ import annotations
 
 import collections
 import itertools
-import reprlib
 import math
 import threading
+import time
 import types
 import weakref
 from typing import Any, Callable, Iterable, Iterator
@@ -133,10 +133,17 @@ def _check_sharding(sharding: Any) -> None:
 
 
 def _describe(iterable: Any) -> str:
-  """A short description for error messages; bounded work even for a long
-  list of large arrays (reprlib looks at the first few elements only)."""
-  text = reprlib.repr(iterable)
-  return text if len(text) <= 80 else text[:77] + "..."
+  """A short description for error messages, made from the iterable's type
+  (and length, or a generator's function name), never from its items: a repr
+  of a few large numpy arrays costs tens of milliseconds, which every
+  ``prefetch()`` call would pay for an error message it rarely prints."""
+  if isinstance(iterable, types.GeneratorType):
+    return f"generator {iterable.__qualname__}()"
+  kind = type(iterable).__qualname__
+  try:
+    return f"{kind} of {len(iterable)} item(s)"
+  except Exception:  # noqa: BLE001 - no len(), or a len() that fails
+    return f"{kind} object"
 
 
 class _Pipeline:
@@ -164,6 +171,7 @@ class _Pipeline:
     self.next_ticket = 0        # order of the items handed to the transfer
     self.live_workers = 0       # started and not yet returned
     self.released = False       # the transfer's resources were freed
+    self.close_owned_on_exit = False   # close() stopped waiting for workers
     self.threads = []
     try:
       for i in range(num_threads):
@@ -196,7 +204,10 @@ class _Pipeline:
     finally:
       with self.cond:
         self.live_workers -= 1
+        close_owned = self.live_workers == 0 and self.close_owned_on_exit
       self._release_if_idle()
+      if close_owned:           # close(timeout) gave up waiting for us
+        self._close_owned()
 
   def _work_loop(self) -> None:
     while True:
@@ -282,9 +293,11 @@ class _Pipeline:
           raise StopIteration
         raise value
 
-  def stop(self, join: bool) -> None:
-    """Ends the workers; with ``join``, waits for them (a worker inside the
-    iterable's ``__next__`` can only stop once that call returns).
+  def stop(self, join: bool, timeout: float | None = None) -> bool:
+    """Ends the workers; with ``join``, waits for them up to ``timeout``
+    seconds (a worker inside the iterable's ``__next__`` can only stop once
+    that call returns). Returns whether every worker has ended; when one has
+    not, the last worker to return frees what the pipeline owns.
 
     When the iterable is another prefetch pipeline (a staged step's chain of
     stages), it is stopped first, so a worker waiting on it wakes up."""
@@ -298,23 +311,32 @@ class _Pipeline:
       upstream._pipeline.stop(join=False)
     if not join:
       self._release_if_idle()   # or the last worker does, when it returns
-      return
+      return False
+    deadline = None if timeout is None else time.monotonic() + timeout
     current = threading.current_thread()
     for thread in self.threads:
       if thread is not current:
-        thread.join()
+        thread.join(None if deadline is None else
+                    max(0.0, deadline - time.monotonic()))
     self._release_if_idle()
-    if any(t.is_alive() for t in self.threads):
-      return
-    # Close what we own: an upstream pipeline (joins its workers) and a
-    # generator (its finally blocks run now, not at interpreter exit). Other
-    # iterators (a file the caller opened) are the caller's to close.
+    with self.cond:
+      if self.live_workers > 0:
+        self.close_owned_on_exit = True   # the last worker closes them
+        return False
+    self._close_owned()
+    return True
+
+  def _close_owned(self) -> None:
+    """Closes what the pipeline owns: an upstream pipeline (joins its
+    workers) and a generator (its finally blocks run now, not at interpreter
+    exit). Other iterators (a file the caller opened) are the caller's to
+    close. Runs once no worker can be inside the iterator any more."""
+    upstream = self.iterator
     if isinstance(upstream, (Prefetcher, types.GeneratorType)):
       try:
         upstream.close()
       except Exception:  # noqa: BLE001 - closing is best effort
         pass
-
 
   def _release_if_idle(self) -> None:
     """Frees the transfer's resources (a stage area) once the pipeline is
@@ -360,6 +382,7 @@ class Prefetcher:
                       f"of type {type(iterable).__name__}") from None
     name = f"jaxstreams-prefetch-{next(_names)}"
     self._transfer = transfer
+    self._closed = False
     self._pipeline = _Pipeline(
         iterator, transfer, size, num_threads,
         closed_exception_types, ignored_exception_types,
@@ -375,13 +398,20 @@ class Prefetcher:
     except TimeoutError:
       raise             # the item may still come: stay usable
     except BaseException:
-      self.close()      # the end, or item k's exception: nothing follows
+      if not self._closed:   # after close(timeout) gave up: do not wait now
+        self.close()    # the end, or item k's exception: nothing follows
       raise
 
-  def close(self) -> None:
-    """Stops the workers and waits for them to exit; idempotent."""
+  def close(self, timeout: float | None = None) -> bool:
+    """Stops the workers and waits up to ``timeout`` seconds (None: as long
+    as it takes) for them to exit; returns whether they have. A worker
+    blocked inside the iterable's ``__next__`` exits when that call returns,
+    delivers nothing, and then closes what the iterator owns (a generator
+    iterable, a stage area). Idempotent."""
+    timeout = _timeout(timeout, "Prefetcher.close")
+    self._closed = True
     self._finalizer.detach()
-    self._pipeline.stop(join=True)
+    return self._pipeline.stop(join=True, timeout=timeout)
 
   @property
   def max_in_flight(self) -> int:
