@@ -18,9 +18,19 @@ marker level there are ``K`` producer stages and the consumer:
 * ``smart=False``: producer stage ``l`` holds the data-only equations of level
   ``l`` that the markers need (what computes the staged value, as the issue
   says); the rest is the consumer's.
-* ``smart=True``: every data-only equation is staged, at stage
-  ``min(level, max(K, 1) - 1)``: the widest subgraph that depends only on the
-  data argument, SmartStage's choice, with or without ``stage()`` calls.
+* ``smart=True``: every data-only equation that reads the data argument
+  (directly or not) is staged, at stage ``min(level, max(K, 1) - 1)``: the
+  widest subgraph that depends only on the data argument, SmartStage's
+  choice, with or without ``stage()`` calls.
+
+Constant-only equations, data-only ones that read no leaf of the data
+(``jnp.arange(n)``, ``jnp.zeros``, arithmetic on closed-over constants), are
+not staged values: every part (producer stage or consumer) that reads such a
+value computes it itself, the consumer when none does. Per batch they would
+be the same, so carrying them from part to part would only cost device
+memory; one that two parts read runs in both (XLA folds most into
+constants). The plan lists it in each part and marks it ``const``. A
+``stage()`` call is staged as written, even on a constant.
 
 A marker whose input depends on a non-data argument is an error naming that
 argument: the producer runs ahead on later batches, so it would read the
@@ -47,6 +57,25 @@ first stream the step does not use itself (above its own ``stream()``
 blocks, and ``N`` for ``jaxstreams.jit(streams=N)``), so the producer never
 queues behind a consumer region; the program has ``max(N, stream + 1)``
 streams.
+
+Staged values are donated in fused mode. A value a producer stage made is
+the runner's own, and dead once the program that reads it last has run, so
+that program gets it with ``donate_argnums``: XLA then writes an output of
+the same shape and dtype into its buffer (in the steady state, the next
+batch's staged value) instead of allocating one. Never donated: a leaf of
+the batch (placing an array that is already on the device returns that very
+array, the caller's), a closed-over constant, the step's other arguments, a
+value a later part of its batch still reads. Only as many values of a shape
+and dtype are donated as the program has outputs of it (jax warns about, and
+keeps, a buffer it cannot reuse). A failed program is run again part by part
+to find the batch the error belongs to, and a failed run has taken its
+donated buffers, so a part donates only when neither it nor a part of a
+newer batch contains a host callback or foreign function call
+(``_MAY_RAISE``, what can raise in a running program); should a part's input
+be gone all the same (a failure of another kind), the error is raised by
+this call, whichever batch it belongs to. ``mode="threads"`` donates
+nothing: its stage programs stay plain jitted functions of the values handed
+between threads.
 
 ``mode="threads"``. Each producer stage is a jitted function of the values
 it needs, run by a ``jaxstreams.prefetch`` pipeline (one worker thread,
@@ -133,6 +162,7 @@ class StagedEquation:
   primitive: str
   source: str           # file:line (function) of the user code
   level: int | None     # None: reads a non-data argument or has effects
+  constant: bool = False  # reads no argument: run by every part that needs it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +206,9 @@ class StagedPlan:
                    f"equation(s), {spec.inputs} in, {spec.outputs} out")
       for eqn in spec.equations:
         level = "-" if eqn.level is None else eqn.level
+        kind = "const" if eqn.constant else ""
         lines.append(f"    [{eqn.index:3d}] {eqn.primitive:<24} level {level:<2} "
-                     f"{eqn.source}")
+                     f"{kind:<6}{eqn.source}")
     return "\n".join(lines)
 
 
@@ -215,6 +246,19 @@ def _chain(first: Any, rest):
   ``rest`` too when that is a generator)."""
   yield first
   yield from rest
+
+
+# Primitives that can fail while a program runs, after it has taken its
+# donated inputs: host callbacks and foreign function calls. XLA's own
+# operations do not raise (bad indices clamp, NaNs propagate).
+_MAY_RAISE = frozenset({"pure_callback", "io_callback", "debug_callback",
+                        "debug_print", "ffi_call"})
+
+
+def _may_raise(eqns) -> bool:
+  return any(eqn.primitive.name in _MAY_RAISE
+             or any(_may_raise(sub.eqns) for sub in _compat.sub_jaxprs(eqn))
+             for eqn in eqns)
 
 
 def _build_split(fun: Callable, function_name: str, other_args: tuple,
@@ -262,6 +306,10 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   origin: dict[Any, str] = {v: names[v] for v in other_invars}
   level.update({v: None for v in other_invars})
   eqn_level: list[int | None] = []
+  # Values computed from a leaf of the data argument; a data-only equation
+  # that reads none is constant-only (iota, zeros, closed-over constants).
+  from_data: set = set(data_invars)
+  constant: list[bool] = []
   markers: list[int] = []
   for i, eqn in enumerate(jaxpr.eqns):
     if _nested_marker(eqn.params):
@@ -295,6 +343,11 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
     else:
       out_lv = lv
     eqn_level.append(lv)
+    reads_data = any(not isinstance(v, jcore.Literal) and v in from_data
+                     for v in eqn.invars)
+    if reads_data:
+      from_data.update(eqn.outvars)
+    constant.append(lv is not None and not reads_data and not _is_marker(eqn))
     for v in eqn.outvars:
       level[v] = out_lv
       if out_lv is None:
@@ -312,15 +365,36 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   stage_of = [n_producers] * len(jaxpr.eqns)       # default: the consumer
   if smart:
     for i, lv in enumerate(eqn_level):
-      if lv is not None:
+      if lv is not None and not constant[i]:
         stage_of[i] = min(lv, n_producers - 1)
   else:
     needed: set = set()
     for i in reversed(range(len(jaxpr.eqns))):
       eqn = jaxpr.eqns[i]
-      if i in markers or any(v in needed for v in eqn.outvars):
+      if i in markers or (not constant[i]
+                          and any(v in needed for v in eqn.outvars)):
         stage_of[i] = eqn_level[i]
         needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+  # A constant-only equation runs in every part that reads its value
+  # (directly or through other constant-only equations), the consumer when
+  # none does: constants are recomputed, never carried from part to part.
+  parts = [{s} for s in stage_of]
+  readers = collections.defaultdict(set)
+  for v in jaxpr.outvars:
+    readers[v].add(n_producers)
+  for i in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[i]
+    if constant[i]:
+      parts[i] = (set().union(*(readers[v] for v in eqn.outvars))
+                  or {n_producers})
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal):
+        readers[v] |= parts[i]
+  local = {v for i, eqn in enumerate(jaxpr.eqns) if constant[i]
+           for v in eqn.outvars}
+
+  def eqns_of(s):
+    return [(i, e) for i, e in enumerate(jaxpr.eqns) if s in parts[i]]
 
   # Per stage: inputs (defined earlier), outputs (used later).
   n_stages = n_producers + 1
@@ -331,12 +405,15 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
     for v in eqn.outvars:
       defined_in[v] = stage_of[i]
   reads: list[dict] = [dict() for _ in range(n_stages)]   # ordered sets
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.invars:
-      if not isinstance(v, jcore.Literal) and defined_in[v] != stage_of[i]:
-        reads[stage_of[i]][v] = None
+  for s in range(n_stages):
+    for _, eqn in eqns_of(s):
+      for v in eqn.invars:
+        if (not isinstance(v, jcore.Literal) and v not in local
+            and defined_in[v] != s):
+          reads[s][v] = None
   for v in jaxpr.outvars:
-    if not isinstance(v, jcore.Literal) and defined_in[v] != n_producers:
+    if (not isinstance(v, jcore.Literal) and v not in local
+        and defined_in[v] != n_producers):
       reads[n_producers][v] = None
   stage_ins = [list(r) for r in reads]
   stage_outs = []
@@ -344,14 +421,13 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   for s in range(n_stages):
     later = {v for t in range(s + 1, n_stages) for v in stage_ins[t]}
     keep_after.append(later)
-    outs = [v for i, eqn in enumerate(jaxpr.eqns) if stage_of[i] == s
-            for v in eqn.outvars if v in later]
+    outs = [v for _, eqn in eqns_of(s) for v in eqn.outvars if v in later]
     stage_outs.append(list(dict.fromkeys(outs)))
 
   # Functions.
   fns, bodies = [], []
   for s in range(n_producers):
-    eqns = [e for i, e in enumerate(jaxpr.eqns) if stage_of[i] == s]
+    eqns = [e for _, e in eqns_of(s)]
     if not eqns:
       fns.append(None)
       bodies.append(None)
@@ -367,7 +443,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
       fns.append(streams_jit(run, streams=stream + 1))
     else:
       fns.append(jax.jit(body))
-  consumer_eqns = [e for i, e in enumerate(jaxpr.eqns) if stage_of[i] == n_producers]
+  consumer_eqns = [e for _, e in eqns_of(n_producers)]
   consumer_carried = [v for v in stage_ins[n_producers] if v not in set(other_invars)]
   stage_ins[n_producers] = consumer_carried
   consumer = _compat.jaxpr_function(other_invars + consumer_carried,
@@ -377,8 +453,9 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
 
   def describe(s):
     return tuple(
-        StagedEquation(i, e.primitive.name, _compat.source_location(e), eqn_level[i])
-        for i, e in enumerate(jaxpr.eqns) if stage_of[i] == s)
+        StagedEquation(i, e.primitive.name, _compat.source_location(e),
+                       eqn_level[i], constant[i])
+        for i, e in eqns_of(s))
   stages = tuple(
       StageSpec(s, "producer" if s < n_producers else "consumer", describe(s),
                 len(stage_ins[s]), len(stage_outs[s]) if s < n_producers
@@ -392,6 +469,12 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
                 (list(jaxpr.constvars), list(closed.consts)),
                 stage_ins, stage_outs, keep_after, fns, bodies,
                 out_tree_cell[0], other_sig)
+  # What fused programs donate (see ``_donated``): the values producer
+  # stages made, the consumer's output types, and which parts may raise.
+  split.staged = {v for outs in stage_outs[:n_producers] for v in outs}
+  split.out_avals = [v.aval for v in jaxpr.outvars]
+  split.may_raise = [_may_raise(e for _, e in eqns_of(s))
+                     for s in range(n_stages)]
   # Streams the step's own stream() blocks ask for: a fused program needs
   # them all, and the producer's default stream is the first one above them.
   split.streams_used = max(stream_ids(jaxpr), default=0) + 1
@@ -570,37 +653,93 @@ class _InFlight:
     self.done = 0
 
 
+def _layout(consumer: _Split | None, stages: tuple) -> list[tuple]:
+  """The parts of a fused program in the order of its (flat) arguments, as
+  ``(split, part, first argument)``: the consumer (part ``K``; the step's
+  other arguments, then its carried values), then each producer stage ``j``
+  that runs (part ``j``; its inputs)."""
+  n, parts, first = len(stages), [], 0
+  if consumer is not None:
+    parts.append((consumer, n, 0))
+    first = len(consumer.other_invars) + len(consumer.stage_ins[n])
+  for j, split in enumerate(stages):
+    if split is not None:
+      parts.append((split, j, first))
+      first += len(split.stage_ins[j])
+  return parts
+
+
+def _donated(consumer: _Split | None, stages: tuple) -> tuple[int, ...]:
+  """The arguments a fused program donates, so that XLA can write its
+  outputs into their buffers: values a producer stage made (the runner's
+  own, never a leaf of the batch, a constant or an other argument) that no
+  later part of their batch reads.
+
+  Only as many of one shape and dtype as the program has outputs of that
+  shape and dtype: jax reuses a donated buffer for such an output only, and
+  warns about the others ("Some donated buffers were not usable"), which it
+  leaves alone anyway. In the steady state the next batch's staged values
+  take the buffers of the current one's.
+
+  A program that fails is run again part by part, oldest batch first, up to
+  the part that failed (``_Fused._run``), and a failed run has still taken
+  its donated buffers. So a part donates only if neither it nor a part of a
+  newer batch can raise while the program runs (``_MAY_RAISE``)."""
+  n = len(stages)
+  free = collections.Counter()
+  for split, part, _ in _layout(consumer, stages):
+    avals = (split.out_avals if part == n
+             else [v.aval for v in split.stage_outs[part]])
+    free.update((a.shape, a.dtype) for a in avals)
+  donated = []
+  # Newest batch first: stage 0, 1, ..., then the consumer.
+  for split, part, first in sorted(_layout(consumer, stages),
+                                   key=lambda p: p[1]):
+    if split.may_raise[part]:
+      break
+    if part == n:
+      first += len(split.other_invars)
+    for i, v in enumerate(split.stage_ins[part]):
+      key = (v.aval.shape, v.aval.dtype)
+      if v in split.staged and v not in split.keep_after[part] and free[key]:
+        free[key] -= 1
+        donated.append(first + i)
+  return tuple(sorted(donated))
+
+
 def _fused_program(cache: dict, consumer: _Split | None,
                    stages: tuple, stream: int, streams: int) -> Callable:
   """The ``jaxstreams.jit`` program that runs, in one execution, the consumer
   part of ``consumer``'s batch (when not None) and producer stage ``j`` of
   the batch whose split is ``stages[j]`` (when not None), that stage's
-  equations under ``stream(stream)``. Cached by the splits' identities (the
-  splits live in the same cache, so the ids stay theirs)."""
+  equations under ``stream(stream)``. Its arguments are flat, in
+  ``_layout``'s order, so that single staged values can be donated
+  (``_donated``). Cached by the splits' identities (the splits live in the
+  same cache, so the ids stay theirs)."""
   key = ("fused", id(consumer), tuple(map(id, stages)), stream, streams)
   program = cache.get(key)
   if program is not None:
     return program
   from jaxstreams import jit as streams_jit, stream as stream_scope
   n = len(stages)
+  layout = _layout(consumer, stages)
+  ends = [first for _, _, first in layout[1:]] + [None]
 
-  def fused(other, carried, stage_inputs):
-    outs = None
-    if consumer is not None:
-      # Emitted as in the step: untagged equations stay on the main stream.
-      outs = consumer.bodies[n](*other, *carried)
-    produced = []
-    for j, split in enumerate(stages):
-      if split is None:
-        produced.append(None)
-        continue
-      # Equations the step placed itself keep their stream (innermost wins).
-      with stream_scope(stream):
-        produced.append(split.bodies[j](*stage_inputs[j]))
+  def fused(*flat):
+    outs, produced = None, [None] * n
+    for (split, part, first), end in zip(layout, ends):
+      if part == n:
+        # Emitted as in the step: untagged equations stay on the main stream.
+        outs = split.bodies[n](*flat[first:end])
+      else:
+        # Equations the step placed itself keep their stream (innermost wins).
+        with stream_scope(stream):
+          produced[part] = split.bodies[part](*flat[first:end])
     return outs, produced
 
   fused.__name__ = fused.__qualname__ = "jaxstreams_staged_step"
-  program = streams_jit(fused, streams=streams)
+  program = streams_jit(fused, streams=streams,
+                        donate_argnums=_donated(consumer, stages))
   cache[key] = program
   return program
 
@@ -702,6 +841,12 @@ class _Fused:
       for piece in pieces:
         who, entry = piece
         only = [None] * self.k
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in
+               self._inputs(entry, self.k if who == "consumer" else who)):
+          # Donated to the failed program (``_donated`` rules this out when
+          # it knows how a program can fail): whose error it was cannot be
+          # told, so it is this call's.
+          raise exc
         try:
           if who == "consumer":
             outs, _ = self._call(entry, only, other_leaves)
@@ -725,11 +870,15 @@ class _Fused:
         self.producer.cache, None if head is None else head.split,
         tuple(None if e is None else e.split for e in runnable),
         self.stream, self.streams)
-    carried = ([] if head is None else
-               [head.env[v] for v in head.split.stage_ins[self.k]])
-    inputs = [None if e is None else [e.env[v] for v in e.split.stage_ins[j]]
-              for j, e in enumerate(runnable)]
-    return program(other_leaves if head is not None else [], carried, inputs)
+    args = [] if head is None else [*other_leaves, *self._inputs(head, self.k)]
+    for j, entry in enumerate(runnable):
+      if entry is not None:
+        args += self._inputs(entry, j)
+    return program(*args)
+
+  @staticmethod
+  def _inputs(entry: _InFlight, part: int) -> list:
+    return [entry.env[v] for v in entry.split.stage_ins[part]]
 
   def _advance(self, entry: _InFlight, j: int, outs) -> None:
     split = entry.split
@@ -942,10 +1091,10 @@ class StagedRunner:
     def spec(v):
       a = v.aval
       return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-    args = ([spec(v) for v in split.other_invars],
-            [spec(v) for v in split.stage_ins[k]],
-            [None if stages[j] is None else [spec(v) for v in split.stage_ins[j]]
-             for j in range(k)])
+    args = [spec(v) for v in split.other_invars + split.stage_ins[k]]
+    for j in range(k):
+      if stages[j] is not None:
+        args += [spec(v) for v in split.stage_ins[j]]
     return program, args
 
   @property
