@@ -73,6 +73,9 @@ __all__ = ["prefetch", "Prefetcher", "TRANSFERS", "AUTO_TRANSFER"]
 
 _names = itertools.count()
 
+# What Prefetcher._next_if_ready returns when the next item is not ready.
+NOT_READY = object()
+
 # Result kinds stored per item number.
 _VALUE, _ERROR, _END, _SKIP = "value", "error", "end", "skip"
 
@@ -258,14 +261,17 @@ class _Pipeline:
         self.cond.notify_all()
 
   # Consumer ------------------------------------------------------------------
-  def get(self, timeout: float | None) -> Any:
+  def get(self, timeout: float | None, wait: bool = True) -> Any:
     """The next item in order; raises its exception, StopIteration at the
-    end, TimeoutError when it is not ready within ``timeout`` seconds."""
+    end, TimeoutError when it is not ready within ``timeout`` seconds. With
+    ``wait=False``, returns NOT_READY at once instead of waiting."""
     with self.cond:
       while True:
         number = self.next_out
         if self.stopped and number not in self.results:
           raise StopIteration
+        if not wait and number not in self.results:
+          return NOT_READY
         if not self.cond.wait_for(
             lambda: number in self.results or self.stopped, timeout):
           busy = "inside the iterable's __next__" if self.pulling else \
@@ -393,8 +399,16 @@ class Prefetcher:
     return self
 
   def __next__(self) -> Any:
+    return self._get(wait=True)
+
+  def _next_if_ready(self) -> Any:
+    """The next item if it is ready now, else ``NOT_READY``: no waiting and
+    no exception to build (a staged runner polls its reader every call)."""
+    return self._get(wait=False)
+
+  def _get(self, wait: bool) -> Any:
     try:
-      return self._pipeline.get(self.timeout)
+      return self._pipeline.get(self.timeout, wait)
     except TimeoutError:
       raise             # the item may still come: stay usable
     except BaseException:

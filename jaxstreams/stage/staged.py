@@ -114,7 +114,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxstreams import _compat
 from jaxstreams import _checks
-from jaxstreams.stage.prefetch import Prefetcher
+from jaxstreams.stage.prefetch import NOT_READY, Prefetcher
 from jaxstreams.tag.read import stream_ids
 
 __all__ = ["stage", "staged", "staged_plan", "StagedPlan", "StagedRunner"]
@@ -233,8 +233,15 @@ class _Split:
 
 
 def _signature(leaves) -> tuple:
-  return tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
+  # jax arrays carry their canonical dtype; anything else (numpy, Python
+  # scalars) as jax would convert it. Runs on every call: keep it cheap.
+  return tuple((x.shape, x.dtype) if isinstance(x, jax.Array) else
+               (tuple(jax.numpy.shape(x)), jax.numpy.result_type(x))
                for x in leaves)
+
+
+def _shapes(leaves) -> str:
+  return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in _signature(leaves))
 
 
 def _identity(item: Any) -> Any:
@@ -561,7 +568,7 @@ class _Producer:
         split = _cached_split(self, other_args, kwargs, batch, key)
         if self.splits and len(split.plan.producers) != self.n_producers:
           raise ValueError(
-              f"{_FUNC}: a batch of shapes {_signature(data_leaves)} splits "
+              f"{_FUNC}: a batch of shapes ({_shapes(data_leaves)}) splits "
               f"{self.name} into {len(split.plan.producers)} producer "
               f"stage(s), the first batch into {self.n_producers}; the "
               f"number of stages must not depend on the batch's shapes")
@@ -759,7 +766,7 @@ class _Fused:
     self.ended = False            # nothing more comes from the reader
     self.first = None             # the batch read to trace before starting
     self.warm = False             # the first call (warm-up) is over
-    self.schedule: collections.deque[str] = collections.deque(maxlen=_SCHEDULE)
+    self.schedule: collections.deque[tuple] = collections.deque(maxlen=_SCHEDULE)
     self.programs = 0
 
   # Reading -------------------------------------------------------------------
@@ -771,14 +778,13 @@ class _Fused:
     if self.first is not None:
       batch, self.first = self.first, None
     else:
-      self.reader.timeout = None if block else 0.0
       try:
-        batch = next(self.reader)
-      except TimeoutError:
-        return None               # not read yet: the consumer does not wait
+        batch = next(self.reader) if block else self.reader._next_if_ready()
       except StopIteration:
         self.ended = True
         return None
+      if batch is NOT_READY:
+        return None               # not read yet: the consumer does not wait
     if isinstance(batch, _DataError):   # batch k's error, raised by call k
       self.ended = True
       self.inflight.append(_InFlight(self.next_index, error=batch.exc))
@@ -810,12 +816,17 @@ class _Fused:
         stages[0] = entry
     return head, stages
 
-  def _label(self, head, stages) -> str:
-    names = [f"{chr(ord('A') + j)}{e.index}" for j, e in enumerate(stages)
-             if e is not None]
+  def _label(self, head, stages) -> tuple:
+    """(part, batch index) of each piece; ``labels`` spells it out."""
+    pieces = [(j, e.index) for j, e in enumerate(stages) if e is not None]
     if head is not None:
-      names.append(f"{chr(ord('A') + self.k)}{head.index}")
-    return " ".join(names)
+      pieces.append((self.k, head.index))
+    return tuple(pieces)
+
+  def labels(self) -> list[str]:
+    """The schedule in seed 004's notation, formatted when asked for."""
+    return [" ".join(f"{chr(ord('A') + part)}{index}" for part, index in pieces)
+            for pieces in self.schedule]
 
   def _run(self, head, stages, other_leaves):
     """Runs one program; returns the consumer's flat outputs (or None)."""
@@ -970,6 +981,7 @@ class StagedRunner:
     self._fused: _Fused | None = None
     self._last_split: _Split | None = None
     self._done = False
+    self._other_key = None          # the first call's (structure, signature)
 
   def _start(self, other_args: tuple, kwargs: dict) -> None:
     """Warm-up: trace with the first batch (in the caller, so a planning
@@ -1039,8 +1051,7 @@ class StagedRunner:
     try:
       if self._pipeline is None and self._fused is None:
         self._start(other_args, kwargs)
-      self._check_other(call)
-      leaves = tree_util.tree_leaves(call)
+      leaves = self._check_other(call)
       if self._fused is not None:
         split, outs = self._fused.step(leaves)
       else:
@@ -1054,15 +1065,19 @@ class StagedRunner:
     self._last_split = split
     return tree_util.tree_unflatten(split.out_tree, outs)
 
-  def _check_other(self, call) -> None:
-    other = self._producer.other
-    sig = _signature(tree_util.tree_leaves(other))
-    if (tree_util.tree_structure(call) != tree_util.tree_structure(other)
-        or _signature(tree_util.tree_leaves(call)) != sig):
+  def _check_other(self, call) -> list:
+    """The call's leaves, once checked against the first call's structure,
+    shapes and dtypes (worked out once: this runs on every call)."""
+    leaves, treedef = tree_util.tree_flatten(call)
+    if self._other_key is None:
+      first_leaves, first_tree = tree_util.tree_flatten(self._producer.other)
+      self._other_key = (first_tree, _signature(first_leaves))
+    if (treedef, _signature(leaves)) != self._other_key:
       raise ValueError(
           f"{_FUNC}: the step's other arguments changed structure, shape or "
           f"dtype since the first call; a staged runner traces its producer "
           f"with the first call's arguments, so they must keep their shapes")
+    return leaves
 
   @property
   def schedule(self) -> list[str]:
@@ -1070,7 +1085,7 @@ class StagedRunner:
     004's notation: ``"A2 B1 C0"`` is one program that ran producer stage A
     (stage 0) for batch 2, stage B for batch 1 and the consumer (the letter
     after the last stage) for batch 0. Empty in thread mode."""
-    return [] if self._fused is None else list(self._fused.schedule)
+    return [] if self._fused is None else self._fused.labels()
 
   def step_program(self) -> tuple[Callable, tuple]:
     """Fused mode: the steady-state program (consumer of batch ``k`` with
