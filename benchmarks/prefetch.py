@@ -48,12 +48,15 @@ backend; the output says whether `AUTO_TRANSFER` agrees.
 """
 
 import argparse
+import collections
 import hashlib
 import json
 import os
 import platform
+import queue
 import resource
 import statistics
+import threading
 import time
 
 import jax
@@ -140,17 +143,16 @@ def run_plain(step, params, batches):
 def run_device_put_ahead(step, params, batches, size=2):
   # flax.jax_utils.prefetch_to_device: a deque of `size` items, device_put
   # issued early, in the consumer's own thread.
-  import collections
-  queue = collections.deque()
+  ahead = collections.deque()
   it = iter(batches)
   def fill(n):
     for b in it:
-      queue.append(jax.device_put(b))
-      if len(queue) >= n:
+      ahead.append(jax.device_put(b))
+      if len(ahead) >= n:
         return
   fill(size)
-  while queue:
-    b = queue.popleft()
+  while ahead:
+    b = ahead.popleft()
     fill(size)
     step(params, b).block_until_ready()
 
@@ -160,8 +162,6 @@ def run_threaded_queue(step, params, batches, size=2):
   # jax.device_put in the thread (no ordering across threads, no error or
   # lifetime handling): what jaxstreams.prefetch's bookkeeping is
   # compared against.
-  import queue
-  import threading
   items = queue.Queue(maxsize=size)
   end = object()
   def work():
@@ -239,17 +239,16 @@ def _timed_items(items):
 
 
 def _device_put_ahead_items(batches, size=2):
-  import collections
-  queue = collections.deque()
+  ahead = collections.deque()
   it = iter(batches)
   for b in it:
-    queue.append(jax.device_put(b))
-    if len(queue) >= size:
+    ahead.append(jax.device_put(b))
+    if len(ahead) >= size:
       break
-  while queue:
-    yield queue.popleft()
+  while ahead:
+    yield ahead.popleft()
     for b in it:
-      queue.append(jax.device_put(b))
+      ahead.append(jax.device_put(b))
       break
 
 
@@ -295,7 +294,6 @@ def parallel_capacity(threads, seconds=0.5):
   one thread: hashing large buffers (hashlib releases the GIL), first on one
   thread, then on ``threads`` at once. Below ``threads`` when the cores are
   not whole cores (hyperthreads of one core, a shared or throttled VM)."""
-  import threading
   blob = bytes(1 << 20)
   def hash_for(counts, i):
     deadline, n = time.perf_counter() + seconds, 0

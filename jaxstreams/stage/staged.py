@@ -400,11 +400,13 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   local = {v for i, eqn in enumerate(jaxpr.eqns) if constant[i]
            for v in eqn.outvars}
 
-  def eqns_of(s):
-    return [(i, e) for i, e in enumerate(jaxpr.eqns) if s in parts[i]]
-
-  # Per stage: inputs (defined earlier), outputs (used later).
+  # Per stage: the (index, equation) pairs it runs; inputs (defined
+  # earlier), outputs (used later).
   n_stages = n_producers + 1
+  part_eqns: list[list] = [[] for _ in range(n_stages)]
+  for i, eqn in enumerate(jaxpr.eqns):
+    for s in parts[i]:
+      part_eqns[s].append((i, eqn))
   defined_in: dict[Any, int] = {v: -1 for v in data_invars}
   defined_in.update({v: -1 for v in jaxpr.constvars})
   defined_in.update({v: n_producers for v in other_invars})
@@ -413,7 +415,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
       defined_in[v] = stage_of[i]
   reads: list[dict] = [dict() for _ in range(n_stages)]   # ordered sets
   for s in range(n_stages):
-    for _, eqn in eqns_of(s):
+    for _, eqn in part_eqns[s]:
       for v in eqn.invars:
         if (not isinstance(v, jcore.Literal) and v not in local
             and defined_in[v] != s):
@@ -428,13 +430,13 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   for s in range(n_stages):
     later = {v for t in range(s + 1, n_stages) for v in stage_ins[t]}
     keep_after.append(later)
-    outs = [v for _, eqn in eqns_of(s) for v in eqn.outvars if v in later]
+    outs = [v for _, eqn in part_eqns[s] for v in eqn.outvars if v in later]
     stage_outs.append(list(dict.fromkeys(outs)))
 
   # Functions.
   fns, bodies = [], []
   for s in range(n_producers):
-    eqns = [e for _, e in eqns_of(s)]
+    eqns = [e for _, e in part_eqns[s]]
     if not eqns:
       fns.append(None)
       bodies.append(None)
@@ -450,7 +452,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
       fns.append(streams_jit(run, streams=stream + 1))
     else:
       fns.append(jax.jit(body))
-  consumer_eqns = [e for _, e in eqns_of(n_producers)]
+  consumer_eqns = [e for _, e in part_eqns[n_producers]]
   consumer_carried = [v for v in stage_ins[n_producers] if v not in set(other_invars)]
   stage_ins[n_producers] = consumer_carried
   consumer = _compat.jaxpr_function(other_invars + consumer_carried,
@@ -462,7 +464,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
     return tuple(
         StagedEquation(i, e.primitive.name, _compat.source_location(e),
                        eqn_level[i], constant[i])
-        for i, e in eqns_of(s))
+        for i, e in part_eqns[s])
   stages = tuple(
       StageSpec(s, "producer" if s < n_producers else "consumer", describe(s),
                 len(stage_ins[s]), len(stage_outs[s]) if s < n_producers
@@ -480,7 +482,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   # stages made, the consumer's output types, and which parts may raise.
   split.staged = {v for outs in stage_outs[:n_producers] for v in outs}
   split.out_avals = [v.aval for v in jaxpr.outvars]
-  split.may_raise = [_may_raise(e for _, e in eqns_of(s))
+  split.may_raise = [_may_raise(e for _, e in part_eqns[s])
                      for s in range(n_stages)]
   # Streams the step's own stream() blocks ask for: a fused program needs
   # them all, and the producer's default stream is the first one above them.
@@ -990,6 +992,8 @@ class StagedRunner:
     as in seed 004's ``A0; A1 B0; ...``)."""
     producer = self._producer
     producer.other = (other_args, kwargs)
+    first_leaves, first_tree = tree_util.tree_flatten(producer.other)
+    self._other_key = (first_tree, _signature(first_leaves))
     if self.mode == "fused":
       self._start_fused()
       return
@@ -1067,11 +1071,8 @@ class StagedRunner:
 
   def _check_other(self, call) -> list:
     """The call's leaves, once checked against the first call's structure,
-    shapes and dtypes (worked out once: this runs on every call)."""
+    shapes and dtypes (kept by ``_start``: this runs on every call)."""
     leaves, treedef = tree_util.tree_flatten(call)
-    if self._other_key is None:
-      first_leaves, first_tree = tree_util.tree_flatten(self._producer.other)
-      self._other_key = (first_tree, _signature(first_leaves))
     if (treedef, _signature(leaves)) != self._other_key:
       raise ValueError(
           f"{_FUNC}: the step's other arguments changed structure, shape or "
