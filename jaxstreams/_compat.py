@@ -1,8 +1,9 @@
 """Everything that depends on a JAX version or on JAX internals, in one place.
 
-jaxstreams supports jax 0.10 (what pip resolves on Python 3.11) and jax 0.11
-(the GPU machines' image). The rest of the package imports JAX internals only
-through this module, so a JAX upgrade touches one file.
+jaxstreams supports jax 0.10 (what pip resolves on Python 3.11), jax 0.11
+(the GPU machines' image) and jax 0.12 (what pip resolves on Python 3.12 and
+3.13). The rest of the package imports JAX internals only through this
+module, so a JAX upgrade touches one file.
 
 What lives here, and why it cannot use a public API:
 
@@ -14,7 +15,9 @@ What lives here, and why it cannot use a public API:
   stay regions under ``jax.grad`` and ``jax.vmap`` applied outside.
 * name stacks and source locations of equations (``eqn.source_info``): the
   carrier of ``jaxstreams.stream`` tags.
-* making fresh ``Var`` s and ``Jaxpr`` s when regions are cut out of a jaxpr.
+* making fresh ``Var`` s and ``Jaxpr`` s when regions are cut out of a jaxpr
+  (from 0.11 ``Jaxpr`` and ``ClosedJaxpr`` are one class, and a jaxpr's
+  constants are the inputs that carry values: ``make_jaxpr`` hides that).
 """
 
 from __future__ import annotations
@@ -141,10 +144,27 @@ def new_var(aval) -> jcore.Var:
   return jcore.Var(aval)
 
 
+# From jax 0.11, Jaxpr and ClosedJaxpr are one class and a jaxpr's constvars
+# are the leading inputs that have values attached: constvars given without
+# their values become plain leading invars. Before 0.11 a Jaxpr keeps its
+# constvars and the values travel separately (in a ClosedJaxpr).
+_JAXPR_HOLDS_CONSTS = jcore.ClosedJaxpr is jcore.Jaxpr
+
+
 def make_jaxpr(invars: Iterable, outvars: Iterable, eqns: Iterable,
-               constvars: Iterable = ()) -> jcore.Jaxpr:
-  """A jaxpr over existing variables and equations (effects joined from eqns)."""
+               constvars: Iterable = (), consts: Iterable = ()) -> jcore.Jaxpr:
+  """A jaxpr over existing variables and equations (effects joined from eqns).
+
+  ``constvars`` must come with their values ``consts``, so that on every jax
+  version the result's ``.constvars`` are ``constvars`` and its ``.invars``
+  are ``invars`` (the values are attached where jax needs them to tell the
+  two apart; the caller keeps them too, to bind them itself).
+  """
   eqns, invars, outvars = list(eqns), list(invars), list(outvars)
+  constvars, consts = list(constvars), list(consts)
+  if len(constvars) != len(consts):
+    raise ValueError(f"make_jaxpr: {len(constvars)} constvars but "
+                     f"{len(consts)} values for them")
   effects = set()
   for eqn in eqns:
     effects.update(eqn.effects)
@@ -152,8 +172,11 @@ def make_jaxpr(invars: Iterable, outvars: Iterable, eqns: Iterable,
   # convention for arguments it does not track).
   debug = jcore.DebugInfo("jaxstreams", "region", ("",) * len(invars),
                           ("",) * len(outvars))
-  return jcore.Jaxpr(list(constvars), invars, outvars, eqns,
-                     frozenset(effects), debug)
+  if _JAXPR_HOLDS_CONSTS and constvars:
+    return jcore.Jaxpr(constvars, invars, outvars, eqns, frozenset(effects),
+                       debug, consts=consts)
+  return jcore.Jaxpr(constvars, invars, outvars, eqns, frozenset(effects),
+                     debug)
 
 
 def jaxpr_function(invars: Iterable, outvars: Iterable, eqns: Iterable):

@@ -127,7 +127,8 @@ def expose_tags(closed_jaxpr) -> ExposedProgram:
   builder.add_eqns(jaxpr.eqns, outer=None)
   outvars = [builder.read(v) for v in jaxpr.outvars]
   new_jaxpr = _compat.make_jaxpr(jaxpr.invars, outvars, builder.eqns,
-                                 constvars=builder.constvars)
+                                 constvars=builder.constvars,
+                                 consts=builder.consts)
   return ExposedProgram(new_jaxpr, builder.consts, builder.anchors)
 
 
