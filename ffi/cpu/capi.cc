@@ -11,6 +11,7 @@
 #include "common/errors.h"
 #include "common/version.h"
 #include "cpu/runtime.h"
+#include "xla/ffi/api/c_api.h"
 
 using jaxstreams::Fail;
 using jaxstreams::StrCat;
@@ -20,6 +21,13 @@ using jaxstreams::cpu::StageArea;
 JAXSTREAMS_DECLARE_CAPI(JaxstreamsCpu)
 
 int JaxstreamsCpuAbiVersion(void) { return JAXSTREAMS_FFI_ABI_VERSION; }
+
+// The XLA FFI API version of the headers this library was compiled against,
+// major * 1000 + minor: the loader compares it with the running jaxlib's
+// before registering any handler (jaxlib refuses handlers newer than itself).
+extern "C" JAXSTREAMS_EXPORT int JaxstreamsCpuFfiApiVersion(void) {
+  return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR;
+}
 
 int JaxstreamsCpuPoolCreate(int64_t device, int64_t streams, int64_t events,
                             char* err, int64_t errlen) {

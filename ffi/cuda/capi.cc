@@ -14,6 +14,7 @@
 #include "common/version.h"
 #include "cuda/kernels.h"
 #include "cuda/runtime.h"
+#include "xla/ffi/api/c_api.h"
 
 using jaxstreams::Fail;
 using jaxstreams::StrCat;
@@ -52,6 +53,13 @@ int NoPool(int64_t device, char* err, int64_t errlen) {
 }  // namespace
 
 int JaxstreamsCudaAbiVersion(void) { return JAXSTREAMS_FFI_ABI_VERSION; }
+
+// The XLA FFI API version of the headers this library was compiled against,
+// major * 1000 + minor: the loader compares it with the running jaxlib's
+// before registering any handler (jaxlib refuses handlers newer than itself).
+extern "C" JAXSTREAMS_EXPORT int JaxstreamsCudaFfiApiVersion(void) {
+  return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR;
+}
 
 int JaxstreamsCudaPoolCreate(int64_t device, int64_t streams, int64_t events,
                              char* err, int64_t errlen) {
