@@ -7,6 +7,12 @@ difference shows first. Each closure below is checked bitwise against
 ``jax.jit`` and for a plan that names the constants as constants.
 """
 
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +129,105 @@ def test_closure_in_served_function():
   x, = random_inputs((8, 16), seed=5)
   with jaxstreams.serve(f, groups=2) as server:
     assert_bitwise_equal(server(x), jax.jit(f)(x))
+
+
+# ---------------------------------------------------------------------------
+# The native library's XLA FFI API version against the running jaxlib's.
+
+# What each supported jaxlib's headers say (checked by hand on each wheel).
+KNOWN_JAXLIB_FFI_API = {"0.10.2": "0.3", "0.11.2": "0.4", "0.12.0.1": "0.5"}
+
+
+def test_jaxlib_ffi_api_version_is_read_from_its_headers():
+  import jaxlib
+  from jaxstreams.runtime import _loader
+  version = _loader.jaxlib_ffi_api_version()
+  assert version is not None
+  if jaxlib.__version__ not in KNOWN_JAXLIB_FFI_API:
+    pytest.skip(f"no recorded FFI API version for jaxlib {jaxlib.__version__}")
+  assert _loader.ffi_api_text(version) == KNOWN_JAXLIB_FFI_API[jaxlib.__version__]
+
+
+def test_loaded_library_is_one_the_running_jaxlib_accepts():
+  import jaxstreams.runtime as rt
+  from jaxstreams.runtime import _capi, _loader
+  library = _capi.CApi(_loader.require("cpu"))._fns["FfiApiVersion"]()
+  assert _loader.ffi_api_accepted(library, _loader.jaxlib_ffi_api_version())
+  assert "cpu" in rt.available_platforms()
+
+
+def _fake_cpu_library(tmp_path, ffi_api_version):
+  """A directory holding a libjaxstreams_cpu.so that passes the loader's ABI
+  and C API checks and reports ``ffi_api_version``. It has no handlers: past
+  the FFI API check the loader refuses it for that, in other words."""
+  from jaxstreams.runtime import _loader
+  prefix = _loader._PLATFORMS["cpu"][2]
+  values = {"AbiVersion": _loader.ABI_VERSION, "FfiApiVersion": ffi_api_version}
+  source = tmp_path / "fake.c"
+  source.write_text("".join(
+      f'__attribute__((visibility("default"))) int {prefix}{name}(void) '
+      f"{{ return {values.get(name, 0)}; }}\n"
+      for name in _loader.CAPI_FUNCTIONS))
+  lib_dir = tmp_path / f"ffi_api_{ffi_api_version}"
+  lib_dir.mkdir()
+  compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+  if compiler is None:
+    pytest.skip("no C compiler to build a stand-in library")
+  subprocess.run([compiler, "-shared", "-fPIC", "-o",
+                  str(lib_dir / "libjaxstreams_cpu.so"), str(source)],
+                 check=True, capture_output=True)
+  return lib_dir
+
+
+def test_library_newer_than_jaxlib_is_refused_naming_both_versions(tmp_path):
+  import jaxlib
+  from jaxstreams.runtime import _loader
+  running = _loader.jaxlib_ffi_api_version()
+  for newer in (running + 1, (running // 1000 + 1) * 1000):
+    message = _loader._load_platform("cpu", [_fake_cpu_library(tmp_path, newer)])
+    assert isinstance(message, str)
+    assert f"compiled against XLA FFI API {_loader.ffi_api_text(newer)}" in message
+    assert f"jaxlib {jaxlib.__version__} accepts XLA FFI API " \
+           f"{_loader.ffi_api_text(running)} at most" in message
+    assert "pip install --force-reinstall --no-deps ." in message
+    assert "cmake -S ffi" in message
+
+
+def test_library_as_old_as_or_older_than_jaxlib_passes_the_check(tmp_path):
+  from jaxstreams.runtime import _loader
+  running = _loader.jaxlib_ffi_api_version()
+  for version in [running] + ([running - 1] if running % 1000 else []):
+    message = _loader._load_platform("cpu", [_fake_cpu_library(tmp_path, version)])
+    # Accepted by the FFI API check, so refused by the next one: no handlers.
+    assert "does not export the handler" in message, message
+    assert "XLA FFI API" not in message
+
+
+def test_jax_keeps_working_when_the_library_is_too_new(tmp_path):
+  """A refused library leaves jax and jaxstreams.jit working; only the runtime
+  raises, with the versions and how to rebuild."""
+  from jaxstreams.runtime import _loader
+  lib_dir = _fake_cpu_library(tmp_path, _loader.jaxlib_ffi_api_version() + 1)
+  script = textwrap.dedent("""
+      import jax, jax.numpy as jnp, numpy as np
+      import jaxstreams, jaxstreams.runtime as rt
+      assert rt.available_platforms() == (), rt.available_platforms()
+      def f(x):
+        with jaxstreams.stream(1):
+          y = jnp.sin(x) * 2.0
+        return y + x
+      x = jnp.arange(8.0)
+      np.testing.assert_array_equal(jaxstreams.jit(f, streams=2)(x), jax.jit(f)(x))
+      try:
+        rt.identity(1.0)
+      except rt.RuntimeLibraryError as e:
+        print(e)
+      else:
+        raise SystemExit("no error")
+      """)
+  env = dict(os.environ, JAXSTREAMS_FFI_LIB_DIR=str(lib_dir), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", script], env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "XLA FFI API" in proc.stdout and "Rebuild jaxstreams" in proc.stdout
+  assert "Unable to initialize backend" not in proc.stdout + proc.stderr

@@ -57,6 +57,7 @@ class StageStatsStruct(ctypes.Structure):
 _ERR = [c_char_p, c_int64]
 _SIGNATURES = {
     "AbiVersion": (ctypes.c_int, []),
+    "FfiApiVersion": (ctypes.c_int, []),
     "PoolCreate": (ctypes.c_int, [c_int64, c_int64, c_int64, *_ERR]),
     "PoolInfo": (ctypes.c_int, [c_int64, P(c_int64), P(c_int64)]),
     "PoolDestroyAll": (None, []),

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
+import re
+import sys
 import threading
 from pathlib import Path
 
 import jax
+import jaxlib
 
 ENV_LIB_DIR = "JAXSTREAMS_FFI_LIB_DIR"
 
@@ -50,7 +54,7 @@ TARGETS: dict[str, dict[str, str]] = {
 # Functions of the plain C API (ffi/common/capi.h) that every library exports
 # as <prefix><name>; bound with ctypes in _capi.py.
 CAPI_FUNCTIONS = (
-    "AbiVersion", "PoolCreate", "PoolInfo", "PoolDestroyAll", "Synchronize",
+    "AbiVersion", "FfiApiVersion", "PoolCreate", "PoolInfo", "PoolDestroyAll", "Synchronize",
     "StageCreate", "StagePut", "StageClose", "StageDestroy", "StageStats",
     "TimelineReset", "TimelineRead",
 )
@@ -101,6 +105,76 @@ def _how_to_build(platform: str) -> str:
     return text
 
 
+def _how_to_rebuild() -> str:
+    return (
+        "Rebuild jaxstreams for the installed jaxlib: `pip install --force-reinstall "
+        "--no-deps .` in the jaxstreams source tree (it compiles against FFI headers "
+        "that every supported jaxlib accepts), or for a development build "
+        f"`cmake -S ffi -B build/ffi -G Ninja -DPython_EXECUTABLE={sys.executable} "
+        f"&& cmake --build build/ffi` and {ENV_LIB_DIR}=build/ffi/lib."
+    )
+
+
+def ffi_api_text(version: int) -> str:
+    """``major * 1000 + minor`` (as ``<prefix>FfiApiVersion`` returns it) as "0.4"."""
+    return f"{version // 1000}.{version % 1000}"
+
+
+@functools.cache
+def jaxlib_ffi_api_version() -> int | None:
+    """The XLA FFI API version of the running jaxlib, ``major * 1000 + minor``,
+    or None if it cannot be read.
+
+    jaxlib ships the FFI headers of the XLA it was built from
+    (``jax.ffi.include_dir()``); their ``XLA_FFI_API_MAJOR`` / ``_MINOR`` are
+    the newest handler API that XLA accepts. Nothing in jax's Python API
+    reports it otherwise.
+    """
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+    try:
+        text = header.read_text()
+    except OSError:
+        return None
+    found = {}
+    for part in ("MAJOR", "MINOR"):
+        match = re.search(rf"^#define XLA_FFI_API_{part} (\d+)\s*$", text, re.MULTILINE)
+        if match is None:
+            return None
+        found[part] = int(match.group(1))
+    return found["MAJOR"] * 1000 + found["MINOR"]
+
+
+def ffi_api_accepted(library: int, jaxlib_version: int) -> bool:
+    """Whether a jaxlib of FFI API ``jaxlib_version`` accepts handlers compiled
+    against ``library``: XLA takes its own major version at its own minor
+    version or older (older handler versions stay supported for a year at
+    least), and refuses newer ones."""
+    return library // 1000 == jaxlib_version // 1000 and library <= jaxlib_version
+
+
+def _check_ffi_api(path: Path, lib: ctypes.CDLL, prefix: str) -> str | None:
+    """None if jaxlib accepts the library's handlers, else why not.
+
+    jaxlib would register a too-new handler without complaint and then fail to
+    start its backends ("Unable to initialize backend"), breaking every jax
+    computation in the process; checked here, only the runtime is unusable.
+    """
+    version_fn = getattr(lib, f"{prefix}FfiApiVersion")
+    version_fn.restype = ctypes.c_int
+    version_fn.argtypes = []
+    library = version_fn()
+    running = jaxlib_ffi_api_version()
+    if running is None or ffi_api_accepted(library, running):
+        return None
+    return (
+        f"jaxstreams: {path} was compiled against XLA FFI API "
+        f"{ffi_api_text(library)}, but the installed jaxlib {jaxlib.__version__} "
+        f"accepts XLA FFI API {ffi_api_text(running)} at most (handlers from newer "
+        f"headers are refused). Its handlers were not registered. "
+        f"{_how_to_rebuild()}"
+    )
+
+
 def _load_platform(platform: str, dirs: list[Path]) -> LoadedLibrary | str:
     """Loads one platform's library from `dirs` and registers its handlers.
 
@@ -141,6 +215,9 @@ def _load_platform(platform: str, dirs: list[Path]) -> LoadedLibrary | str:
                 f"jaxstreams: {path} does not export the C API function {prefix}{name}; "
                 f"the library is from another build. {_how_to_build(platform)}"
             )
+    ffi_problem = _check_ffi_api(path, lib, prefix)
+    if ffi_problem is not None:
+        return ffi_problem
     capsules = {}
     for target, symbols in TARGETS.items():
         symbol = symbols[platform]
