@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment in .venv (jaxstreams built from this checkout,
-# with its test extras) and runs the test suite. Extra arguments go to pytest.
+# Sets up a virtual environment (jaxstreams built from this checkout, with its
+# test extras) and runs the test suite. Extra arguments go to pytest.
+#
+# As is, this is the README's test command: python3 (3.11 here) in .venv, jax
+# as pip resolves it. The same script runs the suite on another jax:
+#   JAXSTREAMS_TEST_PYTHON  interpreter that makes the venv (default python3)
+#   JAXSTREAMS_TEST_VENV    venv directory (default .venv)
+#   JAXSTREAMS_TEST_JAX     jax and jaxlib version installed before the project
+#                           (default: none pinned, pip's choice)
+# e.g. JAXSTREAMS_TEST_PYTHON=python3.12 JAXSTREAMS_TEST_VENV=.venv-0.12 \
+#      JAXSTREAMS_TEST_JAX=0.12.0.1 bash scripts/test.sh -q
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet ".[test]"
-exec .venv/bin/pytest "$@"
+venv=${JAXSTREAMS_TEST_VENV:-.venv}
+"${JAXSTREAMS_TEST_PYTHON:-python3}" -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --upgrade pip
+if [ -n "${JAXSTREAMS_TEST_JAX:-}" ]; then
+  "$venv/bin/python" -m pip install --quiet "jax==$JAXSTREAMS_TEST_JAX" "jaxlib==$JAXSTREAMS_TEST_JAX"
+fi
+"$venv/bin/python" -m pip install --quiet ".[test]"
+exec "$venv/bin/pytest" "$@"
