@@ -131,6 +131,26 @@ def test_closure_in_served_function():
     assert_bitwise_equal(server(x), jax.jit(f)(x))
 
 
+@pytest.mark.parametrize("mode", ["fused", "threads"])
+@pytest.mark.parametrize("smart", [False, True])
+def test_staged_step_closing_over_arrays(constants, mode, smart):
+  w, b = constants
+  batches = [np.full((4, 16), i, np.float32) for i in range(4)]
+
+  def produce(batch):
+    return jnp.tanh(batch @ w) + b
+
+  def step(scale, batch):
+    staged_value = produce(batch) if smart else jaxstreams.stage(produce(batch))
+    return (staged_value * scale).sum(axis=0)
+
+  scale = jnp.float32(0.5)
+  expected = [jax.jit(step)(scale, batch) for batch in batches]
+  with jaxstreams.staged(step, data=iter(batches), smart=smart,
+                         mode=mode) as runner:
+    assert_bitwise_equal([runner(scale) for _ in batches], expected)
+
+
 # ---------------------------------------------------------------------------
 # The native library's XLA FFI API version against the running jaxlib's.
 
