@@ -54,8 +54,8 @@ TARGETS: dict[str, dict[str, str]] = {
 # Functions of the plain C API (ffi/common/capi.h) that every library exports
 # as <prefix><name>; bound with ctypes in _capi.py.
 CAPI_FUNCTIONS = (
-    "AbiVersion", "FfiApiVersion", "PoolCreate", "PoolInfo", "PoolDestroyAll", "Synchronize",
-    "StageCreate", "StagePut", "StageClose", "StageDestroy", "StageStats",
+    "AbiVersion", "FfiApiVersion", "PoolCreate", "PoolInfo", "PoolDestroyAll",
+    "Synchronize", "StageCreate", "StagePut", "StageClose", "StageDestroy", "StageStats",
     "TimelineReset", "TimelineRead",
 )
 
@@ -158,6 +158,7 @@ def _check_ffi_api(path: Path, lib: ctypes.CDLL, prefix: str) -> str | None:
     jaxlib would register a too-new handler without complaint and then fail to
     start its backends ("Unable to initialize backend"), breaking every jax
     computation in the process; checked here, only the runtime is unusable.
+    When jaxlib's version cannot be read, registration goes ahead as before.
     """
     version_fn = getattr(lib, f"{prefix}FfiApiVersion")
     version_fn.restype = ctypes.c_int
@@ -169,8 +170,8 @@ def _check_ffi_api(path: Path, lib: ctypes.CDLL, prefix: str) -> str | None:
     return (
         f"jaxstreams: {path} was compiled against XLA FFI API "
         f"{ffi_api_text(library)}, but the installed jaxlib {jaxlib.__version__} "
-        f"accepts XLA FFI API {ffi_api_text(running)} at most (handlers from newer "
-        f"headers are refused). Its handlers were not registered. "
+        f"has XLA FFI API {ffi_api_text(running)} and refuses handlers of a newer "
+        f"or another major version. Its handlers were not registered. "
         f"{_how_to_rebuild()}"
     )
 
