@@ -258,6 +258,10 @@ class _Core:
     self.space = threading.Condition(self.lock)    # queue shrank / closing
     self.pending: collections.deque[_Request] = collections.deque()
     self.in_flight = 0
+    self.space_waiters = 0       # callers blocked in _wait_for_space
+    self.direct_completed = 0    # direct requests (plain ints: no Counter on
+    self.direct_failed = 0       # the direct path, which must stay lean)
+    self.requests_direct_lone = 0
     self.closing = False
     self.threads: list[threading.Thread] = []
     self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -300,13 +304,17 @@ class _Core:
           "requests waiting) and the server was made with block=False. Retry "
           "later, or make it with a larger queue_size or block=True.")
     deadline = None if self.block is True else time.monotonic() + self.block
-    while full() and not self.closing:
-      remaining = None if deadline is None else deadline - time.monotonic()
-      if remaining is not None and remaining <= 0:
-        raise QueueFullError(
-            f"{self.name}: the request queue stayed full ({self.queue_size} "
-            f"requests waiting) for block={self.block} seconds.")
-      self.space.wait(remaining)
+    self.space_waiters += 1
+    try:
+      while full() and not self.closing:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+          raise QueueFullError(
+              f"{self.name}: the request queue stayed full ({self.queue_size} "
+              f"requests waiting) for block={self.block} seconds.")
+        self.space.wait(remaining)
+    finally:
+      self.space_waiters -= 1
     self._check_open()
 
   # -- direct mode: the caller's thread runs jax.jit(f) --------------------
@@ -314,53 +322,56 @@ class _Core:
   def _enter_direct(self) -> None:
     """Admit one direct request: refused once closing; at most
     ``queue_size`` run at once (the back-pressure of a queue that, here,
-    is the callers themselves)."""
+    is the callers themselves). Kept lean: it runs on every request."""
     with self.lock:
-      self._check_open()
-      if (self.queue_size is not None
-          and self.in_flight >= self.queue_size):
+      if self.closing:
+        self._check_open()
+      if self.queue_size is not None and self.in_flight >= self.queue_size:
         self._wait_for_space(lambda: self.in_flight >= self.queue_size)
       self.in_flight += 1
-      self.counts["requests"] += 1
-      self.counts["direct"] += 1
 
   def _leave_direct(self, ok: bool) -> None:
     with self.lock:
       self.in_flight -= 1
-      self.counts["completed" if ok else "failed"] += 1
-      self.space.notify_all()
-      if self.in_flight == 0:
+      if ok:
+        self.direct_completed += 1
+      else:
+        self.direct_failed += 1
+      if self.closing or self.space_waiters:
+        self.space.notify_all()
         self.work.notify_all()
 
-  def _run_direct(self, payload: tuple, wait: bool):
-    """``jax.jit(f)(*args, **kwargs)``; with ``wait``, also waits for the
-    result (so a run-time error reaches this caller as a plain call's would
-    when it reads the result)."""
-    args, kwargs = payload
+  def call_direct(self, args: tuple, kwargs: dict):
+    """``jax.jit(f)(*args, **kwargs)``, waited for (so a run-time error
+    reaches this caller, as it would a plain caller reading the result)."""
+    self._enter_direct()
     ok = False
     try:
       out = self.jitted(*args, **kwargs)
-      if wait:
+      if isinstance(out, jax.Array):     # the common case, without a tree walk
+        out.block_until_ready()
+      else:
         jax.block_until_ready(out)
       ok = True
       return out
     finally:
       self._leave_direct(ok)
 
-  def _call_direct(self, payload: tuple):
-    self._enter_direct()
-    return self._run_direct(payload, wait=True)
-
   def _submit_direct(self, payload: tuple) -> concurrent.futures.Future:
-    # Runs (dispatches) in the caller's thread as jax.jit would; the future
-    # is settled on return and holds jax.jit's (asynchronously computed)
+    # Dispatched in the caller's thread as jax.jit would be; the future is
+    # settled on return and holds jax.jit's (asynchronously computed)
     # result or the caller's own error.
+    args, kwargs = payload
     self._enter_direct()
     future: concurrent.futures.Future = concurrent.futures.Future()
+    ok = False
     try:
-      future.set_result(self._run_direct(payload, wait=False))
+      future.set_result(self.jitted(*args, **kwargs))
+      ok = True
     except Exception as e:  # noqa: BLE001 -- this caller's own error
       future.set_exception(e)
+    finally:
+      self._leave_direct(ok)
     return future
 
   def _start_threads(self) -> None:
@@ -440,7 +451,7 @@ class _Core:
     would cost a lone request more than its execution; otherwise it queues
     and joins the next batch like any other."""
     if self.mode == "direct":
-      return self._call_direct(payload)
+      return self.call_direct(*payload)
     with self.lock:
       inline = (not self.closing and not self.pending
                 and self.in_flight == 0)
@@ -451,8 +462,6 @@ class _Core:
       return self.submit(payload).result()
     if self.requested_mode == "auto":
       # A lone request would run alone anyway: as a plain thread runs it.
-      with self.lock:
-        self.counts["direct"] += 1
       ok = False
       try:
         out = self.jitted(*payload[0], **payload[1])
@@ -462,7 +471,9 @@ class _Core:
       finally:
         with self.lock:
           self.in_flight -= 1
-          self.counts["completed" if ok else "failed"] += 1
+          self.direct_completed += ok
+          self.direct_failed += not ok
+          self.requests_direct_lone += 1
           self.work.notify_all()
     request = _Request(payload, concurrent.futures.Future())
     request.future.set_running_or_notify_cancel()
@@ -617,15 +628,20 @@ class _Core:
   def stats(self) -> ServeStats:
     with self.lock, self.cache_lock:
       c = self.counts
+      direct_done = self.direct_completed + self.direct_failed
+      direct = (direct_done + self.in_flight if self.mode == "direct"
+                else self.requests_direct_lone)
       return ServeStats(
-          requests=c["requests"], completed=c["completed"], failed=c["failed"],
+          requests=c["requests"] + (direct if self.mode == "direct" else 0),
+          completed=c["completed"] + self.direct_completed,
+          failed=c["failed"] + self.direct_failed,
           batches=c["batches"], batch_sizes=dict(sorted(self.batch_sizes.items())),
           signatures_traced=c["signatures_traced"],
           programs_traced=c["programs_traced"],
           programs_cached=len(self.programs.items),
           program_evictions=self.programs.evictions,
           fallbacks=c["fallbacks"], mode=self.mode,
-          mode_reason=self.mode_reason, direct=c["direct"])
+          mode_reason=self.mode_reason, direct=direct)
 
 
 def _signature_of_traced(request) -> tuple:
@@ -672,7 +688,10 @@ class Server:
   def __call__(self, *args, **kwargs):
     """``f(*args, **kwargs)``, run with whatever requests arrive with it
     (with none running or queued, it runs at once in the calling thread)."""
-    return self._core.call((args, kwargs))
+    core = self._core
+    if core.mode == "direct":
+      return core.call_direct(args, kwargs)
+    return core.call((args, kwargs))
 
   def close(self, timeout: float | None = None) -> bool:
     """Refuse new requests, finish the queued ones, and stop the threads.
