@@ -7,17 +7,22 @@ time. Two ways of serving are measured in the same run:
 
 * ``jax.jit``: every client thread calls ``jax.jit(mlp)(x)`` itself, so
   requests run one after another on the device's one stream;
-* ``serve``: every client calls a ``jaxstreams.serve(mlp, groups=G)`` server,
-  which runs the requests that arrive together as one execution, each on
-  its own stream group.
+* ``serve``: every client calls a ``jaxstreams.serve(mlp, groups=G)`` server
+  in its default ``mode="auto"``: on XLA:CPU (one stream) each request runs
+  as ``jax.jit`` in its caller's thread; with streams, requests that arrive
+  together run as one execution, each on its own stream group;
+* ``grouped`` (for reference): the same server forced to ``mode="grouped"``.
 
-For each thread count the two alternate ``--repeats`` times (so machine
+For each thread count the modes alternate (in reversed order every other
+repeat) ``--repeats`` times (so machine
 drift hits both) and the samples are pooled. Reported: throughput
 (requests/s), p50 and p99 latency (submit to result), the ratios serve /
 jax.jit, and serve's batch sizes. Saves JSON under benchmarks/results/.
 
-  python benchmarks/serve.py [--seconds 1.5] [--repeats 2] [--groups 4]
-      [--threads 1,4,16,64] [--out DIR]
+  python benchmarks/serve.py [--quick] [--seconds 1.5] [--repeats 2]
+      [--groups 4] [--threads 1,4,16,64] [--out DIR]
+
+``--quick`` (0.4 s x 2 per point) finishes in about a minute.
 
 On a CPU there are no streams to gain (XLA:CPU has one), so what this shows
 there is the cost or gain of the batching path itself; on a GPU it also
@@ -98,10 +103,16 @@ def main():
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--groups", type=int, default=4)
   parser.add_argument("--threads", default="1,4,16,64")
+  parser.add_argument("--quiet", action="store_true",
+                      help="record that the machine was otherwise idle")
+  parser.add_argument("--quick", action="store_true",
+                      help="0.4 s x 2 repeats per point")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__),
                                                     "results"))
   args = parser.parse_args()
   thread_counts = [int(t) for t in args.threads.split(",")]
+  if args.quick:
+    args.seconds, args.repeats = 0.4, 2
 
   mlp, features = make_mlp()
   inputs = [jax.random.normal(jax.random.PRNGKey(100 + i), (1, features))
@@ -112,26 +123,33 @@ def main():
     return jitted(x).block_until_ready()
 
   server = jaxstreams.serve(mlp, groups=args.groups, queue_size=4096)
+  grouped = jaxstreams.serve(mlp, groups=args.groups, queue_size=4096,
+                             mode="grouped")
   # Same results, and every batch size compiled before timing.
   for x in inputs[:4]:
     assert np.array_equal(server(x), jitted(x))
-  run_clients(server, inputs, 4 * args.groups, 0.5)
+    assert np.array_equal(grouped(x), jitted(x))
+  run_clients(server, inputs, 4, 0.2)
+  run_clients(grouped, inputs, 4 * args.groups, 0.5)
   run_clients(call_jit, inputs, 4, 0.2)
-  before = server.stats()
+  before = grouped.stats()
+  modes = (("jax.jit", call_jit), ("serve", server), ("grouped", grouped))
 
   device = jax.devices()[0]
   print(f"device: {device.device_kind} ({device.platform}), jax "
         f"{jax.__version__}, {os.cpu_count()} cores; MLP 64-256x3-16 at batch "
-        f"1; serve groups={args.groups}; {args.seconds}s x {args.repeats} per "
-        "point")
+        f"1; serve groups={args.groups}, mode {server.mode} "
+        f"({server.stats().mode_reason}); {args.seconds}s x {args.repeats} "
+        "per point")
   header = (f"{'threads':>7}  {'mode':<8} {'req/s':>10} {'p50 us':>9} "
             f"{'p99 us':>9}")
   print(header)
   rows = {}
   for threads in thread_counts:
-    samples = {"jax.jit": ([], 0.0), "serve": ([], 0.0)}
-    for _ in range(args.repeats):
-      for mode, call in (("jax.jit", call_jit), ("serve", server)):
+    samples = {mode: ([], 0.0) for mode, _ in modes}
+    for repeat in range(args.repeats):
+      # Alternate the order, so that no mode always runs first (or last).
+      for mode, call in (modes if repeat % 2 == 0 else modes[::-1]):
         lat, wall = run_clients(call, inputs, threads, args.seconds)
         prev_lat, prev_wall = samples[mode]
         samples[mode] = (prev_lat + lat, prev_wall + wall)
@@ -140,29 +158,42 @@ def main():
         "throughput": row["serve"]["throughput_rps"] / row["jax.jit"]["throughput_rps"],
         "p50": row["serve"]["p50_us"] / row["jax.jit"]["p50_us"],
         "p99": row["serve"]["p99_us"] / row["jax.jit"]["p99_us"]}
+    row["ratio_grouped_to_jit"] = {
+        "throughput": row["grouped"]["throughput_rps"] / row["jax.jit"]["throughput_rps"],
+        "p50": row["grouped"]["p50_us"] / row["jax.jit"]["p50_us"]}
     rows[str(threads)] = row
-    for mode in ("jax.jit", "serve"):
+    for mode, _ in modes:
       r = row[mode]
       print(f"{threads:>7}  {mode:<8} {r['throughput_rps']:>10.0f} "
             f"{r['p50_us']:>9.1f} {r['p99_us']:>9.1f}")
     q = row["ratio_serve_to_jit"]
     print(f"{'':>7}  serve/jit: throughput {q['throughput']:.2f}x, p50 "
           f"{q['p50']:.2f}x, p99 {q['p99']:.2f}x")
-  after = server.stats()
+    g = row["ratio_grouped_to_jit"]
+    print(f"{'':>7}  grouped/jit: throughput {g['throughput']:.2f}x, p50 "
+          f"{g['p50']:.2f}x")
+  after = grouped.stats()
+  serve_stats = server.stats()
   server.close()
+  grouped.close()
   batch_sizes = {k: v - before.batch_sizes.get(k, 0)
                  for k, v in after.batch_sizes.items()}
-  print(f"serve batch sizes (requests per execution: executions): "
-        f"{batch_sizes}")
+  print(f"grouped batch sizes (requests per execution: executions): "
+        f"{batch_sizes}; serve ran {serve_stats.direct} of "
+        f"{serve_stats.requests} requests directly")
 
   result = {
       "benchmark": "serve", "device": device.device_kind,
       "platform": device.platform, "jax": jax.__version__,
       "machine": f"{platform.machine()} {os.cpu_count()} cores",
       "model": "MLP 64-256-256-256-16, batch 1, weights closed over",
-      "groups": args.groups, "seconds_per_point": args.seconds,
+      "groups": args.groups, "serve_mode": serve_stats.mode,
+      "serve_mode_reason": serve_stats.mode_reason,
+      "seconds_per_point": args.seconds,
       "repeats": args.repeats, "results_by_threads": rows,
-      "serve_batch_sizes": batch_sizes,
+      "grouped_batch_sizes": batch_sizes,
+      "note": "noisy unless the machine was quiet; see quiet_machine",
+      "quiet_machine": args.quiet,
   }
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"serve_{device.platform}.json")

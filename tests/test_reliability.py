@@ -529,7 +529,8 @@ class _Hold:
 
 def test_serve_hanging_request_times_out_then_everything_completes():
   f = _Hold(lambda x: x * 2.0)
-  server = jaxstreams.serve(f, groups=2, max_batch_wait_ms=0)
+  server = jaxstreams.serve(f, groups=2, max_batch_wait_ms=0,
+                            mode="grouped")
   hung = server.submit(jnp.ones(_Hold.HANG))
   assert f.entered.wait(TIMEOUT)
   others = [server.submit(jnp.full((3,), float(i))) for i in range(5)]
@@ -548,7 +549,7 @@ def test_serve_hanging_request_times_out_then_everything_completes():
 
 def test_serve_abandoned_with_requests_queued_finishes_them():
   f = _Hold(lambda x: x + 1.0)
-  server = jaxstreams.serve(f, groups=3)
+  server = jaxstreams.serve(f, groups=3, mode="grouped")
   hung = server.submit(jnp.ones(_Hold.HANG))
   assert f.entered.wait(TIMEOUT)
   futures = [server.submit(jnp.full((2,), float(i))) for i in range(9)]
@@ -563,7 +564,7 @@ def test_serve_abandoned_with_requests_queued_finishes_them():
 
 def test_serve_keyboard_interrupt_while_a_caller_waits():
   f = _Hold(lambda x: jnp.sin(x))
-  with jaxstreams.serve(f, groups=2) as server:
+  with jaxstreams.serve(f, groups=2, mode="grouped") as server:
     hung = server.submit(jnp.ones(_Hold.HANG))
     assert f.entered.wait(TIMEOUT)
     with pytest.raises(KeyboardInterrupt):
@@ -584,7 +585,8 @@ def test_serve_keyboard_interrupt_raised_by_one_request_reaches_only_it():
       raise KeyboardInterrupt("request 5 interrupted")
     return gate(x) * 3.0
 
-  with jaxstreams.serve(f, groups=4, max_batch_wait_ms=60_000) as server:
+  with jaxstreams.serve(f, groups=4, max_batch_wait_ms=60_000,
+                        mode="grouped") as server:
     held = server.submit(jnp.ones(_Hold.HANG))
     assert gate.entered.wait(TIMEOUT)
     futures = [server.submit(jnp.ones(n)) for n in (2, 5, 4)]

@@ -32,6 +32,12 @@ TIMEOUT = 60
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def grouped_serve(f, **kwargs):
+  """Batching on stream groups, which ``mode="auto"`` does not choose on
+  XLA:CPU: these tests are about the grouped path's promises."""
+  return jaxstreams.serve(f, mode="grouped", **kwargs)
+
+
 def serve_threads():
   return jaxstreams_threads("jaxstreams-serve")
 
@@ -99,7 +105,7 @@ def test_results_bitwise_equal_to_jax_jit_with_pytrees_kwargs_scalars():
 
   tree = {"x": jnp.arange(6.0).reshape(2, 3), "y": np.ones(4, np.int32)}
   expected = jax.jit(f)(tree, 0.5, shift=2)
-  with jaxstreams.serve(f, groups=2) as server:
+  with grouped_serve(f, groups=2) as server:
     assert_bitwise_equal(server(tree, 0.5, shift=2), expected)
     assert_bitwise_equal(server.submit(tree, 0.5, shift=2).result(TIMEOUT),
                          expected)
@@ -117,7 +123,7 @@ def test_many_threads_mixed_shapes_bitwise_and_one_trace_per_signature():
             for i in range(24)]
   expected = [jax.jit(f)(x) for x in inputs]
   traces.clear()
-  with jaxstreams.serve(f, groups=4, max_batch_wait_ms=2) as server:
+  with grouped_serve(f, groups=4, max_batch_wait_ms=2) as server:
     def client(indices):
       return [(i, server(inputs[i])) for i in indices]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -140,7 +146,7 @@ def test_requests_that_arrive_together_share_one_execution():
   gate = Gate()
   f = gate.wrap(mlp)
   a, b = jnp.ones((1, 8)), jnp.ones((2, 8))
-  with jaxstreams.serve(f, groups=3, max_batch_wait_ms=60_000) as server:
+  with grouped_serve(f, groups=3, max_batch_wait_ms=60_000) as server:
     held = gate.hold(server)
     first = [server.submit(x) for x in (a, b, a)]
     batch_after = [server.submit(x) for x in (a, b, a)]  # same combination
@@ -162,7 +168,7 @@ def test_requests_that_arrive_together_share_one_execution():
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_batch_of_k_lowers_to_k_stream_annotations(k):
-  server = jaxstreams.serve(mlp, groups=4)
+  server = grouped_serve(mlp, groups=4)
   fn = server.batch_function()
   requests = [((jnp.ones((1 + r, 8)),), {}) for r in range(k)]
   text = fn.trace(*requests).lower(lowering_platforms=("cuda",)).as_text()
@@ -184,7 +190,7 @@ def test_stream_blocks_inside_f_are_flattened_into_the_group():
 
   x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
   requests = [((x, w), {}), ((x * 2, w), {})]
-  with jaxstreams.serve(f, groups=2) as server:
+  with grouped_serve(f, groups=2) as server:
     plan = server.batch_function().plan(*requests)
     assert [(r.stream, len(r.equations)) for r in plan.regions] == [(1, 1),
                                                                     (2, 1)]
@@ -196,7 +202,7 @@ def test_stream_blocks_inside_f_are_flattened_into_the_group():
                                   server.submit(x * 2, w)]),
                          [jax.jit(f)(x, w), jax.jit(f)(x * 2, w)])
     # A jaxstreams.jit function is served as its Python function.
-    with jaxstreams.serve(jaxstreams.jit(f, streams=6), groups=2) as jitted:
+    with grouped_serve(jaxstreams.jit(f, streams=6), groups=2) as jitted:
       assert_bitwise_equal(jitted(x, w), jax.jit(f)(x, w))
 
 
@@ -224,7 +230,7 @@ def test_injected_failures_many_threads_each_caller_gets_its_own():
   good = {i: jax.jit(f)(x) for i, x in enumerate(requests)
           if x.shape != (3,) and x[0] > 0}
 
-  with jaxstreams.serve(f, groups=4, max_batch_wait_ms=5) as server:
+  with grouped_serve(f, groups=4, max_batch_wait_ms=5) as server:
     def client(i):
       try:
         return i, server(requests[i]), None
@@ -260,7 +266,7 @@ def test_failed_batch_falls_back_to_one_by_one():
                              x) + 1.0
 
   ok, bad = jnp.array([1.0, 2.0]), jnp.array([-1.0, 2.0])
-  with jaxstreams.serve(gate.wrap(f), groups=3,
+  with grouped_serve(gate.wrap(f), groups=3,
                         max_batch_wait_ms=60_000) as server:
     held = gate.hold(server)
     futures = [server.submit(x) for x in (ok, bad, ok)]
@@ -283,7 +289,7 @@ def test_trace_error_leaves_the_batch_before_it_is_built():
       raise TypeError("no threes")
     return x * 2
 
-  with jaxstreams.serve(gate.wrap(f), groups=3,
+  with grouped_serve(gate.wrap(f), groups=3,
                         max_batch_wait_ms=60_000) as server:
     held = gate.hold(server)
     futures = [server.submit(jnp.ones(n)) for n in (2, 3, 4)]
@@ -307,7 +313,7 @@ def test_full_queue_raises_or_blocks_as_chosen():
   gate = Gate()
   f = gate.wrap(mlp)
   x = jnp.ones((1, 8))
-  with jaxstreams.serve(f, groups=1, queue_size=2, block=False,
+  with grouped_serve(f, groups=1, queue_size=2, block=False,
                         max_batch_wait_ms=60_000) as server:
     held = gate.hold(server)
     queued = []
@@ -321,7 +327,7 @@ def test_full_queue_raises_or_blocks_as_chosen():
     held.result(TIMEOUT)
     results(queued)
 
-  with jaxstreams.serve(f, groups=1, queue_size=1, block=0.05,
+  with grouped_serve(f, groups=1, queue_size=1, block=0.05,
                         max_batch_wait_ms=60_000) as server:
     held = gate.hold(server)
     with pytest.raises(jaxstreams.QueueFullError, match="stayed full"):
@@ -330,7 +336,7 @@ def test_full_queue_raises_or_blocks_as_chosen():
     gate.open()
     held.result(TIMEOUT)
 
-  with jaxstreams.serve(f, groups=1, queue_size=1, block=True,
+  with grouped_serve(f, groups=1, queue_size=1, block=True,
                         max_batch_wait_ms=60_000) as server:
     held = gate.hold(server)
     submitted = []
@@ -352,7 +358,7 @@ def test_close_while_busy_finishes_queued_and_refuses_new():
   gate = Gate()
   f = gate.wrap(lambda x: x * 3.0 + 1.0)
   stop = threading.Event()
-  with jaxstreams.serve(f, groups=4, queue_size=8) as server:
+  with grouped_serve(f, groups=4, queue_size=8) as server:
     held = gate.hold(server)
     accepted, refused = [], []
 
@@ -392,7 +398,7 @@ def test_close_while_busy_finishes_queued_and_refuses_new():
 
 
 def test_threads_end_on_close_exit_and_garbage_collection():
-  server = jaxstreams.serve(mlp, groups=2)
+  server = grouped_serve(mlp, groups=2)
   assert serve_threads() == []                   # started lazily
   server(jnp.ones((1, 8)))                       # alone: runs in this thread
   assert serve_threads() == []
@@ -402,11 +408,11 @@ def test_threads_end_on_close_exit_and_garbage_collection():
   assert serve_threads() == []
   server.close()                                 # idempotent
 
-  with jaxstreams.serve(mlp) as server:
+  with grouped_serve(mlp) as server:
     server.submit(jnp.ones((1, 8))).result(TIMEOUT)
   assert serve_threads() == []
 
-  server = jaxstreams.serve(mlp)
+  server = grouped_serve(mlp)
   server.submit(jnp.ones((1, 8))).result(TIMEOUT)
   del server
   gc.collect()
@@ -420,7 +426,7 @@ def test_program_cache_is_bounded():
     traces.append(x.shape)
     return x + 1
 
-  with jaxstreams.serve(f, groups=1, max_programs=2) as server:
+  with grouped_serve(f, groups=1, max_programs=2) as server:
     for n in [1, 2, 3, 1, 2, 3]:
       assert_bitwise_equal(server(jnp.ones(n)), jnp.ones(n) + 1)
     stats = server.stats()
@@ -442,12 +448,112 @@ def test_argument_errors():
     jaxstreams.serve(mlp, queue_size=0)
   with pytest.raises(TypeError, match="callable"):
     jaxstreams.serve(3)
+  with pytest.raises(ValueError, match="mode must be one of"):
+    jaxstreams.serve(mlp, mode="streams")
   with pytest.raises(TypeError, match="static_argnums"):
     jaxstreams.serve(jaxstreams.jit(lambda x, n: x * n, streams=2,
                                     static_argnums=1))
   decorated = jaxstreams.serve(groups=2)(mlp)
   assert isinstance(decorated, jaxstreams.Server) and decorated.groups == 2
   decorated.close()
+
+
+# ---------------------------------------------------------------------------
+# Direct mode: where stream groups cannot pay, a request runs as a plain
+# thread would run it.
+
+def test_auto_on_cpu_runs_each_request_in_its_callers_thread():
+  traced_in = []
+
+  def f(x):
+    traced_in.append(threading.current_thread())
+    return x * 2
+
+  with jaxstreams.serve(f, groups=4) as server:
+    assert server.mode == "direct" and "mode=direct" in repr(server)
+    assert_bitwise_equal(server(jnp.ones(3)), jax.jit(f)(jnp.ones(3)))
+    assert_bitwise_equal(server.submit(jnp.ones(3)).result(TIMEOUT),
+                         jax.jit(f)(jnp.ones(3)))
+    assert serve_threads() == []                 # no worker threads at all
+    stats = server.stats()
+  assert traced_in and set(traced_in) == {threading.current_thread()}
+  assert "one stream" in stats.mode_reason
+  assert (stats.requests, stats.completed, stats.direct) == (2, 2, 2)
+  assert stats.batches == 0 and stats.programs_traced == 0
+
+
+def test_direct_mode_keeps_serves_promises():
+  def f(x, *, shift):
+    if x.shape == (7,):
+      raise ValueError("no sevens")
+    return {"y": jnp.sin(x) + shift}
+
+  with jaxstreams.serve(f, mode="direct", groups=4) as server:
+    results = {}
+
+    def client(n):
+      results[n] = server(jnp.arange(float(n)), shift=n)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(1, 7)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(TIMEOUT)
+    for n in range(1, 7):
+      assert_bitwise_equal(results[n],
+                           jax.jit(f)(jnp.arange(float(n)), shift=n))
+    with pytest.raises(ValueError, match="no sevens"):
+      server(jnp.ones(7), shift=1)
+    future = server.submit(jnp.ones(7), shift=1)
+    assert isinstance(future.exception(TIMEOUT), ValueError)
+    stats = server.stats()
+  assert (stats.requests, stats.completed, stats.failed) == (8, 6, 2)
+  with pytest.raises(jaxstreams.ServerClosedError):
+    server(jnp.ones(2), shift=1)
+
+
+def test_direct_mode_back_pressure_and_close_drains():
+  gate = threading.Event()
+  entered = threading.Event()
+
+  def wait(v):
+    entered.set()
+    assert gate.wait(TIMEOUT)
+    return v
+
+  def f(x):
+    return jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+  server = jaxstreams.serve(f, mode="direct", queue_size=1, block=False)
+  running = concurrent.futures.ThreadPoolExecutor(2)
+  first = running.submit(server, jnp.ones(2))
+  assert entered.wait(TIMEOUT)
+  with pytest.raises(jaxstreams.QueueFullError):  # one may run at once
+    server(jnp.ones(2))
+  closer = running.submit(server.close, TIMEOUT)
+  wait_until(lambda: server.closed, TIMEOUT)
+  assert not first.done() and not closer.done()  # close waits for it
+  gate.set()
+  np.testing.assert_array_equal(first.result(TIMEOUT), jnp.ones(2))
+  assert closer.result(TIMEOUT) is True          # drained, then closed
+  running.shutdown()
+  with pytest.raises(jaxstreams.ServerClosedError):
+    server.submit(jnp.ones(2))
+
+
+def test_auto_with_streams_runs_a_lone_request_without_the_batch_program(
+    monkeypatch):
+  from jaxstreams.serve import _server
+  monkeypatch.setattr(_server, "_platform", lambda: "gpu")
+  with jaxstreams.serve(mlp, groups=2) as server:
+    assert server.mode == "grouped"
+    x = jnp.ones((1, 8))
+    assert_bitwise_equal(server(x), jax.jit(mlp)(x))   # alone: direct
+    stats = server.stats()
+  assert stats.direct == 1 and stats.batches == 0
+  assert stats.programs_traced == 0 and stats.completed == 1
+  with jaxstreams.serve(mlp, groups=1) as server:
+    assert server.mode == "direct"
 
 
 # ---------------------------------------------------------------------------

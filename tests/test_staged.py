@@ -609,3 +609,26 @@ def test_fused_plain_step_with_its_own_stream_blocks():
   for a, e in zip(outs, expected):
     np.testing.assert_array_equal(a, e)
   assert (runner.stream, runner.streams) == (3, 4)
+
+
+def _scaled_step(params, batch):
+  scale = jaxstreams.stage(batch * 2)
+  return params["w"] * scale
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_python_and_numpy_scalars_keep_the_plain_steps_dtypes(mode):
+  # A Python float is weakly typed (bf16 * 1.0 stays bfloat16), a numpy
+  # scalar is not (bf16 * np.float32(1.0) is float32): batches of each kind,
+  # mixed, must each get the dtype the plain step gives them.
+  params = {"w": jnp.ones((3,), jnp.bfloat16)}
+  data = [1.0, np.float32(1.0), 2.0, np.float32(3.0), np.float32(0.5), 4.0]
+  want = [jax.jit(_scaled_step)(params, b) for b in data]
+  assert {w.dtype for w in want} == {jnp.dtype(jnp.bfloat16),
+                                    jnp.dtype(jnp.float32)}
+  with jaxstreams.staged(_scaled_step, data=data, mode=mode) as runner:
+    got = [runner(params) for _ in data]
+  assert [g.dtype for g in got] == [w.dtype for w in want]
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                  np.asarray(w, np.float32))

@@ -1,6 +1,16 @@
 """``jaxstreams.serve``: a request batcher whose batches run on stream groups.
 
-How a request travels, and why each step is there:
+Two ways to run a request, chosen by ``mode`` (see ``serve``):
+
+* *direct*: the caller's own thread calls ``jax.jit(f)``, exactly what a
+  plain thread would do: no hand-off, no batching program. ``mode="auto"``
+  picks it where stream groups cannot pay: a platform that runs one stream
+  (XLA:CPU), or ``groups=1``. Being no slower than doing without comes
+  first: a batch of requests on XLA:CPU runs them one after another anyway,
+  after two thread hand-offs they did not need.
+* *grouped*: the request path below.
+
+How a grouped request travels, and why each step is there:
 
 1. ``submit`` puts it on a bounded queue (back-pressure: a full queue blocks
    the caller or raises ``QueueFullError``) and returns a ``Future``.
@@ -10,7 +20,8 @@ How a request travels, and why each step is there:
    so that under load requests arrive together and share an execution.
    (A synchronous call that finds nothing running or queued skips the
    queue and runs in the caller's thread: two thread hand-offs would cost a
-   lone small request more than its execution.)
+   lone small request more than its execution. Under ``mode="auto"`` it
+   runs there as plain ``jax.jit(f)``, without the batching program.)
 3. Each request's *signature* (pytree structure, and shape, dtype and weak
    type of each leaf) is traced once: ``f`` becomes a jaxpr. A Python
    exception raised by ``f`` here reaches that request's caller and nobody
@@ -56,6 +67,7 @@ from jax.interpreters import mlir
 
 from jaxstreams import _compat
 from jaxstreams._jit import jit as _streams_jit
+from jaxstreams._signature import signature as _leaf_signatures
 from jaxstreams.tag import stream as _stream
 
 __all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
@@ -125,19 +137,10 @@ mlir.register_lowering(_request_p, _request_lowering)
 
 def _signature(request) -> tuple:
   """What decides the traced program: the pytree structure and each leaf's
-  shape, dtype and weak type (Python scalars are weakly typed, as jax.jit
-  treats them). Raises TypeError for a leaf jax.jit would refuse."""
+  shape, dtype and weak type (``jaxstreams._signature``). Raises TypeError
+  for a leaf jax.jit would refuse."""
   leaves, treedef = tree_util.tree_flatten(request)
-  avals = []
-  for leaf in leaves:
-    if isinstance(leaf, jax.core.Tracer):
-      raise TypeError(
-          "jaxstreams.serve: a request holds a traced value (a jax Tracer); "
-          "serve takes concrete arrays. Call the server outside jax.jit / "
-          "jax.grad / jax.vmap.")
-    aval = jax.typeof(leaf)
-    avals.append((tuple(aval.shape), aval.dtype, bool(aval.weak_type)))
-  return treedef, tuple(avals)
+  return treedef, _leaf_signatures(leaves)
 
 
 # ---------------------------------------------------------------------------
@@ -158,7 +161,11 @@ class ServeStats:
   while cached). ``programs_traced``: batched programs traced (once per
   combination of signatures while cached). ``batch_sizes``: requests per
   execution -> number of executions. ``fallbacks``: batches rerun one by
-  one after a failed execution.
+  one after a failed execution. ``mode``: how requests run, ``"direct"``
+  (each in its caller's thread as ``jax.jit(f)``) or ``"grouped"``;
+  ``mode_reason`` says why. ``direct``: requests run as plain ``jax.jit(f)``
+  calls in their caller's thread (all of them in direct mode; lone ones
+  under ``mode="auto"``).
   """
   requests: int
   completed: int
@@ -170,6 +177,9 @@ class ServeStats:
   programs_cached: int
   program_evictions: int
   fallbacks: int
+  mode: str = "grouped"
+  mode_reason: str = ""
+  direct: int = 0
 
 
 class _LRU:
@@ -193,6 +203,32 @@ class _LRU:
 
 
 # ---------------------------------------------------------------------------
+# Direct or grouped.
+
+MODES = ("auto", "direct", "grouped")
+
+
+def _platform() -> str:
+  """The platform requests run on (a function, so tests can pretend)."""
+  return jax.default_backend()
+
+
+def _resolve_mode(mode: str, groups: int) -> tuple[str, str]:
+  """``(mode, why)``: ``"direct"`` where stream groups cannot pay."""
+  if mode != "auto":
+    return mode, f"mode={mode!r} was asked for"
+  platform = _platform()
+  if platform == "cpu":
+    return "direct", ("XLA:CPU runs one stream: grouped requests would run "
+                      "one after another anyway, after two thread hand-offs")
+  if groups == 1:
+    return "direct", "groups=1: no two requests can run side by side"
+  return "grouped", (f"{platform} runs streams: requests that arrive together "
+                     f"run side by side on up to {groups} stream groups; a "
+                     "lone one runs as jax.jit in its caller's thread")
+
+
+# ---------------------------------------------------------------------------
 # The server's state, shared by the server object and its threads.
 
 _MAX_IN_FLIGHT = 2      # batches dispatched and not yet handed back
@@ -207,8 +243,11 @@ class _Core:
 
   def __init__(self, fun: Callable, groups: int, wait_s: float,
                queue_size: int | None, block: bool | float,
-               max_programs: int, name: str):
+               max_programs: int, name: str, mode: str = "grouped"):
     self.fun = fun
+    self.requested_mode = mode
+    self.mode, self.mode_reason = _resolve_mode(mode, groups)
+    self.jitted = jax.jit(fun)
     self.groups = groups
     self.wait_s = wait_s
     self.queue_size = queue_size
@@ -219,6 +258,10 @@ class _Core:
     self.space = threading.Condition(self.lock)    # queue shrank / closing
     self.pending: collections.deque[_Request] = collections.deque()
     self.in_flight = 0
+    self.space_waiters = 0       # callers blocked in _wait_for_space
+    self.direct_completed = 0    # direct requests (plain ints: no Counter on
+    self.direct_failed = 0       # the direct path, which must stay lean)
+    self.requests_direct_lone = 0
     self.closing = False
     self.threads: list[threading.Thread] = []
     self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -232,11 +275,13 @@ class _Core:
   # -- submission ------------------------------------------------------------
 
   def submit(self, payload: tuple) -> concurrent.futures.Future:
+    if self.mode == "direct":
+      return self._submit_direct(payload)
     future: concurrent.futures.Future = concurrent.futures.Future()
     with self.lock:
       self._check_open()
       if self.queue_size is not None and len(self.pending) >= self.queue_size:
-        self._wait_for_space()
+        self._wait_for_space(lambda: len(self.pending) >= self.queue_size)
       self.pending.append(_Request(payload, future))
       self.counts["requests"] += 1
       if not self.threads:
@@ -250,21 +295,84 @@ class _Core:
           f"{self.name} is closed: it finishes the requests it had queued and "
           "takes no new ones. Make a new server with jaxstreams.serve(...).")
 
-  def _wait_for_space(self) -> None:
+  def _wait_for_space(self, full: Callable[[], bool]) -> None:
+    """Back-pressure (called holding the lock while ``full()``): wait for
+    room as ``block`` says, or raise QueueFullError."""
     if self.block is False:
       raise QueueFullError(
           f"{self.name}: the request queue is full ({self.queue_size} "
           "requests waiting) and the server was made with block=False. Retry "
           "later, or make it with a larger queue_size or block=True.")
     deadline = None if self.block is True else time.monotonic() + self.block
-    while len(self.pending) >= self.queue_size and not self.closing:
-      remaining = None if deadline is None else deadline - time.monotonic()
-      if remaining is not None and remaining <= 0:
-        raise QueueFullError(
-            f"{self.name}: the request queue stayed full ({self.queue_size} "
-            f"requests waiting) for block={self.block} seconds.")
-      self.space.wait(remaining)
+    self.space_waiters += 1
+    try:
+      while full() and not self.closing:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+          raise QueueFullError(
+              f"{self.name}: the request queue stayed full ({self.queue_size} "
+              f"requests waiting) for block={self.block} seconds.")
+        self.space.wait(remaining)
+    finally:
+      self.space_waiters -= 1
     self._check_open()
+
+  # -- direct mode: the caller's thread runs jax.jit(f) --------------------
+
+  def _enter_direct(self) -> None:
+    """Admit one direct request: refused once closing; at most
+    ``queue_size`` run at once (the back-pressure of a queue that, here,
+    is the callers themselves). Kept lean: it runs on every request."""
+    with self.lock:
+      if self.closing:
+        self._check_open()
+      if self.queue_size is not None and self.in_flight >= self.queue_size:
+        self._wait_for_space(lambda: self.in_flight >= self.queue_size)
+      self.in_flight += 1
+
+  def _leave_direct(self, ok: bool) -> None:
+    with self.lock:
+      self.in_flight -= 1
+      if ok:
+        self.direct_completed += 1
+      else:
+        self.direct_failed += 1
+      if self.closing or self.space_waiters:
+        self.space.notify_all()
+        self.work.notify_all()
+
+  def call_direct(self, args: tuple, kwargs: dict):
+    """``jax.jit(f)(*args, **kwargs)``, waited for (so a run-time error
+    reaches this caller, as it would a plain caller reading the result)."""
+    self._enter_direct()
+    ok = False
+    try:
+      out = self.jitted(*args, **kwargs)
+      if isinstance(out, jax.Array):     # the common case, without a tree walk
+        out.block_until_ready()
+      else:
+        jax.block_until_ready(out)
+      ok = True
+      return out
+    finally:
+      self._leave_direct(ok)
+
+  def _submit_direct(self, payload: tuple) -> concurrent.futures.Future:
+    # Dispatched in the caller's thread as jax.jit would be; the future is
+    # settled on return and holds jax.jit's (asynchronously computed)
+    # result or the caller's own error.
+    args, kwargs = payload
+    self._enter_direct()
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    ok = False
+    try:
+      future.set_result(self.jitted(*args, **kwargs))
+      ok = True
+    except Exception as e:  # noqa: BLE001 -- this caller's own error
+      future.set_exception(e)
+    finally:
+      self._leave_direct(ok)
+    return future
 
   def _start_threads(self) -> None:
     for role, target in (("dispatch", self._dispatch_loop),
@@ -285,6 +393,14 @@ class _Core:
     if not join:
       return True
     deadline = None if timeout is None else time.monotonic() + timeout
+    if self.mode == "direct":
+      with self.lock:   # drain: wait for the requests running in callers
+        while self.in_flight:
+          remaining = None if deadline is None else deadline - time.monotonic()
+          if remaining is not None and remaining <= 0:
+            return False
+          self.work.wait(remaining)
+      return True
     me = threading.current_thread()
     for thread in threads:
       if thread is me:
@@ -334,6 +450,8 @@ class _Core:
     own thread runs it (a batch of one), skipping two thread hand-offs that
     would cost a lone request more than its execution; otherwise it queues
     and joins the next batch like any other."""
+    if self.mode == "direct":
+      return self.call_direct(*payload)
     with self.lock:
       inline = (not self.closing and not self.pending
                 and self.in_flight == 0)
@@ -342,6 +460,21 @@ class _Core:
         self.counts["requests"] += 1
     if not inline:
       return self.submit(payload).result()
+    if self.requested_mode == "auto":
+      # A lone request would run alone anyway: as a plain thread runs it.
+      ok = False
+      try:
+        out = self.jitted(*payload[0], **payload[1])
+        jax.block_until_ready(out)
+        ok = True
+        return out
+      finally:
+        with self.lock:
+          self.in_flight -= 1
+          self.direct_completed += ok
+          self.direct_failed += not ok
+          self.requests_direct_lone += 1
+          self.work.notify_all()
     request = _Request(payload, concurrent.futures.Future())
     request.future.set_running_or_notify_cancel()
     try:
@@ -495,14 +628,20 @@ class _Core:
   def stats(self) -> ServeStats:
     with self.lock, self.cache_lock:
       c = self.counts
+      direct_done = self.direct_completed + self.direct_failed
+      direct = (direct_done + self.in_flight if self.mode == "direct"
+                else self.requests_direct_lone)
       return ServeStats(
-          requests=c["requests"], completed=c["completed"], failed=c["failed"],
+          requests=c["requests"] + (direct if self.mode == "direct" else 0),
+          completed=c["completed"] + self.direct_completed,
+          failed=c["failed"] + self.direct_failed,
           batches=c["batches"], batch_sizes=dict(sorted(self.batch_sizes.items())),
           signatures_traced=c["signatures_traced"],
           programs_traced=c["programs_traced"],
           programs_cached=len(self.programs.items),
           program_evictions=self.programs.evictions,
-          fallbacks=c["fallbacks"])
+          fallbacks=c["fallbacks"], mode=self.mode,
+          mode_reason=self.mode_reason, direct=direct)
 
 
 def _signature_of_traced(request) -> tuple:
@@ -549,7 +688,10 @@ class Server:
   def __call__(self, *args, **kwargs):
     """``f(*args, **kwargs)``, run with whatever requests arrive with it
     (with none running or queued, it runs at once in the calling thread)."""
-    return self._core.call((args, kwargs))
+    core = self._core
+    if core.mode == "direct":
+      return core.call_direct(args, kwargs)
+    return core.call((args, kwargs))
 
   def close(self, timeout: float | None = None) -> bool:
     """Refuse new requests, finish the queued ones, and stop the threads.
@@ -566,6 +708,12 @@ class Server:
   @property
   def groups(self) -> int:
     return self._core.groups
+
+  @property
+  def mode(self) -> str:
+    """How requests run: ``"direct"`` or ``"grouped"`` (``stats()``'s
+    ``mode_reason`` says why)."""
+    return self._core.mode
 
   @property
   def queued(self) -> int:
@@ -593,7 +741,7 @@ class Server:
   def __repr__(self) -> str:
     state = "closed" if self.closed else "open"
     return (f"<jaxstreams.serve {_name(self._core.fun)}: groups="
-            f"{self._core.groups}, {state}>")
+            f"{self._core.groups}, mode={self._core.mode}, {state}>")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -625,7 +773,8 @@ def _unwrap(fun: Callable) -> Callable:
 
 def serve(fun: Callable | None = None, *, groups: int = 4,
           max_batch_wait_ms: float = 1.0, queue_size: int | None = 1024,
-          block: bool | float = True, max_programs: int = 64):
+          block: bool | float = True, max_programs: int = 64,
+          mode: str = "auto"):
   """Serve ``fun`` to many threads, running concurrent requests on streams.
 
   Usable as ``jaxstreams.serve(f, groups=4)`` or ``@jaxstreams.serve(...)``.
@@ -649,6 +798,15 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
     max_programs: compiled batch programs kept (one per combination of
       request signatures, least recently used dropped first); up to
       ``max_programs * groups`` traced request signatures are kept too.
+    mode: ``"auto"`` (the default) runs each request in its caller's thread
+      as ``jax.jit(fun)`` where stream groups cannot pay (XLA:CPU, which
+      runs one stream, or ``groups=1``), and groups requests elsewhere,
+      except a lone one, which also runs as ``jax.jit`` in its caller.
+      ``"direct"`` and ``"grouped"`` force one way. In direct mode nothing
+      queues: ``queue_size`` bounds the requests running at once, ``submit``
+      dispatches in the caller's thread and returns a settled future, and
+      ``close()`` waits for running requests. ``server.mode`` and
+      ``stats().mode_reason`` say what was chosen and why.
 
   ``stream()`` blocks inside ``fun`` are flattened: a request runs whole on
   its group's stream, whatever ids ``fun`` names. A ``jaxstreams.jit``
@@ -679,15 +837,18 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
                       f"timeout in seconds >= 0, got {block!r}")
     # An infinite timeout is block=True (threading cannot wait for inf s).
     block = True if block == float("inf") else float(block)
+  if mode not in MODES:
+    raise ValueError(f"jaxstreams.serve: mode must be one of {MODES}, got "
+                     f"{mode!r}")
   if fun is None:
     return lambda f: serve(f, groups=groups,
                            max_batch_wait_ms=max_batch_wait_ms,
                            queue_size=queue_size, block=block,
-                           max_programs=max_programs)
+                           max_programs=max_programs, mode=mode)
   if not callable(fun):
     raise TypeError(f"jaxstreams.serve expects a callable, got {fun!r} of "
                     f"type {type(fun).__name__}")
   name = f"{THREAD_PREFIX}-{next(_server_ids)}"
   core = _Core(_unwrap(fun), groups, max_batch_wait_ms / 1000.0, queue_size,
-               block, max_programs, name)
+               block, max_programs, name, mode)
   return Server(core)

@@ -517,9 +517,41 @@ class _FunctionTransfer(_Transfer):
     return self.transform(item)
 
 
+# A jitted identity copies numpy leaves onto the default device through
+# jit's C++ argument path: on jax 0.10.2 / XLA:CPU about 20 us for a small
+# array where jax.device_put takes about 90 us (measured on a shared 2-core
+# machine). That difference is most of a worker's per-item cost, which a
+# step under a millisecond pays in full when it reads its result every step.
+_copy_to_device = jax.jit(lambda tree: tree)
+
+
+# The identity compiles once per item signature: worth it only for a
+# signature that repeats. The first item of a signature goes through
+# jax.device_put; from its second on, through the copy. Bounded, so a stream
+# of ever new shapes costs no more than jax.device_put.
+_SEEN_SIGNATURES_MAX = 256
+_seen_signatures: set = set()
+
+
+def _copies_cheaply(item: Any) -> bool:
+  leaves, treedef = jax.tree_util.tree_flatten(item)
+  if not leaves or any(type(leaf) is not np.ndarray for leaf in leaves):
+    return False
+  key = (treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves))
+  if key in _seen_signatures:
+    return True
+  if len(_seen_signatures) < _SEEN_SIGNATURES_MAX:
+    _seen_signatures.add(key)
+  return False
+
+
 def _device_put_now(item: Any, sharding: Any) -> Any:
   # Waiting here, in the worker, means an item handed out is really on the
   # device, and the lookahead bound counts real device memory.
+  if sharding is None and _copies_cheaply(item):
+    # The same arrays jax.device_put(item) gives (dtypes canonicalized the
+    # same way), copied, so the producer may reuse its numpy buffers.
+    return jax.block_until_ready(_copy_to_device(item))
   return jax.block_until_ready(jax.device_put(item, sharding))
 
 

@@ -114,6 +114,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxstreams import _compat
 from jaxstreams import _checks
+from jaxstreams._signature import signature as _signature
 from jaxstreams.stage.prefetch import NOT_READY, Prefetcher
 from jaxstreams.tag.read import stream_ids
 
@@ -232,16 +233,9 @@ class _Split:
     self.other_sig = other_sig
 
 
-def _signature(leaves) -> tuple:
-  # jax arrays carry their canonical dtype; anything else (numpy, Python
-  # scalars) as jax would convert it. Runs on every call: keep it cheap.
-  return tuple((x.shape, x.dtype) if isinstance(x, jax.Array) else
-               (tuple(jax.numpy.shape(x)), jax.numpy.result_type(x))
-               for x in leaves)
-
-
 def _shapes(leaves) -> str:
-  return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in _signature(leaves))
+  return ", ".join(f"{dtype}{list(shape)}{' (weak)' if weak else ''}"
+                   for shape, dtype, weak in _signature(leaves))
 
 
 def _identity(item: Any) -> Any:
