@@ -57,6 +57,7 @@ class StageStatsStruct(ctypes.Structure):
 _ERR = [c_char_p, c_int64]
 _SIGNATURES = {
     "AbiVersion": (ctypes.c_int, []),
+    "FfiApiVersion": (ctypes.c_int, []),
     "PoolCreate": (ctypes.c_int, [c_int64, c_int64, c_int64, *_ERR]),
     "PoolInfo": (ctypes.c_int, [c_int64, P(c_int64), P(c_int64)]),
     "PoolDestroyAll": (None, []),
@@ -108,6 +109,10 @@ class CApi:
         if status != OK:
             message = err.value.decode(errors="replace") or f"{name} failed (status {status})"
             raise _STATUS_ERRORS.get(status, RuntimeOpError)(message)
+
+    def ffi_api_version(self) -> int:
+        """XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR of the headers built with."""
+        return self._fns["FfiApiVersion"]()
 
     # Pools -------------------------------------------------------------------
     def pool_create(self, device: int, streams: int, events: int) -> None:

@@ -50,7 +50,7 @@ TARGETS: dict[str, dict[str, str]] = {
 # Functions of the plain C API (ffi/common/capi.h) that every library exports
 # as <prefix><name>; bound with ctypes in _capi.py.
 CAPI_FUNCTIONS = (
-    "AbiVersion", "PoolCreate", "PoolInfo", "PoolDestroyAll", "Synchronize",
+    "AbiVersion", "FfiApiVersion", "PoolCreate", "PoolInfo", "PoolDestroyAll", "Synchronize",
     "StageCreate", "StagePut", "StageClose", "StageDestroy", "StageStats",
     "TimelineReset", "TimelineRead",
 )
