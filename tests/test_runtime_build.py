@@ -115,3 +115,33 @@ def test_missing_libraries_give_clear_errors(tmp_path):
   assert "libjaxstreams_cuda.so was not found" in out
   assert "CUDA toolkit" in out
   assert "'jaxstreams_identity' for cuda" in out
+
+
+def test_import_loads_nothing_and_the_first_runtime_op_loads_and_registers():
+  """`import jaxstreams`, `jit` and `plan` map no native library and register
+  no FFI target; a program holding a runtime op (bound directly, so only its
+  lowering can load the library) still finds its target registered."""
+  _run("""
+      import jax, jax.numpy as jnp
+      import jaxstreams
+      from jaxstreams.runtime import _loader, _ops
+
+      def mapped():
+        with open("/proc/self/maps") as maps:
+          return "libjaxstreams" in maps.read()
+
+      assert not mapped() and not _loader._loaded and not _loader._done
+
+      def f(x):
+        with jaxstreams.stream(1):
+          y = jnp.sin(x)
+        return y + jnp.cos(x)
+      x = jnp.arange(4.0)
+      assert jnp.array_equal(jaxstreams.jit(f, streams=2)(x), jax.jit(f)(x))
+      assert len(jaxstreams.plan(f, streams=2)(x).regions) >= 1
+      assert not mapped() and not _loader._loaded and not _loader._done
+
+      out = jax.jit(lambda v: _ops.identity_p.bind(v))(x)
+      assert jnp.array_equal(out, x)
+      assert mapped() and "cpu" in _loader._loaded
+      """, rt.library_path("cpu").parent)

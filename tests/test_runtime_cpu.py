@@ -7,6 +7,8 @@ machine does not make them flaky.
 """
 
 import json
+import pathlib
+import re
 import time
 
 import jax
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxstreams.runtime as rt
-from jaxstreams.runtime import _ops, timeline
+from jaxstreams.runtime import _capi, _ops, timeline
 
 SLOW_US = 150_000  # a slow producer: 150 ms
 
@@ -239,6 +241,36 @@ def test_handler_errors_are_exceptions_with_the_handlers_message():
       jax.block_until_ready(jax.jit(wrong)())
     with pytest.raises(ValueError, match=r"item leaf 1 is int32\[3\], the stage holds float32\[64\]"):
       stage.put({"ids": np.zeros(3, np.int32), "x": np.zeros(3, np.int32)})
+
+
+def _running_ffi_api_version():
+  """XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR of the running jaxlib."""
+  header = (pathlib.Path(jax.ffi.include_dir()) / "xla/ffi/api/c_api.h").read_text()
+  major, minor = (int(re.search(rf"#define XLA_FFI_API_{part} (\d+)", header).group(1))
+                  for part in ("MAJOR", "MINOR"))
+  return major * 1000 + minor
+
+
+def test_library_reports_the_ffi_api_version_it_was_built_against():
+  version = _capi.capi("cpu").ffi_api_version()
+  # XLA refuses handlers built against newer headers than its own, so a
+  # library whose targets registered is at most the running jaxlib's version.
+  assert 0 <= version % 1000 and version <= _running_ffi_api_version()
+
+
+@pytest.mark.skipif(pathlib.Path("/proc/sys/vm/overcommit_memory").exists()
+                    and pathlib.Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
+                    reason="with overcommit_memory=1 a huge allocation succeeds and is "
+                           "touched page by page instead of failing")
+def test_a_stage_too_large_for_memory_is_an_error_and_the_runtime_lives_on():
+  # 2**37 float32 = 512 GiB per slot, 1 TiB in all: within the runtime's size
+  # limit, so the allocation itself fails (std::bad_alloc inside the library).
+  huge = jax.ShapeDtypeStruct((2**37,), np.float32)
+  with pytest.raises(rt.RuntimeOpError, match=r"out of memory"):
+    rt.StageArea(huge, capacity=2)
+  with rt.StageArea(_spec(), capacity=1) as stage:
+    stage.put(_item(3))
+    _assert_item(jax.jit(lambda: stage.get())(), 3)
 
 
 def test_python_side_checks_catch_bad_ids_before_running():

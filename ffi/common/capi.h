@@ -3,7 +3,8 @@
  * same for both, so Python binds them with one table.
  *
  * Every function that can fail returns a JaxstreamsStatus and writes a
- * message of at most errlen-1 bytes to err. */
+ * message of at most errlen-1 bytes to err. Both libraries define these
+ * functions with JAXSTREAMS_DEFINE_CAPI (common/capi_impl.h). */
 
 #ifndef JAXSTREAMS_FFI_COMMON_CAPI_H_
 #define JAXSTREAMS_FFI_COMMON_CAPI_H_
@@ -16,6 +17,8 @@
 #define JAXSTREAMS_DECLARE_CAPI(PREFIX)                                        \
   extern "C" {                                                                 \
   JAXSTREAMS_EXPORT int PREFIX##AbiVersion(void);                              \
+  /* XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR of the headers built with. */ \
+  JAXSTREAMS_EXPORT int PREFIX##FfiApiVersion(void);                           \
   /* Creates device's pool of runtime streams and events once. */            \
   JAXSTREAMS_EXPORT int PREFIX##PoolCreate(int64_t device, int64_t streams,    \
                                            int64_t events, char* err,          \
@@ -50,54 +53,5 @@
       int64_t device, JaxstreamsMarker* out, int64_t max, int64_t* count,      \
       int64_t* dropped, char* err, int64_t errlen);                            \
   }
-
-#ifdef __cplusplus
-#include <algorithm>
-#include <cstring>
-#include <string>
-
-namespace jaxstreams {
-
-// Writes `message` into a caller's C buffer, always NUL-terminated.
-inline void WriteError(const std::string& message, char* err, int64_t errlen) {
-  if (err == nullptr || errlen <= 0) return;
-  size_t n = std::min<size_t>(message.size(), static_cast<size_t>(errlen - 1));
-  std::memcpy(err, message.data(), n);
-  err[n] = '\0';
-}
-
-inline int Fail(JaxstreamsStatus status, const std::string& message, char* err,
-                int64_t errlen) {
-  WriteError(message, err, errlen);
-  return status;
-}
-
-// Checks the host buffers of a stage put (CPU and CUDA alike): none null
-// unless empty, and together exactly one item of `item_bytes`.
-inline int CheckPutBuffers(int64_t id, int64_t n, const void* const* ptrs,
-                           const int64_t* sizes, int64_t item_bytes, char* err,
-                           int64_t errlen) {
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (sizes[i] < 0 || (sizes[i] > 0 && ptrs[i] == nullptr)) {
-      return Fail(JAXSTREAMS_INVALID_ARGUMENT,
-                  "jaxstreams: stage " + std::to_string(id) + " put: buffer " +
-                      std::to_string(i) + " is null or has a negative size",
-                  err, errlen);
-    }
-    total += sizes[i];
-  }
-  if (total != item_bytes) {
-    return Fail(JAXSTREAMS_INVALID_ARGUMENT,
-                "jaxstreams: stage " + std::to_string(id) + " holds items of " +
-                    std::to_string(item_bytes) + " bytes, the put has " +
-                    std::to_string(total) + " bytes",
-                err, errlen);
-  }
-  return JAXSTREAMS_OK;
-}
-
-}  // namespace jaxstreams
-#endif
 
 #endif /* JAXSTREAMS_FFI_COMMON_CAPI_H_ */

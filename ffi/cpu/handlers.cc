@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "common/guard.h"
 #include "common/passthrough.h"
+#include "common/stage_take.h"
 #include "cpu/cpu_handlers.h"
 #include "cpu/runtime.h"
 #include "xla/ffi/api/ffi.h"
@@ -171,26 +173,10 @@ ffi::Future StageGet(ffi::RemainingArgs after, ffi::RemainingRets rets,
                                  "no stage with id ", stage_id,
                                  " (it was never created or was destroyed)"));
   }
-  auto total = TotalBytes(rets);
-  if (total.has_error()) return ReadyFuture(total.error());
-  if (static_cast<int64_t>(*total) != stage->item_bytes) {
-    return ReadyFuture(InvalidArgument(
-        kWhere, "stage ", stage_id, " holds items of ", stage->item_bytes,
-        " bytes but the program asks for ", *total, " bytes of results"));
-  }
-  int64_t slot = -1;
-  switch (stage->queue.TakeQueued(timeout_ms, &slot)) {
-    case SlotWait::kOk:
-      break;
-    case SlotWait::kTimeout:
-      return ReadyFuture(MakeError(ffi::ErrorCode::kDeadlineExceeded, kWhere,
-                                   "no item was put into stage ", stage_id,
-                                   " within ", timeout_ms, " ms"));
-    case SlotWait::kClosed:
-      return ReadyFuture(MakeError(ffi::ErrorCode::kOutOfRange, kWhere,
-                                   "stage ", stage_id,
-                                   " is closed and has no more items"));
-  }
+  auto taken = TakeStageItem(kWhere, stage_id, stage->item_bytes, stage->queue,
+                             rets, timeout_ms);
+  if (taken.has_error()) return ReadyFuture(taken.error());
+  int64_t slot = *taken;
   // Where each result's bytes come from in the slot. Collected now: the
   // results object is only valid during this call.
   struct Piece {
@@ -238,28 +224,28 @@ ffi::Future StageGet(ffi::RemainingArgs after, ffi::RemainingRets rets,
 }  // namespace
 }  // namespace jaxstreams::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsRecordCpu, jaxstreams::cpu::Record,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsRecordCpu, jaxstreams::cpu::Record,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("event")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsWaitCpu, jaxstreams::cpu::Wait,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsWaitCpu, jaxstreams::cpu::Wait,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("event")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsDelayCpu, jaxstreams::cpu::Delay,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsDelayCpu, jaxstreams::cpu::Delay,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("microseconds")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsMarkerCpu, jaxstreams::cpu::Marker,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsMarkerCpu, jaxstreams::cpu::Marker,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()
@@ -268,7 +254,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsMarkerCpu, jaxstreams::cpu::Marker,
                                   .Attr<int64_t>("track")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsStageGetCpu, jaxstreams::cpu::StageGet,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsStageGetCpu, jaxstreams::cpu::StageGet,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()

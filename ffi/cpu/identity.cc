@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "common/errors.h"
+#include "common/guard.h"
 #include "common/shape_check.h"
 #include "cpu/cpu_handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -25,7 +26,7 @@ ffi::Error IdentityCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
 }  // namespace
 }  // namespace jaxstreams
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsIdentityCpu, jaxstreams::IdentityCpu,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsIdentityCpu, jaxstreams::IdentityCpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());

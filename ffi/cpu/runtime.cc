@@ -12,7 +12,6 @@ namespace jaxstreams::cpu {
 // number) before it turns into thousands of threads or a huge allocation.
 constexpr int64_t kMaxStreams = 64;
 constexpr int64_t kMaxEvents = 1 << 20;
-constexpr int64_t kMaxStageBytes = int64_t{1} << 40;
 
 StageArea::StageArea(int64_t id, int64_t capacity, int64_t item_bytes)
     : id(id),
@@ -79,7 +78,7 @@ void Runtime::DestroyPool() {
     streams_.clear();
     pool_ = false;
     num_streams_ = num_events_ = 0;
-    for (auto& [id, stage] : stages_) stage->queue.Close();
+    stages_.ForEach([](StageArea& stage) { stage.queue.Close(); });
   }
   // Joined outside the lock: queued tasks may still look things up. Events
   // stay allocated (a late waiter may still hold one).
@@ -149,11 +148,8 @@ void Runtime::Synchronize() {
 
 JaxstreamsStatus Runtime::CreateStage(int64_t capacity, int64_t item_bytes,
                                       int64_t* id, std::string* error) {
-  if (capacity < 1 || item_bytes < 1 || item_bytes > kMaxStageBytes ||
-      capacity > kMaxStageBytes / item_bytes) {
-    *error = StrCat("jaxstreams: a stage needs capacity >= 1 and item bytes >= "
-                    "1 with capacity * item bytes <= ", kMaxStageBytes,
-                    "; got capacity ", capacity, " and item bytes ", item_bytes);
+  if (std::string bad = CheckStageSize(capacity, item_bytes); !bad.empty()) {
+    *error = std::move(bad);
     return JAXSTREAMS_INVALID_ARGUMENT;
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -162,26 +158,19 @@ JaxstreamsStatus Runtime::CreateStage(int64_t capacity, int64_t item_bytes,
              "before a stage";
     return JAXSTREAMS_INVALID_ARGUMENT;
   }
-  *id = next_stage_id_++;
-  stages_[*id] = std::make_shared<StageArea>(*id, capacity, item_bytes);
+  *id = stages_.Add([&](int64_t new_id) {
+    return std::make_shared<StageArea>(new_id, capacity, item_bytes);
+  });
   return JAXSTREAMS_OK;
 }
 
 std::shared_ptr<StageArea> Runtime::FindStage(int64_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = stages_.find(id);
-  return it == stages_.end() ? nullptr : it->second;
+  return stages_.Find(id);
 }
 
 bool Runtime::DestroyStage(int64_t id) {
-  std::shared_ptr<StageArea> stage;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = stages_.find(id);
-    if (it == stages_.end()) return false;
-    stage = std::move(it->second);
-    stages_.erase(it);
-  }
+  std::shared_ptr<StageArea> stage = stages_.Remove(id);
+  if (!stage) return false;
   // Wakes blocked producers/consumers; copies in flight hold their own
   // reference, so the memory lives until the last one finished.
   stage->queue.Close();

@@ -19,6 +19,7 @@
 #include "common/capi_types.h"
 #include "common/marker_log.h"
 #include "common/slot_queue.h"
+#include "common/stage_registry.h"
 #include "cpu/event.h"
 #include "cpu/worker.h"
 #include "xla/ffi/api/ffi.h"
@@ -92,8 +93,7 @@ class Runtime {
   int64_t num_events_ = 0;
   bool pool_ = false;
 
-  std::map<int64_t, std::shared_ptr<StageArea>> stages_;
-  int64_t next_stage_id_ = 1;
+  StageRegistry<StageArea> stages_{1};
 
   MarkerLog markers_;
   std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();

@@ -12,7 +12,9 @@
 #include <cuda_runtime_api.h>
 
 #include "common/errors.h"
+#include "common/guard.h"
 #include "common/passthrough.h"
+#include "common/stage_take.h"
 #include "cuda/cuda_errors.h"
 #include "cuda/cuda_handlers.h"
 #include "cuda/kernels.h"
@@ -133,24 +135,9 @@ ffi::Error StageGet(cudaStream_t xla_stream, int32_t device,
                            stage->device, " but the program runs on GPU ",
                            device);
   }
-  FFI_ASSIGN_OR_RETURN(size_t total, TotalBytes(rets));
-  if (static_cast<int64_t>(total) != stage->item_bytes) {
-    return InvalidArgument(kWhere, "stage ", stage_id, " holds items of ",
-                           stage->item_bytes, " bytes but the program asks for ",
-                           total, " bytes of results");
-  }
-  int64_t slot = -1;
-  switch (stage->queue->TakeQueued(timeout_ms, &slot)) {
-    case SlotWait::kOk:
-      break;
-    case SlotWait::kTimeout:
-      return MakeError(ffi::ErrorCode::kDeadlineExceeded, kWhere,
-                       "no item was put into stage ", stage_id, " within ",
-                       timeout_ms, " ms");
-    case SlotWait::kClosed:
-      return MakeError(ffi::ErrorCode::kOutOfRange, kWhere, "stage ", stage_id,
-                       " is closed and has no more items");
-  }
+  FFI_ASSIGN_OR_RETURN(int64_t slot,
+                       TakeStageItem(kWhere, stage_id, stage->item_bytes,
+                                     *stage->queue, rets, timeout_ms));
   ffi::Error status = [&]() -> ffi::Error {
     JS_CUDA_RETURN_IF_ERROR(
         kWhere, cudaStreamWaitEvent(xla_stream, stage->ready[slot], 0));
@@ -181,25 +168,25 @@ ffi::Error StageGet(cudaStream_t xla_stream, int32_t device,
       .Ctx<ffi::PlatformStream<cudaStream_t>>()       \
       .Ctx<ffi::DeviceOrdinal>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsRecordCuda, jaxstreams::cuda::Record,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsRecordCuda, jaxstreams::cuda::Record,
                               JAXSTREAMS_CUDA_BIND.RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("event")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsWaitCuda, jaxstreams::cuda::Wait,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsWaitCuda, jaxstreams::cuda::Wait,
                               JAXSTREAMS_CUDA_BIND.RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("event")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsDelayCuda, jaxstreams::cuda::Delay,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsDelayCuda, jaxstreams::cuda::Delay,
                               JAXSTREAMS_CUDA_BIND.RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("microseconds")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsMarkerCuda, jaxstreams::cuda::Marker,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsMarkerCuda, jaxstreams::cuda::Marker,
                               JAXSTREAMS_CUDA_BIND.RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int64_t>("region")
@@ -207,7 +194,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsMarkerCuda, jaxstreams::cuda::Marker,
                                   .Attr<int64_t>("track")
                                   .Attr<int64_t>("stream"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsStageGetCuda,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsStageGetCuda,
                               jaxstreams::cuda::StageGet,
                               JAXSTREAMS_CUDA_BIND.RemainingArgs()
                                   .RemainingRets()

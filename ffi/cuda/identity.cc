@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common/errors.h"
+#include "common/guard.h"
 #include "common/shape_check.h"
 #include "cuda/cuda_errors.h"
 #include "cuda/cuda_handlers.h"
@@ -30,7 +31,7 @@ ffi::Error IdentityCuda(cudaStream_t stream, ffi::AnyBuffer x,
 }  // namespace
 }  // namespace jaxstreams
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxstreamsIdentityCuda, jaxstreams::IdentityCuda,
+JAXSTREAMS_DEFINE_GUARDED_HANDLER(JaxstreamsIdentityCuda, jaxstreams::IdentityCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()

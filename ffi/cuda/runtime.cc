@@ -150,11 +150,8 @@ JaxstreamsStatus Runtime::CreateStage(int64_t device, int64_t capacity,
                     " (jaxstreams.runtime.init()) before a stage on it");
     return JAXSTREAMS_INVALID_ARGUMENT;
   }
-  if (capacity < 1 || item_bytes < 1 ||
-      capacity > (int64_t{1} << 40) / item_bytes) {
-    *error = StrCat("jaxstreams: a stage needs capacity >= 1 and item bytes >= "
-                    "1 (capacity * item bytes <= 2^40); got capacity ",
-                    capacity, " and item bytes ", item_bytes);
+  if (std::string bad = CheckStageSize(capacity, item_bytes); !bad.empty()) {
+    *error = std::move(bad);
     return JAXSTREAMS_INVALID_ARGUMENT;
   }
   DeviceGuard guard(static_cast<int>(device));
@@ -189,28 +186,18 @@ JaxstreamsStatus Runtime::CreateStage(int64_t device, int64_t capacity,
     return JAXSTREAMS_INTERNAL;
   }
   stage->allocations = 4;  // pinned, device, ready events, consumed events
-  std::lock_guard<std::mutex> lock(mu_);
-  stage->id = next_stage_id_++;
-  *id = stage->id;
-  stages_[stage->id] = std::move(stage);
+  *id = stages_.Add([&](int64_t new_id) {
+    stage->id = new_id;
+    return stage;
+  });
   return JAXSTREAMS_OK;
 }
 
-std::shared_ptr<Stage> Runtime::FindStage(int64_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = stages_.find(id);
-  return it == stages_.end() ? nullptr : it->second;
-}
+std::shared_ptr<Stage> Runtime::FindStage(int64_t id) { return stages_.Find(id); }
 
 bool Runtime::DestroyStage(int64_t id) {
-  std::shared_ptr<Stage> stage;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = stages_.find(id);
-    if (it == stages_.end()) return false;
-    stage = std::move(it->second);
-    stages_.erase(it);
-  }
+  std::shared_ptr<Stage> stage = stages_.Remove(id);
+  if (!stage) return false;
   stage->queue->Close();
   return true;  // freed when the last handler holding it returns
 }

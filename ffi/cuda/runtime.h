@@ -22,6 +22,7 @@
 #include "common/capi_types.h"
 #include "common/marker_log.h"
 #include "common/slot_queue.h"
+#include "common/stage_registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxstreams::cuda {
@@ -94,8 +95,7 @@ class Runtime {
 
   std::mutex mu_;
   std::atomic<Pool*> pools_[kMaxDevices] = {};
-  std::map<int64_t, std::shared_ptr<Stage>> stages_;
-  int64_t next_stage_id_ = kFirstStageId;
+  StageRegistry<Stage> stages_{kFirstStageId};
 };
 
 // The stream a handler's "stream" attribute names: XLA's for -1, else the

@@ -2,11 +2,12 @@
 
 The handlers live in two C-ABI shared libraries built from ``ffi/``
 (``libjaxstreams_cpu.so`` always, ``libjaxstreams_cuda.so`` when a CUDA toolkit
-was found at build time). Importing this module loads whichever of them is
-present and registers their targets with XLA, once. Importing never fails
-because a library is missing; using a runtime function (or lowering a program
-that uses one for a platform whose library is missing) raises
-:class:`RuntimeLibraryError` saying what is missing and how to build it.
+was found at build time). Importing this module loads nothing: the first use
+of something that needs a library (a runtime function, a ``StageArea``, or
+lowering a program that contains a runtime op) loads whichever of them is
+present and registers their targets with XLA, once. A missing library is
+reported then, as :class:`RuntimeLibraryError` saying what is missing and how
+to build it.
 
 Set ``JAXSTREAMS_FFI_LIB_DIR`` to a local CMake build's ``lib/`` directory to
 use it instead of the installed libraries.
@@ -30,13 +31,11 @@ from ._loader import (
     RuntimeLibraryError,
     available_platforms,
     library_path,
-    load as _load,
 )
 from ._ops import BEGIN, CALLER, END, INSTANT, delay, identity, marker, record, wait
 from ._pool import PoolConfig, allocate_event, config, init, release_event, shutdown, synchronize
 from .stage import StageArea, StageStats
 
-_load()
 
 __all__ = [
     "BEGIN",

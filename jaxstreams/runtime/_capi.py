@@ -110,6 +110,10 @@ class CApi:
             message = err.value.decode(errors="replace") or f"{name} failed (status {status})"
             raise _STATUS_ERRORS.get(status, RuntimeOpError)(message)
 
+    def ffi_api_version(self) -> int:
+        """XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR of the headers built with."""
+        return self._fns["FfiApiVersion"]()
+
     # Pools -------------------------------------------------------------------
     def pool_create(self, device: int, streams: int, events: int) -> None:
         self._call("PoolCreate", device, streams, events)

@@ -5,9 +5,11 @@ The libraries are plain C-ABI shared objects (no Python extension module), so
 one build works with every Python version; they are registered with
 ``jax.ffi.register_ffi_target`` from ``jax.ffi.pycapsule`` pointers.
 
-Nothing here raises at import: a missing library is remembered and reported
-when something needs it (a runtime function is called, or a program using the
-runtime is lowered for that platform).
+Nothing here runs at import: `load` runs on the first use of something that
+needs a library (`require`, called by the runtime functions and by the
+lowering rule of every runtime op, so targets are registered before XLA
+compiles a program that calls them). A missing library is remembered then and
+reported to whatever needed it.
 """
 
 from __future__ import annotations
