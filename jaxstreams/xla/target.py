@@ -147,15 +147,14 @@ class GpuTarget:
   def abstract(self, *args):
     """``args`` (arrays, ShapeDtypeStructs or pytrees of them) as
     ShapeDtypeStructs on the target's device: what ``lower`` needs to compile
-    for this GPU. One argument gives one result, several give a tuple."""
+    for this GPU, as a tuple: ``f.lower(*target.abstract(x, w))``."""
     def to_struct(leaf):
       if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
         raise TypeError(
             f"GpuTarget.abstract takes arrays or ShapeDtypeStructs (or pytrees "
             f"of them); got {type(leaf).__name__}: {leaf!r}")
       return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.sharding)
-    structs = jax.tree_util.tree_map(to_struct, args)
-    return structs[0] if len(args) == 1 else structs
+    return tuple(jax.tree_util.tree_map(to_struct, args))
 
 
 def gpu_target(name: str) -> GpuTarget:
