@@ -94,9 +94,10 @@ class XlaSchedule:
 
   @property
   def peak_in_flight(self) -> int:
-    """The most regions started and not yet done at one point of the schedule."""
-    events = sorted([(r.start, 1) for r in self.regions] +
-                    [(r.done, -1) for r in self.regions])
+    """The most regions (fragments aside) started and not yet done at one
+    point of the schedule."""
+    events = sorted([(r.start, 1) for r in self.main_regions] +
+                    [(r.done, -1) for r in self.main_regions])
     peak = current = 0
     for _, delta in events:
       current += delta
@@ -278,7 +279,7 @@ def _computations(text: str) -> tuple[str, dict[str, list[Instruction]]]:
       computations[current] = []
       if header.group(1):
         entry = current
-    elif stripped == "}":
+    elif stripped == "}" or stripped.startswith("},"):  # '}, execution_thread=...'
       current = None
     else:
       try:
@@ -330,8 +331,9 @@ def xla_schedule(compiled: Any, plan=None) -> XlaSchedule:
   for k, (ins, start, done, fragment) in enumerate(windows):
     main_work = tuple(instructions[p].name for p in range(start + 1, done)
                       if instructions[p].opcode not in _NO_KERNEL)
-    overlapping = tuple(j for j, (_, s, d, _) in enumerate(windows)
-                        if j != k and s < done and start < d)
+    # Fragments launch no kernel: being in flight beside one is no overlap.
+    overlapping = tuple(j for j, (_, s, d, other_fragment) in enumerate(windows)
+                        if j != k and not other_fragment and s < done and start < d)
     regions.append(AsyncRegion(
         index=k, name=ins.name, stream=int(ins.frontend_attribute(STREAM_ANNOTATION)),
         start=start, done=done, plan_region=plan_index.get(k),
