@@ -181,6 +181,8 @@ def measure(case, *, warmup: int, reps: int, target_s: float,
       "call_starts_compiled": {n: c.call_starts
                                for n, c in case.candidates.items()
                                if c.call_starts is not None},
+      "scheduled_overlap": {n: c.scheduled for n, c in case.candidates.items()
+                            if c.scheduled is not None},
       "max_rel_diff_vs_reference": diffs,
       "agrees": all(d <= tolerance for d in diffs.values()),
       "notes": case.notes,
@@ -205,6 +207,17 @@ def _ratio_cell(r, name):
     return "n/a" if st.startswith("n/a") else "error"
   ratio = r["ratios"].get(name)
   return f"{ratio:.3f} ({_ms(t)})" if ratio is not None else _ms(t)
+
+
+def _schedule_cell(scheduled) -> str:
+  """Regions with other work in their window, of all async regions, in the
+  program XLA:GPU compiled (a real GPU's, or a deviceless H100's)."""
+  if scheduled is None:
+    return "-"
+  if isinstance(scheduled, str):
+    return "n/a"
+  return (f"{scheduled['overlapped']}/{scheduled['regions']} overlapped, peak "
+          f"{scheduled['peak_in_flight']} ({scheduled['target']})")
 
 
 def markdown(report: dict) -> str:
@@ -233,11 +246,15 @@ def markdown(report: dict) -> str:
       "The candidate is jaxstreams except in `staging`, where it is the "
       "prefetch thread and the baseline the loop without it. `mem` is the "
       "candidate's compiled footprint (arguments + outputs + temporaries) "
-      "over the reference's.",
+      "over the reference's. `XLA schedule`: of the candidate's async "
+      "regions in the program XLA:GPU compiled, how many have other work "
+      "scheduled inside their start..done window, and the most in flight at "
+      "once (order, not time; on a machine without a GPU, from a deviceless "
+      "H100 compile, which needs the CUDA plugin and JAX_PLATFORMS=cpu).",
       "",
       "| workload | size | candidate ms | vs jax.jit | vs XLA CONCURRENT | "
-      "vs compute_on | other baselines | mem | agrees |",
-      "|---|---|---|---|---|---|---|---|---|",
+      "vs compute_on | other baselines | mem | agrees | XLA schedule |",
+      "|---|---|---|---|---|---|---|---|---|---|",
   ]
   standard = ("jax.jit", "XLA CONCURRENT", "compute_on")
   for r in report["results"]:
@@ -250,7 +267,8 @@ def markdown(report: dict) -> str:
         f"| {r['workload']} | {_size_str(r['size'])} | "
         f"{_ms(r['times_s'].get(r['candidate']))} | {' | '.join(cells)} | "
         f"{other} | {'n/a' if mem is None else f'{mem:.2f}'} | "
-        f"{'yes' if r['agrees'] else 'NO'} |")
+        f"{'yes' if r['agrees'] else 'NO'} | "
+        f"{_schedule_cell(r.get('scheduled_overlap', {}).get(r['candidate']))} |")
   statuses = sorted({f"{n}: {s}" for r in report["results"]
                      for n, s in r["status"].items() if s != "ok"})
   if statuses:

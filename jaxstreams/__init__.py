@@ -21,6 +21,7 @@ from jaxstreams.serve import QueueFullError, Server, ServerClosedError, serve
 from jaxstreams.runtime.profile import profile
 from jaxstreams.tag import colocate_with, stream
 from jaxstreams.stage import prefetch, stage, staged
+from jaxstreams.xla import GpuTargetError, HloParseError, gpu_target, xla_schedule
 
 __version__ = "0.1.0"
 
@@ -30,3 +31,4 @@ __all__ = ["Dependency", "PlannedEquation", "Region", "RulesFileError",
            "profile", "stream"]
 __all__ += ["QueueFullError", "Server", "ServerClosedError", "serve"]
 __all__ += ["prefetch", "stage", "staged"]
+__all__ += ["GpuTargetError", "HloParseError", "gpu_target", "xla_schedule"]

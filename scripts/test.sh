@@ -19,4 +19,9 @@ if [ -n "${JAXSTREAMS_TEST_JAX:-}" ]; then
   "$venv/bin/python" -m pip install --quiet "jax==$JAXSTREAMS_TEST_JAX" "jaxlib==$JAXSTREAMS_TEST_JAX"
 fi
 "$venv/bin/python" -m pip install --quiet ".[test]"
+# The CUDA plugin at exactly jaxlib's version, for the deviceless H100 compiles
+# of tests/test_gpu_compile.py, which must then run rather than skip.
+jaxlib_version=$("$venv/bin/python" -c 'import jaxlib; print(jaxlib.__version__)')
+"$venv/bin/python" -m pip install --quiet "jax-cuda13-plugin==$jaxlib_version" "jax-cuda13-pjrt==$jaxlib_version"
+export JAXSTREAMS_REQUIRE_GPU_TARGET=1
 exec "$venv/bin/pytest" "$@"

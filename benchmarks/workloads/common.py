@@ -83,6 +83,7 @@ class Candidate:
   compiled: Any = None                     # a jax Compiled, for memory stats
   annotated_calls: dict[str, int] | None = None   # stream -> calls (CUDA lowering)
   call_starts: int | None = None           # call-start ops, compiled on GPU
+  scheduled: dict | str | None = None      # XLA's schedule of its regions
   cleanup: Callable[[], None] | None = None
 
 
@@ -154,8 +155,29 @@ def compiled_candidate(name: str, jitted, args, *, compiler_options=None,
       starts = compiled.as_text().count("call-start")
     except Exception:  # noqa: BLE001
       starts = None
+  scheduled = scheduled_overlap(jitted, args, compiled) if count_annotations else None
   return Candidate(name=name, run=lambda: compiled(*args), compiled=compiled,
-                   annotated_calls=counts, call_starts=starts)
+                   annotated_calls=counts, call_starts=starts, scheduled=scheduled)
+
+
+def scheduled_overlap(jitted, args, compiled) -> dict | str:
+  """What XLA:GPU scheduled for the program's async regions: from this
+  compile on a GPU, else from a deviceless H100 compile (needs the CUDA plugin
+  and JAX_PLATFORMS=cpu; see README "What XLA will run")."""
+  try:
+    if on_gpu():
+      target = jax.devices()[0].device_kind
+    else:
+      target = "H100 (deviceless)"
+      h100 = jaxstreams.gpu_target("h100")
+      compiled = jitted.lower(*h100.abstract(*args)).compile()
+    schedule = jaxstreams.xla_schedule(compiled)
+  except Exception as e:  # noqa: BLE001 - reported in the results
+    return f"n/a: {_short(e)}"
+  return {"target": target, "regions": len(schedule.main_regions),
+          "overlapped": len(schedule.overlapped),
+          "peak_in_flight": schedule.peak_in_flight,
+          "synchronous": len(schedule.synchronous)}
 
 
 def standard_candidates(make_fn: Callable[[Callable], Callable], args,

@@ -1,0 +1,103 @@
+"""Compiles the examples' and benchmarks' programs for an H100 without one and
+prints each one's XLA schedule as JSON (one line). Run by
+tests/test_gpu_compile.py in a process of its own, because deviceless
+compilation needs JAX_PLATFORMS=cpu before jax starts.
+
+    JAX_PLATFORMS=cpu python tests/gpu_compile_programs.py [name ...]
+"""
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxstreams  # noqa: E402
+
+
+def two_tower_demo():
+  import streams_demo
+  params = streams_demo.init(2, 256, 2, jax.random.PRNGKey(0))
+  x = jnp.ones((64, 256))
+  y = jnp.ones((64, 1))
+  return streams_demo.make_step(2), (params, x, y), 3
+
+
+def four_branches():
+  def step(x, ws):
+    outs = []
+    for i, w in enumerate(ws):
+      with jaxstreams.stream(i):
+        outs.append(jnp.tanh(jnp.tanh(x @ w) @ w))
+    return sum(o.sum() for o in outs)
+  ws = [jnp.ones((256, 256)) * (i + 1) for i in range(4)]
+  return step, (jnp.ones((128, 256)), ws), 4
+
+
+def dlrm_towers():
+  from benchmarks.workloads import common, dlrm
+  size = dlrm.sizes(quick=True)[0]
+  fn = dlrm.make_fn(size, 4)(common.place_jaxstreams)
+  params = dlrm.init(jax.random.PRNGKey(0), size)
+  b = size["batch"]
+  args = (params, jnp.ones((b, dlrm.DENSE)),
+          jnp.zeros((size["towers"], b, size["hot"]), jnp.int32), jnp.ones((b,)))
+  return fn, args, 4
+
+
+def two_towers():
+  from programs import random_inputs, two_towers
+  return two_towers, tuple(random_inputs((64, 64), (64, 64), (64, 64))), 3
+
+
+def one_chain():
+  """Negative control: each region needs the previous one; nothing can overlap."""
+  def step(x, w):
+    with jaxstreams.stream(1):
+      x = jnp.tanh(x @ w)
+    x = jnp.sin(x @ w)
+    with jaxstreams.stream(1):
+      x = jnp.tanh(x @ w)
+    return x.sum()
+  return step, (jnp.ones((128, 128)), jnp.ones((128, 128))), 2
+
+
+PROGRAMS = {"two_towers": two_towers, "two_tower_demo": two_tower_demo, "four_branches": four_branches,
+            "dlrm_towers": dlrm_towers, "one_chain": one_chain}
+
+
+def schedule_of(name, target, compiler_options=None):
+  fn, args, streams = PROGRAMS[name]()
+  options = {"compiler_options": compiler_options} if compiler_options else {}
+  jitted = jaxstreams.jit(fn, streams=streams, **options)
+  plan = jitted.plan(*args)
+  compiled = jitted.lower(*target.abstract(*args)).compile()
+  return plan, jaxstreams.xla_schedule(compiled, plan=plan)
+
+
+def report(name, target, compiler_options=None):
+  plan, schedule = schedule_of(name, target, compiler_options)
+  return {
+      "plan_calls": [[r.index, r.stream] for r in plan.regions if r.is_call],
+      "regions": [{"plan_region": r.plan_region, "stream": r.stream,
+                   "main_work": len(r.main_work), "overlapping": list(r.overlapping),
+                   "fragment": r.fragment} for r in schedule.regions],
+      "synchronous": len(schedule.synchronous),
+      "peak_in_flight": schedule.peak_in_flight,
+      "pairs": [[p.first, p.second, p.scheduled_together]
+                for p in schedule.compare(plan)],
+      "summary": schedule.summary(),
+  }
+
+
+def main(names):
+  target = jaxstreams.gpu_target("h100")
+  print(json.dumps({name: report(name, target) for name in names or PROGRAMS}))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
