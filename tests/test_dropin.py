@@ -107,3 +107,93 @@ def test_importing_jaxstreams_changes_no_jax_rule():
                           text=True, timeout=120)
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == "ok"
+
+
+def _counting(counter):
+  def counted(y):
+    counter.append(1)
+    with jaxstreams.stream(1):
+      a = jnp.sin(y)
+    return a * y
+  return counted
+
+
+@pytest.mark.parametrize("streams", [2, None])
+def test_one_trace_for_many_jit_objects_of_one_function(streams, monkeypatch):
+  """``jax.jit(f)(x)`` in a loop traces once; so does jaxstreams.jit."""
+  monkeypatch.setattr(jaxstreams.config, "read", _streams_option(2))
+  y = jnp.arange(4.0)
+  ours_traces, theirs_traces = [], []
+  ours_f, theirs_f = _counting(ours_traces), _counting(theirs_traces)
+  for _ in range(4):
+    ours = jaxstreams.jit(ours_f, streams=streams)(y)
+    theirs = jax.jit(theirs_f)(y)
+  assert_bitwise_equal(ours, theirs)
+  assert len(ours_traces) == len(theirs_traces) == 1
+  # Other options are another program.
+  jaxstreams.jit(ours_f, streams=3)(y)
+  jaxstreams.jit(ours_f, streams=2, auto=True)(y)
+  assert len(ours_traces) == 3
+
+
+def _streams_option(value):
+  real_read = jaxstreams.config.read
+  return lambda name: value if name == "jaxstreams_streams" else real_read(name)
+
+
+def _closure_over_an_array():
+  w = jnp.arange(4.0)
+
+  def scaled(x):
+    with jaxstreams.stream(1):
+      y = x * w
+    return y + 1
+  return scaled
+
+
+@pytest.mark.parametrize("make_jit", [
+    lambda f: jax.jit(f),
+    lambda f: jaxstreams.jit(f, streams=2),
+    lambda f: jaxstreams.jit(f, streams=2, auto=True),
+], ids=["jax.jit", "jaxstreams.jit", "jaxstreams.jit-auto"])
+def test_dropped_function_is_freed_without_gc(make_jit):
+  """No reference cycle keeps the user's function (and its closure) alive
+  once the user drops it and the jit object: freed by reference counting,
+  with the cyclic collector paused."""
+  import gc
+  import weakref
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    fun = _closure_over_an_array()
+    ref = weakref.ref(fun)
+    jitted = make_jit(fun)
+    assert_bitwise_equal(jitted(jnp.ones(4)), jnp.arange(4.0) + 1)
+    del fun, jitted
+    assert ref() is None
+  finally:
+    if was_enabled:
+      gc.enable()
+
+
+def test_names_follow_the_users_function():
+  def two_streams_step(x):
+    with jaxstreams.stream(1):
+      y = jnp.sin(x)
+    return y * x
+  x = jnp.ones(4)
+  ours = jaxstreams.jit(two_streams_step, streams=2)
+  theirs = jax.jit(two_streams_step)
+  first_line = lambda f: f.lower(x).as_text().splitlines()[0]
+  assert first_line(ours).split()[1] == first_line(theirs).split()[1] \
+      == "@jit_two_streams_step"
+  assert ours.__name__ == theirs.__name__ == "two_streams_step"
+  assert ours.__qualname__ == theirs.__qualname__
+
+
+def test_not_callable_gives_jax_jits_error():
+  with pytest.raises(TypeError) as theirs:
+    jax.jit(3)
+  with pytest.raises(TypeError) as ours:
+    jaxstreams.jit(3, streams=2)
+  assert str(ours.value) == str(theirs.value)
