@@ -213,6 +213,11 @@ def nested_jaxpr(params: dict):
 _region_rules_installed = False
 
 
+def jit_disabled() -> bool:
+  """Whether ``jax.disable_jit()`` is in force."""
+  return bool(jax.config.jax_disable_jit)
+
+
 def install_region_rules() -> None:
   """Install, once, what jaxstreams' region calls need from jax: the CPU
   inline lowering and a partial-evaluation rule that splits a region's

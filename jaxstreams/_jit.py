@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
-from jaxstreams import _checks, _pipeline, config
+from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams.lower import emit
 from jaxstreams.partition import StreamPlan
 from jaxstreams.runtime.profile import profiling_now
@@ -115,6 +115,10 @@ class _Staged:
 
   def __call__(self, *args, **kwargs):
     fun = self._fun_ref()
+    if _compat.jit_disabled():
+      # Under jax.disable_jit() jax.jit runs the function as plain Python;
+      # so do we (stream() blocks are then name scopes that do nothing).
+      return fun(*args, **kwargs)
     plan, out_tree, dynamic = make_plan(fun, self.streams, self.auto,
                                         self.source, args, kwargs)
     outs = emit(plan, dynamic, profile=profiling_now())

@@ -197,3 +197,25 @@ def test_not_callable_gives_jax_jits_error():
   with pytest.raises(TypeError) as ours:
     jaxstreams.jit(3, streams=2)
   assert str(ours.value) == str(theirs.value)
+
+
+def test_disable_jit_runs_the_function_as_python():
+  """Under jax.disable_jit() Python control flow on values works, and
+  stream() blocks do nothing."""
+  def branchy(x):
+    with jaxstreams.stream(1):
+      y = jnp.sin(x)
+    if y.sum() > 0:   # a concrete value only without jit
+      return y
+    return -y
+  x = jnp.ones(3)
+  with jax.disable_jit():
+    theirs = jax.jit(branchy)(x)
+    ours = jaxstreams.jit(branchy, streams=2)(x)
+    ours_from_option = jaxstreams.jit(branchy)(x)
+  assert_bitwise_equal(ours, theirs)
+  assert_bitwise_equal(ours_from_option, theirs)
+  with pytest.raises(jax.errors.TracerBoolConversionError):
+    jax.jit(branchy)(x)
+  with pytest.raises(jax.errors.TracerBoolConversionError):
+    jaxstreams.jit(branchy, streams=2)(x)
