@@ -73,8 +73,10 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
                     f"of jax.jit: {', '.join(sorted(_JIT_PARAMETERS))}")
   if fun is None:
     return lambda f: jit(f, streams=streams, auto=auto, **jit_kwargs)
-  if not callable(fun):
-    jax.jit(fun)   # jax.jit's own message for what it does not take
+  # jax.jit's own checks and messages for what it does not take (a
+  # non-callable, a generator function, bad static_argnums, ...): the
+  # function jax.jit traces later is jaxstreams', which would hide them.
+  jax.jit(fun, **jit_kwargs)
   spec = _Spec(fun, streams, auto, dict(jit_kwargs))
   if streams is None:
     wrapper = StreamJit(spec)

@@ -191,12 +191,30 @@ def test_names_follow_the_users_function():
   assert ours.__qualname__ == theirs.__qualname__
 
 
-def test_not_callable_gives_jax_jits_error():
-  with pytest.raises(TypeError) as theirs:
-    jax.jit(3)
-  with pytest.raises(TypeError) as ours:
-    jaxstreams.jit(3, streams=2)
-  assert str(ours.value) == str(theirs.value)
+def _generator(x):
+  yield x
+
+
+class _WithStaticMethod:
+  @staticmethod
+  def scale(x, n):
+    return x * n
+
+
+@pytest.mark.parametrize("fun, kwargs", [
+    (3, {}),
+    (_generator, {}),
+    (_WithStaticMethod.__dict__["scale"], {}),
+    (_WithStaticMethod.scale, {"static_argnums": 5}),
+], ids=["not-callable", "generator", "staticmethod", "static_argnums"])
+def test_bad_functions_get_jax_jits_errors(fun, kwargs):
+  with pytest.raises((TypeError, ValueError)) as theirs:
+    jax.jit(fun, **kwargs)
+  for streams in (2, None):
+    with pytest.raises((TypeError, ValueError)) as ours:
+      jaxstreams.jit(fun, streams=streams, **kwargs)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value) == str(theirs.value)
 
 
 def test_disable_jit_runs_the_function_as_python():
