@@ -218,6 +218,22 @@ def jit_disabled() -> bool:
   return bool(jax.config.jax_disable_jit)
 
 
+_package_frames_hidden = False
+
+
+def hide_package_frames() -> None:
+  """Filter jaxstreams' own frames from the tracebacks of errors raised in a
+  user's function, as jax filters its own (``JAX_TRACEBACK_FILTERING=off``
+  shows them again). jax offers no public way to add a path, so this goes
+  through ``jax._src.traceback_util``; called by ``jaxstreams.jit``."""
+  global _package_frames_hidden
+  if _package_frames_hidden:
+    return
+  from jax._src import traceback_util
+  traceback_util.register_exclusion(_PACKAGE_DIR)
+  _package_frames_hidden = True
+
+
 def install_region_rules() -> None:
   """Install, once, what jaxstreams' region calls need from jax: the CPU
   inline lowering and a partial-evaluation rule that splits a region's

@@ -73,6 +73,7 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
                     f"of jax.jit: {', '.join(sorted(_JIT_PARAMETERS))}")
   if fun is None:
     return lambda f: jit(f, streams=streams, auto=auto, **jit_kwargs)
+  _compat.hide_package_frames()
   # jax.jit's own checks and messages for what it does not take (a
   # non-callable, a generator function, bad static_argnums, ...): the
   # function jax.jit traces later is jaxstreams', which would hide them.

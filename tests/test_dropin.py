@@ -237,3 +237,21 @@ def test_disable_jit_runs_the_function_as_python():
     jax.jit(branchy)(x)
   with pytest.raises(jax.errors.TracerBoolConversionError):
     jaxstreams.jit(branchy, streams=2)(x)
+
+
+def test_tracebacks_hide_jaxstreams_frames_as_jax_hides_its_own():
+  import traceback
+
+  def raises(x):
+    with jaxstreams.stream(1):
+      jnp.sin(x)
+    raise ValueError("from the user's function")
+
+  def frames(jitted):
+    with pytest.raises(ValueError) as info:
+      jitted(jnp.ones(3))
+    return [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+
+  theirs = frames(jax.jit(raises))
+  ours = frames(jaxstreams.jit(raises, streams=2))
+  assert ours == theirs == [__file__, __file__]
