@@ -99,10 +99,10 @@ class _Staged:
   users hold the function strongly."""
 
   def __init__(self, fun: Callable, streams: int, auto: bool | None,
-               source: str):
-    try:
+               source: str, shared: bool):
+    if shared:
       self._fun_ref = weakref.ref(fun)
-    except TypeError:   # not weakly referable: hold it, share nothing
+    else:   # held by its jit object only: no cycle, hold the function
       self._fun_ref = lambda fun=fun: fun
     self.streams = streams
     self.auto = auto
@@ -135,15 +135,20 @@ _STAGED_LOCK = threading.Lock()
 
 def _staged_for(fun: Callable, streams: int, auto: bool | None,
                 source: str) -> _Staged:
+  """The shared staged function of ``fun``. Only callables compared by
+  identity are shared: an equal but distinct callable (a bound method made
+  again) would find the entry of one that may die before it."""
+  if type(fun).__eq__ is not object.__eq__:
+    return _Staged(fun, streams, auto, source, shared=False)
   key = (streams, auto, source)
   with _STAGED_LOCK:
     try:
       by_key = _STAGED.setdefault(fun, {})
-    except TypeError:   # not hashable or not weakly referable
-      return _Staged(fun, streams, auto, source)
+    except TypeError:   # not weakly referable
+      return _Staged(fun, streams, auto, source, shared=False)
     staged = by_key.get(key)
     if staged is None:
-      staged = by_key[key] = _Staged(fun, streams, auto, source)
+      staged = by_key[key] = _Staged(fun, streams, auto, source, shared=True)
     return staged
 
 

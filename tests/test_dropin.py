@@ -255,3 +255,27 @@ def test_tracebacks_hide_jaxstreams_frames_as_jax_hides_its_own():
   theirs = frames(jax.jit(raises))
   ours = frames(jaxstreams.jit(raises, streams=2))
   assert ours == theirs == [__file__, __file__]
+
+
+def test_equal_bound_methods_outlive_each_other():
+  """Bound methods made twice are equal but distinct; dropping the first
+  jit object must leave the second working."""
+  class Model:
+    def __init__(self):
+      self.w = 3.0
+
+    def apply(self, x):
+      with jaxstreams.stream(1):
+        y = x * self.w
+      return y + 1
+
+  model = Model()
+  first = jaxstreams.jit(model.apply, streams=2)
+  second = jaxstreams.jit(model.apply, streams=2)
+  x = jnp.arange(3.0)
+  assert_bitwise_equal(first(x), jax.jit(model.apply)(x))
+  del first
+  import gc
+  gc.collect()
+  longer = jnp.arange(5.0)   # new shapes: the second one traces again
+  assert_bitwise_equal(second(longer), jax.jit(model.apply)(longer))
