@@ -99,9 +99,6 @@ def _install_cpu_inline_lowering() -> None:
   jax.interpreters.mlir.register_lowering(primitive, cpu_rule, platform="cpu")
 
 
-_install_cpu_inline_lowering()
-
-
 # ---------------------------------------------------------------------------
 # Name stacks and source locations.
 
@@ -229,3 +226,97 @@ def nested_jaxpr(params: dict):
   if isinstance(jaxpr, jcore.Jaxpr):
     return jcore.ClosedJaxpr(jaxpr, ())
   return jaxpr
+
+
+# ---------------------------------------------------------------------------
+# Region-call rules for jaxstreams.jit as a drop-in for jax.jit (issue 16).
+# Installed by the first emission of a region (``install_region_rules``), not
+# at import: importing jaxstreams changes nothing in jax.
+
+_region_rules_installed = False
+
+
+def jit_disabled() -> bool:
+  """Whether ``jax.disable_jit()`` is in force."""
+  return bool(jax.config.jax_disable_jit)
+
+
+_package_frames_hidden = False
+
+
+def hide_package_frames() -> None:
+  """Filter jaxstreams' own frames from the tracebacks of errors raised in a
+  user's function, as jax filters its own (``JAX_TRACEBACK_FILTERING=off``
+  shows them again). jax offers no public way to add a path, so this goes
+  through ``jax._src.traceback_util``; called by ``jaxstreams.jit``."""
+  global _package_frames_hidden
+  if _package_frames_hidden:
+    return
+  from jax._src import traceback_util
+  traceback_util.register_exclusion(_PACKAGE_DIR)
+  _package_frames_hidden = True
+
+
+def install_region_rules() -> None:
+  """Install, once, what jaxstreams' region calls need from jax: the CPU
+  inline lowering and a partial-evaluation rule that splits a region's
+  primal work from its linear work (``jax.checkpoint`` needs it). Calls that
+  are not jaxstreams regions keep jax's own rules."""
+  global _region_rules_installed
+  if _region_rules_installed:
+    return
+  _install_cpu_inline_lowering()
+  _install_region_partial_eval()
+  _region_rules_installed = True
+
+
+def _region_primitive():
+  probe = jax.make_jaxpr(_xla_metadata_call(lambda x: x, probe="1"))(1.0)
+  return probe.jaxpr.eqns[0].primitive
+
+
+def _install_region_partial_eval() -> None:
+  """Split region calls by data dependence when they are partially evaluated.
+
+  ``jax.checkpoint`` transposes its body by first separating the work it
+  can recompute (known) from the linear work (unknown). jax 0.10 gives
+  ``xla_metadata_call`` no rule for that step, so a region call with any
+  unknown input is staged whole and its primal outputs count as linear:
+  a later product of two primals then fails to transpose (``AssertionError:
+  (ValAccum, ValAccum)``), the crash of issue 16. This rule splits the
+  region into a known region call and an unknown one, both on the region's
+  stream, as jax does for its own call primitives. Calls that are not
+  jaxstreams regions keep jax's behaviour.
+  """
+  from jax._src.interpreters import partial_eval as pe
+  primitive = _region_primitive()
+  if primitive in pe.custom_partial_eval_rules:
+    return   # a jax with its own rule
+
+  def partial_eval(trace, *tracers, jaxpr, **params):
+    metadata = _metadata_of(params)
+    if REGION_ATTRIBUTE not in metadata:
+      return trace.default_process_primitive(
+          primitive, tracers, dict(params, jaxpr=jaxpr))
+    unknown_in = [not t.pval.is_known() for t in tracers]
+    known_jaxpr, unknown_jaxpr, unknown_out, residual_avals = \
+        pe.partial_eval_jaxpr_nounits(jaxpr, unknown_in, instantiate=False)
+    known_in = [t.pval.get_known() for t in tracers if t.pval.is_known()]
+    known_results = primitive.bind(*known_in, jaxpr=known_jaxpr, **params)
+    split = len(known_results) - len(residual_avals)
+    known_out, residuals = known_results[:split], known_results[split:]
+    unknown_tracers_in = [*map(trace.new_instantiated_const, residuals),
+                          *(t for t in tracers if not t.pval.is_known())]
+    unknown_tracers_out = [pe.JaxprTracer(trace, pe.PartialVal.unknown(aval),
+                                          None)
+                           for aval in unknown_jaxpr.out_avals]
+    recipe = pe.new_eqn_recipe(trace, unknown_tracers_in, unknown_tracers_out,
+                               primitive, dict(params, jaxpr=unknown_jaxpr),
+                               unknown_jaxpr.effects,
+                               source_info_util.current())
+    for tracer in unknown_tracers_out:
+      tracer.recipe = recipe
+    known_iter, unknown_iter = iter(known_out), iter(unknown_tracers_out)
+    return [next(unknown_iter) if u else next(known_iter) for u in unknown_out]
+
+  pe.custom_partial_eval_rules[primitive] = partial_eval

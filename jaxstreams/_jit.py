@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 from typing import Any, Callable
 
 import jax
 from jax import tree_util
 
-from jaxstreams import _checks, _pipeline, config
+from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams.lower import emit
 from jaxstreams.partition import StreamPlan
 from jaxstreams.runtime.profile import profiling_now
@@ -56,7 +57,9 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   With ``streams`` given, the result *is* a ``jax.jit`` function (of the
   planned program) with a ``plan`` method, so calls cost what ``jax.jit``
   calls cost; with ``streams=None`` it is a thin wrapper that picks the
-  ``jax.jit`` function for the option's current value.
+  ``jax.jit`` function for the option's current value. As with ``jax.jit``,
+  wrapping the same function again with the same options reuses its traces
+  and compiled programs.
   """
   if streams is not None:
     _check_streams(streams, "jaxstreams.jit")
@@ -70,22 +73,89 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
                     f"of jax.jit: {', '.join(sorted(_JIT_PARAMETERS))}")
   if fun is None:
     return lambda f: jit(f, streams=streams, auto=auto, **jit_kwargs)
-  if not callable(fun):
-    raise TypeError(f"jaxstreams.jit expects a callable, got {fun!r} of type "
-                    f"{type(fun).__name__}")
+  _compat.hide_package_frames()
+  # jax.jit's own checks and messages for what it does not take (a
+  # non-callable, a generator function, bad static_argnums, ...): the
+  # function jax.jit traces later is jaxstreams', which would hide them.
+  jax.jit(fun, **jit_kwargs)
   spec = _Spec(fun, streams, auto, dict(jit_kwargs))
   if streams is None:
-    spec.jitted(1)   # let jax.jit check its keywords now, not at the first call
-    return StreamJit(spec)
+    wrapper = StreamJit(spec)
+    wrapper.jitted(1)   # let jax.jit check its keywords now, not at the first call
+    return wrapper
   jitted = spec.jitted(streams)
   jitted.plan = spec.plan
   jitted._jaxstreams_spec = spec
   return jitted
 
 
+class _Staged:
+  """The function ``jax.jit`` traces: the user's function, planned and
+  emitted. One per (function, stream count, options), shared by every
+  ``jaxstreams.jit`` of that function, so jax's caches (keyed by this
+  object) are shared as ``jax.jit(f)``'s are. It holds the user's function
+  weakly: the shared table maps the function to it, and a strong reference
+  would keep the function alive forever. The ``jax.jit`` objects handed to
+  users hold the function strongly."""
+
+  def __init__(self, fun: Callable, streams: int, auto: bool | None,
+               source: str, shared: bool):
+    if shared:
+      self._fun_ref = weakref.ref(fun)
+    else:   # held by its jit object only: no cycle, hold the function
+      self._fun_ref = lambda fun=fun: fun
+    self.streams = streams
+    self.auto = auto
+    self.source = source
+    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+      value = getattr(fun, name, None)
+      if isinstance(value, str):
+        setattr(self, name, value)
+    try:
+      self.__signature__ = inspect.signature(fun)
+    except (TypeError, ValueError):
+      pass
+
+  def __call__(self, *args, **kwargs):
+    fun = self._fun_ref()
+    if _compat.jit_disabled():
+      # Under jax.disable_jit() jax.jit runs the function as plain Python;
+      # so do we (stream() blocks are then name scopes that do nothing).
+      return fun(*args, **kwargs)
+    plan, out_tree, dynamic = make_plan(fun, self.streams, self.auto,
+                                        self.source, args, kwargs)
+    outs = emit(plan, dynamic, profile=profiling_now())
+    return tree_util.tree_unflatten(out_tree, outs)
+
+
+# function -> {(streams, auto, source): _Staged}, the function held weakly.
+_STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
+_STAGED_LOCK = threading.Lock()
+
+
+def _staged_for(fun: Callable, streams: int, auto: bool | None,
+                source: str) -> _Staged:
+  """The shared staged function of ``fun``. Only callables compared by
+  identity are shared: an equal but distinct callable (a bound method made
+  again) would find the entry of one that may die before it."""
+  if type(fun).__eq__ is not object.__eq__:
+    return _Staged(fun, streams, auto, source, shared=False)
+  key = (streams, auto, source)
+  with _STAGED_LOCK:
+    try:
+      by_key = _STAGED.setdefault(fun, {})
+    except TypeError:   # not weakly referable
+      return _Staged(fun, streams, auto, source, shared=False)
+    staged = by_key.get(key)
+    if staged is None:
+      staged = by_key[key] = _Staged(fun, streams, auto, source, shared=True)
+    return staged
+
+
 class _Spec:
-  """What ``jaxstreams.jit`` was given, and the jax.jit functions made from it
-  (one per stream count)."""
+  """What ``jaxstreams.jit`` was given. It makes the ``jax.jit`` functions
+  and holds none of them, so nothing here forms a reference cycle with the
+  user's function."""
 
   def __init__(self, fun: Callable, streams: int | None, auto: bool | None,
                jit_kwargs: dict[str, Any]):
@@ -93,8 +163,6 @@ class _Spec:
     self.streams = streams
     self.auto = auto
     self.jit_kwargs = jit_kwargs
-    self.by_streams: dict[int, Any] = {}
-    self._lock = threading.Lock()   # one jax.jit per count, even when racing
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
                    else "the jaxstreams_streams option")
 
@@ -104,48 +172,11 @@ class _Spec:
     return config.read("jaxstreams_streams")
 
   def jitted(self, streams: int):
-    jitted = self.by_streams.get(streams)
-    if jitted is None:
-      with self._lock:
-        jitted = self.by_streams.get(streams)
-        if jitted is None:
-          jitted = jax.jit(self._staged(streams), **self.jit_kwargs)
-          self.by_streams[streams] = jitted
+    """A new ``jax.jit`` function of the shared staged function."""
+    staged = _staged_for(self.fun, streams, self.auto, self.source)
+    jitted = jax.jit(staged, **self.jit_kwargs)
+    jitted._jaxstreams_fun = self.fun   # the staged function holds it weakly
     return jitted
-
-  def _staged(self, streams: int) -> Callable:
-    @functools.wraps(self.fun)
-    def staged(*args, **kwargs):
-      plan, out_tree, dynamic = self.make_plan(streams, args, kwargs)
-      outs = emit(plan, dynamic, profile=profiling_now())
-      return tree_util.tree_unflatten(out_tree, outs)
-    return staged
-
-  def make_plan(self, streams: int, args, kwargs):
-    """Trace the user function on the traced arguments and plan it.
-
-    Called inside a ``jax.jit`` trace: array arguments are tracers, static
-    arguments are the values themselves and stay baked in, as in jax.jit.
-    """
-    leaves, in_tree = tree_util.tree_flatten((args, kwargs))
-    is_dynamic = [isinstance(leaf, jax.core.Tracer) for leaf in leaves]
-    dynamic = [leaf for leaf, d in zip(leaves, is_dynamic) if d]
-    out_tree_cell = []
-
-    def flat_fun(*dynamic_values):
-      values = iter(dynamic_values)
-      full = [next(values) if d else leaf for leaf, d in zip(leaves, is_dynamic)]
-      call_args, call_kwargs = tree_util.tree_unflatten(in_tree, full)
-      out = self.fun(*call_args, **call_kwargs)
-      out_leaves, out_tree = tree_util.tree_flatten(out)
-      out_tree_cell.append(out_tree)
-      return out_leaves
-
-    closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    plan = _pipeline.plan_program(closed, streams, self.source,
-                                  _function_name(self.fun),
-                                  _pipeline.options_from_config(self.auto))
-    return plan, out_tree_cell[0], dynamic
 
   def plan(self, *args, **kwargs) -> StreamPlan:
     """The ``StreamPlan`` for these arguments (traces; does not compile)."""
@@ -154,7 +185,8 @@ class _Spec:
 
     @functools.wraps(self.fun)
     def plan_only(*a, **k):
-      plans.append(self.make_plan(streams, a, k)[0])
+      plans.append(make_plan(self.fun, streams, self.auto, self.source,
+                             a, k)[0])
 
     trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
                     if k in _TRACE_ONLY_PARAMETERS}
@@ -162,24 +194,61 @@ class _Spec:
     return plans[0]
 
 
+def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,
+              args, kwargs):
+  """Trace the user function on the traced arguments and plan it.
+
+  Called inside a ``jax.jit`` trace: array arguments are tracers, static
+  arguments are the values themselves and stay baked in, as in jax.jit.
+  """
+  leaves, in_tree = tree_util.tree_flatten((args, kwargs))
+  is_dynamic = [isinstance(leaf, jax.core.Tracer) for leaf in leaves]
+  dynamic = [leaf for leaf, d in zip(leaves, is_dynamic) if d]
+  out_tree_cell = []
+
+  def flat_fun(*dynamic_values):
+    values = iter(dynamic_values)
+    full = [next(values) if d else leaf for leaf, d in zip(leaves, is_dynamic)]
+    call_args, call_kwargs = tree_util.tree_unflatten(in_tree, full)
+    out = fun(*call_args, **call_kwargs)
+    out_leaves, out_tree = tree_util.tree_flatten(out)
+    out_tree_cell.append(out_tree)
+    return out_leaves
+
+  closed = jax.make_jaxpr(flat_fun)(*dynamic)
+  plan = _pipeline.plan_program(closed, streams, source, _function_name(fun),
+                                _pipeline.options_from_config(auto))
+  return plan, out_tree_cell[0], dynamic
+
+
 class StreamJit:
   """A ``jaxstreams.jit`` function whose stream count comes from the option."""
 
   def __init__(self, spec: _Spec):
     self._jaxstreams_spec = spec
-    self._by_streams = spec.by_streams
+    self._by_streams: dict[int, Any] = {}
+    self._lock = threading.Lock()   # one jax.jit per count, even when racing
     functools.update_wrapper(self, spec.fun)
+
+  def jitted(self, streams: int):
+    jitted = self._by_streams.get(streams)
+    if jitted is None:
+      with self._lock:
+        jitted = self._by_streams.get(streams)
+        if jitted is None:
+          jitted = self._by_streams[streams] = \
+              self._jaxstreams_spec.jitted(streams)
+    return jitted
 
   def __call__(self, *args, **kwargs):
     streams = config.read("jaxstreams_streams")
     jitted = self._by_streams.get(streams)
     if jitted is None:
-      jitted = self._jaxstreams_spec.jitted(streams)
+      jitted = self.jitted(streams)
     return jitted(*args, **kwargs)
 
   def _current(self):
-    spec = self._jaxstreams_spec
-    return spec.jitted(spec.streams_now())
+    return self.jitted(self._jaxstreams_spec.streams_now())
 
   def plan(self, *args, **kwargs) -> StreamPlan:
     """The ``StreamPlan`` for these arguments (traces; does not compile)."""

@@ -124,7 +124,7 @@ def test_empty_pytrees_no_arguments_and_zero_size_arrays():
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda: jaxstreams.plan(3, streams=2), TypeError, "expects a callable, got 3"),
+    (lambda: jaxstreams.plan(3, streams=2), TypeError, "callable value, got 3"),
     (lambda: jaxstreams.plan(_tower, streams=0), ValueError,
      "streams must be >= 1.*got 0"),
     (lambda: jaxstreams.plan(_tower, streams="2"), TypeError, "got '2' of type str"),

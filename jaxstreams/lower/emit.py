@@ -32,6 +32,8 @@ def emit(plan: StreamPlan, args: Sequence[Any], *, profile: bool = False
   ``profile``, each region is wrapped in timing markers."""
   program = plan._program
   graph = plan._graph
+  if any(region.is_call for region in plan.regions):
+    _compat.install_region_rules()
   env: dict[Any, Any] = {}
   for var, value in zip(program.jaxpr.constvars, program.consts):
     env[var] = value

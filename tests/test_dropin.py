@@ -1,0 +1,281 @@
+"""jaxstreams.jit as a drop-in for jax.jit (issue 16): each behaviour is
+checked side by side with jax.jit in the same test."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstreams
+from programs import assert_bitwise_equal, cuda_text, random_inputs
+
+
+def off_main_region(c):
+  """The issue's program: a region on stream 1 whose output feeds a product
+  of two primals on the main stream."""
+  with jaxstreams.stream(1):
+    b = jnp.sum(jnp.sin(c))
+  return jnp.sin(c * b)
+
+
+def untagged_towers(x, w1, w2):
+  """Independent work with no stream() block: auto=True splits it."""
+  a = jnp.tanh(x @ w1) @ w1
+  b = jax.nn.relu(x @ w2) @ w2
+  return (a * b).sum() * jnp.cos(x).sum()
+
+
+def _loss_of(f):
+  return lambda *a: jax.checkpoint(f)(*a).sum()
+
+
+def test_grad_of_checkpoint_with_an_off_main_region():
+  c = jnp.linspace(0.1, 1.0, 4)
+  ours = jaxstreams.jit(off_main_region, streams=2)
+  theirs = jax.jit(off_main_region)
+  assert_bitwise_equal(jax.grad(_loss_of(ours))(c), jax.grad(_loss_of(theirs))(c))
+  assert_bitwise_equal(jax.jit(jax.grad(_loss_of(ours)))(c),
+                       jax.jit(jax.grad(_loss_of(theirs)))(c))
+  # The regions are still annotated calls in the GPU program, the gradient's
+  # included.
+  text = cuda_text(jax.jit(jax.grad(_loss_of(ours))), c)
+  assert text.count('_xla_stream_annotation = "1"') >= 2
+  assert 'inlineable = "false"' in text
+
+
+def test_grad_of_checkpoint_with_auto_placement():
+  x, w1, w2 = random_inputs((8, 16), (16, 16), (16, 16))
+  ours = jaxstreams.jit(untagged_towers, streams=3, auto=True)
+  assert any(r.stream != 0 for r in ours.plan(x, w1, w2).regions), \
+      "auto should split this program, or the test checks nothing"
+  theirs = jax.jit(untagged_towers)
+  assert_bitwise_equal(
+      jax.jit(jax.grad(_loss_of(ours), (1, 2)))(x, w1, w2),
+      jax.jit(jax.grad(_loss_of(theirs), (1, 2)))(x, w1, w2))
+  # x's cotangent sums the two towers' contributions, and the plan emits the
+  # towers in another order than the source: equal to rounding, as without
+  # jax.checkpoint (a README sharp edge).
+  np.testing.assert_allclose(jax.jit(jax.grad(_loss_of(ours)))(x, w1, w2),
+                             jax.jit(jax.grad(_loss_of(theirs)))(x, w1, w2),
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_vmap_linearize_and_scan_over_planned_functions(auto):
+  c = jnp.linspace(0.1, 1.0, 4)
+  ours = jaxstreams.jit(off_main_region, streams=2, auto=auto)
+  theirs = jax.jit(off_main_region)
+  cs = jnp.stack([c, c * 2, c + 1])
+  assert_bitwise_equal(jax.jit(jax.vmap(ours))(cs), jax.jit(jax.vmap(theirs))(cs))
+  assert_bitwise_equal(jax.jit(jax.vmap(jax.grad(_loss_of(ours))))(cs),
+                       jax.jit(jax.vmap(jax.grad(_loss_of(theirs))))(cs))
+
+  def linearized(f):
+    return jax.jit(lambda c, t: jax.linearize(jax.checkpoint(f), c)[1](t))
+  assert_bitwise_equal(linearized(ours)(c, c * 3), linearized(theirs)(c, c * 3))
+
+  def scanned(f):
+    def loss(c):
+      def body(carry, _):
+        return jax.checkpoint(f)(carry), carry.sum()
+      final, sums = jax.lax.scan(body, c, None, length=3)
+      return final.sum() + sums.sum()
+    return jax.jit(jax.grad(loss))
+  assert_bitwise_equal(scanned(ours)(c), scanned(theirs)(c))
+
+
+def test_importing_jaxstreams_changes_no_jax_rule():
+  """The region rules are installed by the first region emitted, not as a
+  side effect of ``import jaxstreams`` (nor by a program without regions)."""
+  code = (
+      "import jax, jaxstreams\n"
+      "from jaxstreams import _compat\n"
+      "assert not _compat._region_rules_installed\n"
+      "jaxstreams.jit(lambda x: x * 2, streams=2)(1.0)\n"
+      "assert not _compat._region_rules_installed\n"
+      "def f(x):\n"
+      "  with jaxstreams.stream(1):\n"
+      "    y = x * 2\n"
+      "  return y + 1\n"
+      "assert jaxstreams.jit(f, streams=2)(1.0) == 3.0\n"
+      "assert _compat._region_rules_installed\n"
+      "print('ok')\n")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == "ok"
+
+
+def _counting(counter):
+  def counted(y):
+    counter.append(1)
+    with jaxstreams.stream(1):
+      a = jnp.sin(y)
+    return a * y
+  return counted
+
+
+@pytest.mark.parametrize("streams", [2, None])
+def test_one_trace_for_many_jit_objects_of_one_function(streams, monkeypatch):
+  """``jax.jit(f)(x)`` in a loop traces once; so does jaxstreams.jit."""
+  monkeypatch.setattr(jaxstreams.config, "read", _streams_option(2))
+  y = jnp.arange(4.0)
+  ours_traces, theirs_traces = [], []
+  ours_f, theirs_f = _counting(ours_traces), _counting(theirs_traces)
+  for _ in range(4):
+    ours = jaxstreams.jit(ours_f, streams=streams)(y)
+    theirs = jax.jit(theirs_f)(y)
+  assert_bitwise_equal(ours, theirs)
+  assert len(ours_traces) == len(theirs_traces) == 1
+  # Other options are another program.
+  jaxstreams.jit(ours_f, streams=3)(y)
+  jaxstreams.jit(ours_f, streams=2, auto=True)(y)
+  assert len(ours_traces) == 3
+
+
+def _streams_option(value):
+  real_read = jaxstreams.config.read
+  return lambda name: value if name == "jaxstreams_streams" else real_read(name)
+
+
+def _closure_over_an_array():
+  w = jnp.arange(4.0)
+
+  def scaled(x):
+    with jaxstreams.stream(1):
+      y = x * w
+    return y + 1
+  return scaled
+
+
+@pytest.mark.parametrize("make_jit", [
+    lambda f: jax.jit(f),
+    lambda f: jaxstreams.jit(f, streams=2),
+    lambda f: jaxstreams.jit(f, streams=2, auto=True),
+], ids=["jax.jit", "jaxstreams.jit", "jaxstreams.jit-auto"])
+def test_dropped_function_is_freed_without_gc(make_jit):
+  """No reference cycle keeps the user's function (and its closure) alive
+  once the user drops it and the jit object: freed by reference counting,
+  with the cyclic collector paused."""
+  import gc
+  import weakref
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    fun = _closure_over_an_array()
+    ref = weakref.ref(fun)
+    jitted = make_jit(fun)
+    assert_bitwise_equal(jitted(jnp.ones(4)), jnp.arange(4.0) + 1)
+    del fun, jitted
+    assert ref() is None
+  finally:
+    if was_enabled:
+      gc.enable()
+
+
+def test_names_follow_the_users_function():
+  def two_streams_step(x):
+    with jaxstreams.stream(1):
+      y = jnp.sin(x)
+    return y * x
+  x = jnp.ones(4)
+  ours = jaxstreams.jit(two_streams_step, streams=2)
+  theirs = jax.jit(two_streams_step)
+  first_line = lambda f: f.lower(x).as_text().splitlines()[0]
+  assert first_line(ours).split()[1] == first_line(theirs).split()[1] \
+      == "@jit_two_streams_step"
+  assert ours.__name__ == theirs.__name__ == "two_streams_step"
+  assert ours.__qualname__ == theirs.__qualname__
+
+
+def _generator(x):
+  yield x
+
+
+class _WithStaticMethod:
+  @staticmethod
+  def scale(x, n):
+    return x * n
+
+
+@pytest.mark.parametrize("fun, kwargs", [
+    (3, {}),
+    (_generator, {}),
+    (_WithStaticMethod.__dict__["scale"], {}),
+    (_WithStaticMethod.scale, {"static_argnums": 5}),
+], ids=["not-callable", "generator", "staticmethod", "static_argnums"])
+def test_bad_functions_get_jax_jits_errors(fun, kwargs):
+  with pytest.raises((TypeError, ValueError)) as theirs:
+    jax.jit(fun, **kwargs)
+  for streams in (2, None):
+    with pytest.raises((TypeError, ValueError)) as ours:
+      jaxstreams.jit(fun, streams=streams, **kwargs)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_disable_jit_runs_the_function_as_python():
+  """Under jax.disable_jit() Python control flow on values works, and
+  stream() blocks do nothing."""
+  def branchy(x):
+    with jaxstreams.stream(1):
+      y = jnp.sin(x)
+    if y.sum() > 0:   # a concrete value only without jit
+      return y
+    return -y
+  x = jnp.ones(3)
+  with jax.disable_jit():
+    theirs = jax.jit(branchy)(x)
+    ours = jaxstreams.jit(branchy, streams=2)(x)
+    ours_from_option = jaxstreams.jit(branchy)(x)
+  assert_bitwise_equal(ours, theirs)
+  assert_bitwise_equal(ours_from_option, theirs)
+  with pytest.raises(jax.errors.TracerBoolConversionError):
+    jax.jit(branchy)(x)
+  with pytest.raises(jax.errors.TracerBoolConversionError):
+    jaxstreams.jit(branchy, streams=2)(x)
+
+
+def test_tracebacks_hide_jaxstreams_frames_as_jax_hides_its_own():
+  import traceback
+
+  def raises(x):
+    with jaxstreams.stream(1):
+      jnp.sin(x)
+    raise ValueError("from the user's function")
+
+  def frames(jitted):
+    with pytest.raises(ValueError) as info:
+      jitted(jnp.ones(3))
+    return [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+
+  theirs = frames(jax.jit(raises))
+  ours = frames(jaxstreams.jit(raises, streams=2))
+  assert ours == theirs == [__file__, __file__]
+
+
+def test_equal_bound_methods_outlive_each_other():
+  """Bound methods made twice are equal but distinct; dropping the first
+  jit object must leave the second working."""
+  class Model:
+    def __init__(self):
+      self.w = 3.0
+
+    def apply(self, x):
+      with jaxstreams.stream(1):
+        y = x * self.w
+      return y + 1
+
+  model = Model()
+  first = jaxstreams.jit(model.apply, streams=2)
+  second = jaxstreams.jit(model.apply, streams=2)
+  x = jnp.arange(3.0)
+  assert_bitwise_equal(first(x), jax.jit(model.apply)(x))
+  del first
+  import gc
+  gc.collect()
+  longer = jnp.arange(5.0)   # new shapes: the second one traces again
+  assert_bitwise_equal(second(longer), jax.jit(model.apply)(longer))
