@@ -53,6 +53,9 @@ def emit(plan: StreamPlan, args: Sequence[Any], *, profile: bool = False
     results = fn(*(env[v] for v in graph.inputs[index]))
     for var, value in zip(graph.outputs[index], results):
       env[var] = value
+  if profile:
+    from jaxstreams.runtime import profile as profiling
+    profiling.completion_token()
 
   return [v.val if isinstance(v, jcore.Literal) else env[v]
           for v in program.jaxpr.outvars]

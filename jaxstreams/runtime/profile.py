@@ -60,6 +60,26 @@ def wrap_region(fn, region_id: int, stream: int):
   return marked
 
 
+def _step_done() -> None:
+  """The host callback that marks a profiled step as finished (see below)."""
+
+
+def completion_token() -> None:
+  """Give the profiled step being traced an ordered effect.
+
+  ``profile()`` must read the markers only after the steps run in its block
+  have finished, and jax dispatches asynchronously: a step whose output was
+  dropped may still be running at the block's exit. An ordered effect makes
+  jax thread a runtime token through the step, and ``jax.effects_barrier()``
+  waits for it. jax supports ordered effects on one device only, so a
+  process with several devices goes without (its markers are read as they
+  stand at exit).
+  """
+  import jax
+  if jax.device_count() == 1:
+    jax.debug.callback(_step_done, ordered=True)
+
+
 class profile:
   """Profile the jaxstreams.jit steps run inside this block.
 
@@ -95,9 +115,11 @@ class profile:
     return self
 
   def __exit__(self, *exc_info) -> None:
+    import jax
     from jaxstreams.runtime import timeline
     _state.depth -= 1
     self._metadata.__exit__(*exc_info)
+    jax.effects_barrier()   # the steps' completion tokens: see completion_token
     self.timeline = timeline.read()
     self.intervals = timeline.intervals(self.timeline.markers)
     if self.path is not None and self.timeline.markers:
