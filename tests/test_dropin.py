@@ -279,3 +279,39 @@ def test_equal_bound_methods_outlive_each_other():
   gc.collect()
   longer = jnp.arange(5.0)   # new shapes: the second one traces again
   assert_bitwise_equal(second(longer), jax.jit(model.apply)(longer))
+
+
+def _branch_on_a_weight(x, params, *, scale):
+  if params["w"].sum() > 0:   # a traced value: no Python bool
+    return x * scale
+  return x
+
+
+def _length_from_a_value(x, n):
+  return jnp.zeros(int(n)) + x   # a traced value: no Python int
+
+
+@pytest.mark.parametrize("fun, args, kwargs, jit_kwargs, error, named", [
+    (_branch_on_a_weight, (jnp.ones(3), {"w": jnp.ones(3)}), {"scale": 2.0},
+     {"static_argnames": "scale"}, jax.errors.TracerBoolConversionError,
+     "params['w']"),
+    (_length_from_a_value, (1.0, jnp.array(3)), {}, {"static_argnums": 0},
+     jax.errors.ConcretizationTypeError, "argument n"),
+], ids=["bool-of-tracer", "int-of-tracer"])
+def test_tracing_errors_name_the_users_function_and_argument(
+    fun, args, kwargs, jit_kwargs, error, named):
+  """jax's tracing errors name the user's function (name, file and line) and
+  the argument the value came from, as jax.jit's do, not a jaxstreams
+  wrapper and its positional inputs."""
+  with pytest.raises(error) as theirs:
+    jax.jit(fun, **jit_kwargs)(*args, **kwargs)
+  where = (f"the function {fun.__name__} at {__file__}:"
+           f"{fun.__code__.co_firstlineno}")
+  assert where in str(theirs.value) and named in str(theirs.value)
+  for streams in (2, None):
+    with pytest.raises(error) as ours:
+      jaxstreams.jit(fun, streams=streams, **jit_kwargs)(*args, **kwargs)
+    assert str(ours.value) == str(theirs.value)
+    with pytest.raises(error) as planned:
+      jaxstreams.plan(fun, streams=2, **jit_kwargs)(*args, **kwargs)
+    assert where in str(planned.value) and named in str(planned.value)
