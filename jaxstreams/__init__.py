@@ -14,6 +14,7 @@ XLA:GPU runs on its own stream), and ``runtime`` (the native FFI library).
 """
 
 from jaxstreams import config
+from jaxstreams._performance import PerformanceWarning
 from jaxstreams.assign import RulesFileError, StreamIdError
 from jaxstreams._jit import StreamJit, jit, plan
 from jaxstreams.partition import Dependency, PlannedEquation, Region, StreamPlan
@@ -30,5 +31,5 @@ __all__ = ["Dependency", "PlannedEquation", "Region", "RulesFileError",
            "StreamJit", "StreamPlan", "colocate_with", "config", "jit", "plan",
            "profile", "stream"]
 __all__ += ["QueueFullError", "Server", "ServerClosedError", "serve"]
-__all__ += ["prefetch", "stage", "staged"]
+__all__ += ["PerformanceWarning", "prefetch", "stage", "staged"]
 __all__ += ["GpuTargetError", "HloParseError", "gpu_target", "xla_schedule"]

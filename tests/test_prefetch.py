@@ -9,6 +9,7 @@ hanging.
 """
 
 import gc
+import warnings
 import random
 import threading
 import time
@@ -597,3 +598,85 @@ def test_describing_the_iterable_prints_no_item():
     assert len(list(it)) == 200
     assert "list of 200 item(s)" in repr(it)
   assert not printed
+
+
+# Whether prefetching pays: the decision on given counters, and the warning.
+
+import importlib  # noqa: E402
+
+# The module, not the function jaxstreams.stage re-exports under its name.
+prefetch_module = importlib.import_module("jaxstreams.stage.prefetch")
+
+
+def test_judge_waits_for_enough_items():
+  pays, reason = prefetch_module.judge(99, 0, 0.0, 1.0, 0.0, 0.0)
+  assert pays is None and "100" in reason and "99" in reason
+
+
+def test_judge_says_no_when_items_were_ready_and_production_is_cheap():
+  # 1000 items, never waited for; producing one 20 us, handing it over
+  # 15 us, a step 100 us: at most 5 us of a 115 us cycle to save.
+  pays, reason = prefetch_module.judge(
+      items=1000, waited=3, wait_s=0.0003, handoff_s=0.015, produce_s=0.020,
+      step_s=0.100)
+  assert pays is False
+  assert "3 of 1000" in reason and "20 us" in reason and "15 us" in reason
+
+
+def test_judge_says_no_when_the_hand_off_costs_more_than_production():
+  pays, _ = prefetch_module.judge(1000, 0, 0.0, 0.050, 0.010, 10.0)
+  assert pays is False
+
+
+def test_judge_says_yes_when_the_consumer_waits():
+  pays, reason = prefetch_module.judge(1000, 400, 2.0, 0.015, 3.0, 1.0)
+  assert pays is True and "400 of 1000" in reason
+
+
+def test_judge_says_yes_when_production_is_a_large_share_of_a_step():
+  # Never waited, but producing an item (2 ms) is hidden behind 3 ms steps.
+  pays, reason = prefetch_module.judge(1000, 0, 0.0, 0.015, 2.0, 3.0)
+  assert pays is True and "saves up to" in reason
+
+
+def test_stats_counts_items_and_reports_a_verdict():
+  batches = [np.full(3, i, np.float32) for i in range(150)]
+  with jaxstreams.prefetch(batches, size=2) as it:
+    assert it.stats()["items"] == 0 and it.stats()["pays"] is None
+    with warnings.catch_warnings():   # the verdict depends on this machine
+      warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
+      got = [int(b[0]) for b in it]
+    stats = it.stats()
+  assert got == list(range(150))
+  assert stats["items"] == 150 and 0 <= stats["waited"] <= 150
+  assert stats["pays"] in (True, False) and stats["reason"]
+  for key in ("wait_us", "handoff_us", "produce_us", "step_us"):
+    assert stats[key] >= 0
+
+
+def test_warns_once_per_prefetcher_when_it_does_not_pay(monkeypatch):
+  calls = []
+
+  def never_pays(*counts):
+    calls.append(counts[0])
+    return False, "judged not to pay (test)"
+
+  monkeypatch.setattr(prefetch_module, "judge", never_pays)
+  assert issubclass(jaxstreams.PerformanceWarning, UserWarning)
+  batches = [np.zeros(2, np.float32)] * 350
+  with pytest.warns(jaxstreams.PerformanceWarning,
+                    match="judged not to pay") as record:
+    with jaxstreams.prefetch(batches) as it:
+      assert len(list(it)) == 350
+  assert len(record) == 1
+  assert calls == [100]           # judged at the 100th item, then no more
+
+
+def test_only_the_public_prefetch_warns(monkeypatch):
+  monkeypatch.setattr(prefetch_module, "judge",
+                      lambda *counts: (False, "judged not to pay (test)"))
+  batches = [np.zeros(2, np.float32)] * 150
+  with Prefetcher(batches, 2, transform=lambda b: b, num_threads=1,
+                  timeout=None, closed_exception_types=(StopIteration,),
+                  ignored_exception_types=()) as it:
+    assert len(list(it)) == 150   # filterwarnings=error: a warning fails

@@ -528,8 +528,11 @@ def test_direct_mode_back_pressure_and_close_drains():
   running = concurrent.futures.ThreadPoolExecutor(2)
   first = running.submit(server, jnp.ones(2))
   assert entered.wait(TIMEOUT)
-  with pytest.raises(jaxstreams.QueueFullError):  # one may run at once
+  # One may run at once; the message says they run, not that they wait.
+  with pytest.raises(jaxstreams.QueueFullError,
+                     match="limit of 1 requests running at once") as full:
     server(jnp.ones(2))
+  assert "waiting" not in str(full.value)
   closer = running.submit(server.close, TIMEOUT)
   wait_until(lambda: server.closed, TIMEOUT)
   assert not first.done() and not closer.done()  # close waits for it

@@ -300,9 +300,9 @@ class _Core:
     room as ``block`` says, or raise QueueFullError."""
     if self.block is False:
       raise QueueFullError(
-          f"{self.name}: the request queue is full ({self.queue_size} "
-          "requests waiting) and the server was made with block=False. Retry "
-          "later, or make it with a larger queue_size or block=True.")
+          f"{self.name}: {self._full_what('is')} and the server was made "
+          "with block=False. Retry later, or make it with a larger "
+          "queue_size or block=True.")
     deadline = None if self.block is True else time.monotonic() + self.block
     self.space_waiters += 1
     try:
@@ -310,12 +310,22 @@ class _Core:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
           raise QueueFullError(
-              f"{self.name}: the request queue stayed full ({self.queue_size} "
-              f"requests waiting) for block={self.block} seconds.")
+              f"{self.name}: {self._full_what('stayed')} for "
+              f"block={self.block} seconds.")
         self.space.wait(remaining)
     finally:
       self.space_waiters -= 1
     self._check_open()
+
+  def _full_what(self, verb: str) -> str:
+    """What is full, truthfully per mode: in direct mode no request waits in
+    a queue, the callers' own threads run them, ``queue_size`` at most."""
+    if self.mode == "direct":
+      return (f"the server {verb} at its limit of {self.queue_size} requests "
+              "running at once (direct mode: queue_size bounds the requests "
+              "in flight in their callers' threads)")
+    return (f"the request queue {verb} full ({self.queue_size} requests "
+            "waiting)")
 
   # -- direct mode: the caller's thread runs jax.jit(f) --------------------
 

@@ -61,6 +61,7 @@ import math
 import threading
 import time
 import types
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -68,6 +69,7 @@ import jax
 import numpy as np
 
 from jaxstreams import _checks
+from jaxstreams._performance import PerformanceWarning
 
 __all__ = ["prefetch", "Prefetcher", "TRANSFERS", "AUTO_TRANSFER"]
 
@@ -149,6 +151,69 @@ def _describe(iterable: Any) -> str:
     return f"{kind} object"
 
 
+# Whether prefetching pays, judged from the iterator's own counters.
+# benchmarks/prefetch_sweep.py measured prefetch 15-80% slower than the plain
+# loop on CPU for steps under a millisecond whose data was free to produce:
+# the overlap then hides almost nothing, and the hand-off and a worker thread
+# competing for the CPU cost more than that. Judged only after enough items,
+# and only "does not pay" when clearly so: the consumer almost never waited
+# (the items were there anyway) and the work moved off its thread is a small
+# share of a step.
+MIN_ITEMS_TO_JUDGE = 100
+MOSTLY_READY = 0.05       # the consumer waited for at most this share of items
+SMALL_SHARE = 0.05        # the most prefetching could save, as a share of a step
+
+
+class _Counters:
+  """What the pipeline counts for ``Prefetcher.stats()`` (seconds, summed
+  over the items delivered)."""
+  __slots__ = ("items", "waited", "wait_s", "handoff_s", "produce_s", "step_s")
+
+  def __init__(self):
+    self.items = 0          # values delivered to the consumer
+    self.waited = 0         # of them, how many the consumer had to wait for
+    self.wait_s = 0.0       # the consumer's time waiting for items
+    self.handoff_s = 0.0    # the consumer's time in next() besides waiting
+    self.produce_s = 0.0    # workers' time pulling and placing items
+    self.step_s = 0.0       # the consumer's time between next() calls
+
+
+def judge(items: int, waited: int, wait_s: float, handoff_s: float,
+          produce_s: float, step_s: float) -> tuple[bool | None, str]:
+  """Whether prefetching pays, from a prefetcher's counters: (True, why),
+  (False, why), or (None, why) before ``MIN_ITEMS_TO_JUDGE`` items.
+
+  Without prefetching the consumer would pull and place each item itself
+  (``produce_s``); with it, it pays the hand-off (``handoff_s``) and any
+  wait. When it almost never waited, the most prefetching can save per item
+  is the production time less the hand-off; when that is a small share of a
+  step, prefetching cannot pay (and its thread competes for the CPU)."""
+  if items < MIN_ITEMS_TO_JUDGE:
+    return None, (f"not judged before {MIN_ITEMS_TO_JUDGE} items "
+                  f"({items} so far)")
+  us = 1e6 / items
+  produce, handoff, step = produce_s * us, handoff_s * us, step_s * us
+  wait = wait_s * us
+  if waited > MOSTLY_READY * items:
+    return True, (f"the consumer waited for {waited} of {items} items "
+                  f"({wait:.0f} us per item on average): producing one "
+                  f"({produce:.0f} us) is what limits the loop, and the "
+                  f"overlap hides it behind the step ({step:.0f} us)")
+  saved = produce - handoff
+  cycle = step + handoff + wait
+  if saved <= SMALL_SHARE * cycle:
+    return False, (
+        f"the consumer waited for only {waited} of {items} items, so they "
+        f"were ready anyway: producing an item takes {produce:.0f} us, "
+        f"handing it over {handoff:.0f} us, a step {step:.0f} us, so "
+        f"prefetching saves at most {max(saved, 0.0) / cycle:.1%} of a step "
+        f"while its worker thread competes for the CPU; iterating the data "
+        f"directly is likely as fast or faster")
+  return True, (f"producing an item ({produce:.0f} us) costs more than "
+                f"handing it over ({handoff:.0f} us): prefetching saves up to "
+                f"{saved / cycle:.1%} of a step")
+
+
 class _Pipeline:
   """State shared by the workers and the consumer (never the public object,
   so that the public iterator can be garbage-collected while workers run)."""
@@ -175,6 +240,8 @@ class _Pipeline:
     self.live_workers = 0       # started and not yet returned
     self.released = False       # the transfer's resources were freed
     self.close_owned_on_exit = False   # close() stopped waiting for workers
+    self.counters = _Counters()        # for stats(), under self.cond
+    self.last_delivery = None          # perf_counter() when an item went out
     self.threads = []
     try:
       for i in range(num_threads):
@@ -227,6 +294,7 @@ class _Pipeline:
         self.next_pull += 1
         self.max_in_flight = max(self.max_in_flight,
                                  self.next_pull - self.next_out)
+      started = time.perf_counter()
       try:
         item = next(self.iterator)
         kind = _VALUE
@@ -254,9 +322,12 @@ class _Pipeline:
           if kind in (_END, _ERROR):
             with self.cond:
               self.source_done = True
+      produced = time.perf_counter() - started
       with self.cond:
         if self.stopped:
           return                    # closed meanwhile: nothing is handed out
+        if kind == _VALUE:
+          self.counters.produce_s += produced
         self.results[number] = (kind, item)
         self.cond.notify_all()
 
@@ -265,6 +336,8 @@ class _Pipeline:
     """The next item in order; raises its exception, StopIteration at the
     end, TimeoutError when it is not ready within ``timeout`` seconds. With
     ``wait=False``, returns NOT_READY at once instead of waiting."""
+    entered = time.perf_counter()
+    waited_s = 0.0
     with self.cond:
       while True:
         number = self.next_out
@@ -272,8 +345,14 @@ class _Pipeline:
           raise StopIteration
         if not wait and number not in self.results:
           return NOT_READY
-        if not self.cond.wait_for(
-            lambda: number in self.results or self.stopped, timeout):
+        if number not in self.results:
+          wait_started = time.perf_counter()
+          ready = self.cond.wait_for(
+              lambda: number in self.results or self.stopped, timeout)
+          waited_s += time.perf_counter() - wait_started
+        else:
+          ready = True
+        if not ready:
           busy = "inside the iterable's __next__" if self.pulling else \
               "placing it on the device"
           raise TimeoutError(
@@ -289,7 +368,9 @@ class _Pipeline:
         if kind == _VALUE:
           # Under the lock: takes from a stage area happen in item order
           # even if several threads call next() at once.
-          return self.transfer.deliver(value)
+          out = self.transfer.deliver(value)
+          self._count_delivery(entered, waited_s)
+          return out
         if kind == _SKIP:
           continue
         self.stopped = True     # end or failure: nothing more to deliver
@@ -298,6 +379,19 @@ class _Pipeline:
         if kind == _END:
           raise StopIteration
         raise value
+
+  def _count_delivery(self, entered: float, waited_s: float) -> None:
+    """Adds one delivered item to the counters (under self.cond)."""
+    now = time.perf_counter()
+    c = self.counters
+    c.items += 1
+    if waited_s > 0:
+      c.waited += 1
+      c.wait_s += waited_s
+    c.handoff_s += now - entered - waited_s
+    if self.last_delivery is not None:
+      c.step_s += entered - self.last_delivery
+    self.last_delivery = now
 
   def stop(self, join: bool, timeout: float | None = None) -> bool:
     """Ends the workers; with ``join``, waits for them up to ``timeout``
@@ -371,7 +465,7 @@ class Prefetcher:
                transform: Callable[[Any], Any] | None = None, num_threads: int,
                timeout: float | None, closed_exception_types: tuple,
                ignored_exception_types: tuple, func: str = "jaxstreams.prefetch",
-               transfer: _Transfer | None = None):
+               transfer: _Transfer | None = None, warn: bool = False):
     if (transform is None) == (transfer is None):
       raise TypeError(f"{func}: give exactly one of transform and transfer")
     if transfer is None:
@@ -389,6 +483,9 @@ class Prefetcher:
     name = f"jaxstreams-prefetch-{next(_names)}"
     self._transfer = transfer
     self._closed = False
+    # Only the public prefetch() warns: a staged step's internal pipelines
+    # are its own business.
+    self._warn = warn
     self._pipeline = _Pipeline(
         iterator, transfer, size, num_threads,
         closed_exception_types, ignored_exception_types,
@@ -408,7 +505,10 @@ class Prefetcher:
 
   def _get(self, wait: bool) -> Any:
     try:
-      return self._pipeline.get(self.timeout, wait)
+      item = self._pipeline.get(self.timeout, wait)
+      if self._warn:
+        self._warn_if_not_paying()
+      return item
     except TimeoutError:
       raise             # the item may still come: stay usable
     except BaseException:
@@ -426,6 +526,45 @@ class Prefetcher:
     self._closed = True
     self._finalizer.detach()
     return self._pipeline.stop(join=True, timeout=timeout)
+
+  def stats(self) -> dict[str, Any]:
+    """Whether prefetching pays here, from this iterator's own counters:
+    ``items`` delivered, ``waited`` (how many the consumer had to wait for),
+    ``wait_us``, ``handoff_us``, ``produce_us`` and ``step_us`` per item (the
+    consumer's time waiting, in ``next()`` besides waiting, the workers' time
+    pulling and placing an item, the consumer's time between ``next()``
+    calls), and ``pays`` (True, False, or None before
+    ``MIN_ITEMS_TO_JUDGE`` items) with its ``reason``."""
+    with self._pipeline.cond:
+      c = self._pipeline.counters
+      counts = (c.items, c.waited, c.wait_s, c.handoff_s, c.produce_s,
+                c.step_s)
+    items = counts[0]
+    pays, reason = judge(*counts)
+    per_item = 1e6 / max(items, 1)
+    return {"items": items, "waited": counts[1],
+            "wait_us": counts[2] * per_item,
+            "handoff_us": counts[3] * per_item,
+            "produce_us": counts[4] * per_item,
+            "step_us": counts[5] * per_item,
+            "pays": pays, "reason": reason}
+
+  def _warn_if_not_paying(self) -> None:
+    """Once per iterator, at every ``MIN_ITEMS_TO_JUDGE``-th item: a
+    ``PerformanceWarning`` when the counters say prefetching does not pay."""
+    with self._pipeline.cond:
+      c = self._pipeline.counters
+      if c.items % MIN_ITEMS_TO_JUDGE:
+        return
+      counts = (c.items, c.waited, c.wait_s, c.handoff_s, c.produce_s,
+                c.step_s)
+    pays, reason = judge(*counts)
+    if pays is False:
+      self._warn = False
+      warnings.warn(f"jaxstreams.prefetch does not pay here: {reason} "
+                    f"(Prefetcher.stats() has the figures; filter "
+                    f"jaxstreams.PerformanceWarning to silence this)",
+                    PerformanceWarning, stacklevel=4)
 
   @property
   def max_in_flight(self) -> int:
@@ -843,4 +982,4 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
   return Prefetcher(iterable, size, transfer=placer,
                     num_threads=num_threads, timeout=timeout,
                     closed_exception_types=closed,
-                    ignored_exception_types=ignored)
+                    ignored_exception_types=ignored, warn=True)
