@@ -530,7 +530,7 @@ def test_direct_mode_back_pressure_and_close_drains():
   assert entered.wait(TIMEOUT)
   # One may run at once; the message says they run, not that they wait.
   with pytest.raises(jaxstreams.QueueFullError,
-                     match="limit of 1 requests running at once") as full:
+                     match="limit of 1 request running at once") as full:
     server(jnp.ones(2))
   assert "waiting" not in str(full.value)
   closer = running.submit(server.close, TIMEOUT)

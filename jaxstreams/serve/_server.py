@@ -321,7 +321,8 @@ class _Core:
     """What is full, truthfully per mode: in direct mode no request waits in
     a queue, the callers' own threads run them, ``queue_size`` at most."""
     if self.mode == "direct":
-      return (f"the server {verb} at its limit of {self.queue_size} requests "
+      requests = "request" if self.queue_size == 1 else "requests"
+      return (f"the server {verb} at its limit of {self.queue_size} {requests} "
               "running at once (direct mode: queue_size bounds the requests "
               "in flight in their callers' threads)")
     return (f"the request queue {verb} full ({self.queue_size} requests "
