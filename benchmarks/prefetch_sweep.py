@@ -76,13 +76,9 @@ def run_plain(step, w, data, read):
 
 
 def run_prefetch(step, w, data, read):
-  out = None
+  """The plain loop, fed by ``jaxstreams.prefetch`` instead of the list."""
   with jaxstreams.prefetch(data) as it:
-    for b in it:
-      out = step(w, b)
-      if read:
-        float(out)
-  return float(out)
+    return run_plain(step, w, it, read)
 
 
 def run_staged(step, w, data, read):
