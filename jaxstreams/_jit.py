@@ -21,7 +21,7 @@ from jax import tree_util
 
 from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams.lower import emit
-from jaxstreams.partition import StreamPlan
+from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
 
 __all__ = ["jit", "plan", "StreamJit"]
@@ -191,12 +191,14 @@ class _Spec:
     trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
                     if k in _TRACE_ONLY_PARAMETERS}
     jax.jit(plan_only, **trace_kwargs).trace(*args, **kwargs)
-    return plans[0]
+    return report(plans[0])
 
 
 def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,
-              args, kwargs):
-  """Trace the user function on the traced arguments and plan it.
+              args, kwargs) -> tuple[PartitionedProgram, Any, list]:
+  """Trace the user function on the traced arguments and plan it: the
+  partitioned program (what ``emit`` lowers), the output tree and the
+  traced arguments in flat order.
 
   Called inside a ``jax.jit`` trace: array arguments are tracers, static
   arguments are the values themselves and stay baked in, as in jax.jit.

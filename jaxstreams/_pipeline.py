@@ -1,7 +1,9 @@
 """The planning pipeline on one traced program: tag, assign, partition.
 
 Kept apart from ``_jit.py`` so the stages can be driven without jax.jit
-(benchmarks of planning time, tests).
+(benchmarks of planning time, tests). Its result, a ``PartitionedProgram``,
+is what lowering emits; ``jaxstreams.partition.report`` makes the user's
+``StreamPlan`` from it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import gc
 from jaxstreams import config
 from jaxstreams.assign import (Placement, PlanOptions, assign_streams,
                                auto_assign, equation_cost, load_rules)
-from jaxstreams.partition import StreamPlan, make_plan, partition
+from jaxstreams.partition import PartitionedProgram, partition
 from jaxstreams.partition.schedule import estimate
 from jaxstreams.tag import expose_tags
 
@@ -32,7 +34,7 @@ def options_from_config(auto: bool | None = None) -> PlanOptions:
 
 
 def plan_program(closed_jaxpr, streams: int, source: str, function_name: str,
-                 options: PlanOptions = PlanOptions()) -> StreamPlan:
+                 options: PlanOptions = PlanOptions()) -> PartitionedProgram:
   """Plan a traced program. Python's cyclic garbage collector is paused
   meanwhile: planning allocates many small objects and frees none in cycles,
   and full collections over a large traced program made planning time grow
@@ -46,7 +48,8 @@ def plan_program(closed_jaxpr, streams: int, source: str, function_name: str,
       gc.enable()
 
 
-def _plan(closed_jaxpr, streams, source, function_name, options) -> StreamPlan:
+def _plan(closed_jaxpr, streams, source, function_name,
+          options: PlanOptions) -> PartitionedProgram:
   program = expose_tags(closed_jaxpr)
   placements = assign_streams(program, streams, source, options)
   costs = [equation_cost(e) for e in program.jaxpr.eqns]
@@ -58,9 +61,11 @@ def _plan(closed_jaxpr, streams, source, function_name, options) -> StreamPlan:
   if options.auto:
     placements, graph, schedule, summary = _try_auto(
         program, placements, graph, schedule, seconds, work, streams, options)
-  return make_plan(function_name, streams, program, placements, graph,
-                   schedule=schedule, summary=summary, costs=costs,
-                   reduce_stream_wait=options.reduce_stream_wait)
+  return PartitionedProgram(
+      function_name=function_name, streams=streams, program=program,
+      placements=tuple(placements), costs=tuple(costs), graph=graph,
+      schedule=schedule, summary=summary,
+      reduce_stream_wait=options.reduce_stream_wait)
 
 
 def _try_auto(program, placements, graph, schedule, seconds, work, streams,
