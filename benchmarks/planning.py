@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import jaxstreams
 from jaxstreams import _pipeline
-from jaxstreams.assign import PlanOptions
+from jaxstreams._pipeline import PlanOptions
 from jaxstreams.partition import report
 
 

@@ -8,11 +8,13 @@ is what lowering emits; ``jaxstreams.partition.report`` makes the user's
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 from jaxstreams import config
-from jaxstreams.assign import (Placement, PlanOptions, assign_streams,
-                               auto_assign, equation_cost, load_rules)
+from jaxstreams.assign import (DEFAULT_DEVICE, DeviceModel, Placement,
+                               StreamRules, assign_streams, auto_assign,
+                               equation_cost, load_rules)
 from jaxstreams.partition import PartitionedProgram, partition
 from jaxstreams.partition.schedule import estimate
 from jaxstreams.tag import expose_tags
@@ -21,6 +23,19 @@ from jaxstreams.tag import expose_tags
 # the estimates are rough, and a marginal gain is not worth two programs'
 # worth of events and launches.
 MIN_RELATIVE_GAIN = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+  """The settings one plan is made with (see ``jaxstreams.config``). Here,
+  not in a stage: each stage takes only the fields it needs (assignment the
+  rules and forward propagation; scheduling the device model; the report
+  ``reduce_stream_wait``), and this module hands them out."""
+  auto: bool = False
+  forward_propagation: bool = False
+  rules: StreamRules | None = None
+  reduce_stream_wait: bool = True
+  device: DeviceModel = DEFAULT_DEVICE
 
 
 def options_from_config(auto: bool | None = None) -> PlanOptions:
@@ -51,7 +66,9 @@ def plan_program(closed_jaxpr, streams: int, source: str, function_name: str,
 def _plan(closed_jaxpr, streams, source, function_name,
           options: PlanOptions) -> PartitionedProgram:
   program = expose_tags(closed_jaxpr)
-  placements = assign_streams(program, streams, source, options)
+  placements = assign_streams(
+      program, streams, source, rules=options.rules,
+      forward_propagation=options.forward_propagation)
   costs = [equation_cost(e) for e in program.jaxpr.eqns]
   seconds = [c.seconds(options.device) for c in costs]
   work = sum(c.work_seconds(options.device) for c in costs)
