@@ -66,7 +66,7 @@ from jax import tree_util
 from jax.interpreters import mlir
 
 from jaxstreams import _compat
-from jaxstreams._jit import jit as _streams_jit
+from jaxstreams._jit import jit as _streams_jit, spec_of
 from jaxstreams._signature import signature as _leaf_signatures
 from jaxstreams.tag import stream as _stream
 
@@ -769,7 +769,7 @@ def _unwrap(fun: Callable) -> Callable:
   """A ``jaxstreams.jit`` function is served as its Python function: its
   stream blocks are flattened into the request's group like any others, and
   its annotated calls must not nest inside the request's region call."""
-  spec = getattr(fun, "_jaxstreams_spec", None)
+  spec = spec_of(fun)
   if spec is None:
     return fun
   static = {k for k in ("static_argnums", "static_argnames")
