@@ -236,7 +236,7 @@ class _Split:
 
 def _shapes(leaves) -> str:
   return ", ".join(f"{dtype}{list(shape)}{' (weak)' if weak else ''}"
-                   for shape, dtype, weak in _signature(leaves))
+                   for shape, dtype, weak, _ in _signature(leaves))
 
 
 def _identity(item: Any) -> Any:
