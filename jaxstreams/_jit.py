@@ -21,10 +21,10 @@ from jax import tree_util
 
 from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams.lower import emit
-from jaxstreams.partition import StreamPlan
+from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
 
-__all__ = ["jit", "plan", "StreamJit"]
+__all__ = ["jit", "plan", "spec_of", "StreamJit"]
 
 _JIT_PARAMETERS = frozenset(
     name for name, p in inspect.signature(jax.jit).parameters.items()
@@ -85,8 +85,28 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
     return wrapper
   jitted = spec.jitted(streams)
   jitted.plan = spec.plan
-  jitted._jaxstreams_spec = spec
+  with _SPECS_LOCK:
+    _SPECS[jitted] = spec
   return jitted
+
+
+# The jax.jit functions ``jit`` returned -> what they were made from. The
+# entry lives as long as the jax.jit function, and its _Spec holds the user's
+# function, which the shared staged function holds only weakly.
+_SPECS: "weakref.WeakKeyDictionary[Callable, _Spec]" = weakref.WeakKeyDictionary()
+_SPECS_LOCK = threading.Lock()
+
+
+def spec_of(fun: Any) -> "_Spec | None":
+  """What ``jaxstreams.jit`` was given to make ``fun`` (its function,
+  ``streams``, ``auto`` and ``jax.jit`` keywords), or None when ``fun`` is
+  not a ``jaxstreams.jit`` function. The one way to ask."""
+  if isinstance(fun, StreamJit):
+    return fun._spec
+  try:
+    return _SPECS.get(fun)
+  except TypeError:   # not hashable or not weakly referable: not ours
+    return None
 
 
 class _Staged:
@@ -174,9 +194,7 @@ class _Spec:
   def jitted(self, streams: int):
     """A new ``jax.jit`` function of the shared staged function."""
     staged = _staged_for(self.fun, streams, self.auto, self.source)
-    jitted = jax.jit(staged, **self.jit_kwargs)
-    jitted._jaxstreams_fun = self.fun   # the staged function holds it weakly
-    return jitted
+    return jax.jit(staged, **self.jit_kwargs)
 
   def plan(self, *args, **kwargs) -> StreamPlan:
     """The ``StreamPlan`` for these arguments (traces; does not compile)."""
@@ -191,12 +209,14 @@ class _Spec:
     trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
                     if k in _TRACE_ONLY_PARAMETERS}
     jax.jit(plan_only, **trace_kwargs).trace(*args, **kwargs)
-    return plans[0]
+    return report(plans[0])
 
 
 def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,
-              args, kwargs):
-  """Trace the user function on the traced arguments and plan it.
+              args, kwargs) -> tuple[PartitionedProgram, Any, list]:
+  """Trace the user function on the traced arguments and plan it: the
+  partitioned program (what ``emit`` lowers), the output tree and the
+  traced arguments in flat order.
 
   Called inside a ``jax.jit`` trace: array arguments are tracers, static
   arguments are the values themselves and stay baked in, as in jax.jit.
@@ -234,7 +254,7 @@ class StreamJit:
   """A ``jaxstreams.jit`` function whose stream count comes from the option."""
 
   def __init__(self, spec: _Spec):
-    self._jaxstreams_spec = spec
+    self._spec = spec
     self._by_streams: dict[int, Any] = {}
     self._lock = threading.Lock()   # one jax.jit per count, even when racing
     functools.update_wrapper(self, spec.fun)
@@ -246,7 +266,7 @@ class StreamJit:
         jitted = self._by_streams.get(streams)
         if jitted is None:
           jitted = self._by_streams[streams] = \
-              self._jaxstreams_spec.jitted(streams)
+              self._spec.jitted(streams)
     return jitted
 
   def __call__(self, *args, **kwargs):
@@ -257,11 +277,11 @@ class StreamJit:
     return jitted(*args, **kwargs)
 
   def _current(self):
-    return self.jitted(self._jaxstreams_spec.streams_now())
+    return self.jitted(self._spec.streams_now())
 
   def plan(self, *args, **kwargs) -> StreamPlan:
     """The ``StreamPlan`` for these arguments (traces; does not compile)."""
-    return self._jaxstreams_spec.plan(*args, **kwargs)
+    return self._spec.plan(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
     """Like ``jax.jit(f).lower``: the lowered program, regions included."""
@@ -284,7 +304,7 @@ class StreamJit:
     return functools.partial(self, instance)
 
   def __repr__(self) -> str:
-    return (f"<jaxstreams.jit {_function_name(self._jaxstreams_spec.fun)}, "
+    return (f"<jaxstreams.jit {_function_name(self._spec.fun)}, "
             "streams from the jaxstreams_streams option>")
 
 
@@ -295,7 +315,7 @@ def plan(fun: Callable, *, streams: int | None = None, auto: bool | None = None,
   ``f`` may be a plain function or a ``jaxstreams.jit`` function (then its
   own ``streams`` and ``jax.jit`` keywords are used unless given here).
   """
-  spec = getattr(fun, "_jaxstreams_spec", None)
+  spec = spec_of(fun)
   if spec is not None:
     if streams is None and auto is None and not jit_kwargs:
       return spec.plan

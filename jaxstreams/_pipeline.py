@@ -1,17 +1,21 @@
 """The planning pipeline on one traced program: tag, assign, partition.
 
 Kept apart from ``_jit.py`` so the stages can be driven without jax.jit
-(benchmarks of planning time, tests).
+(benchmarks of planning time, tests). Its result, a ``PartitionedProgram``,
+is what lowering emits; ``jaxstreams.partition.report`` makes the user's
+``StreamPlan`` from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 from jaxstreams import config
-from jaxstreams.assign import (Placement, PlanOptions, assign_streams,
-                               auto_assign, equation_cost, load_rules)
-from jaxstreams.partition import StreamPlan, make_plan, partition
+from jaxstreams.assign import (DEFAULT_DEVICE, DeviceModel, Placement,
+                               StreamRules, assign_streams, auto_assign,
+                               equation_cost, load_rules)
+from jaxstreams.partition import PartitionedProgram, partition
 from jaxstreams.partition.schedule import estimate
 from jaxstreams.tag import expose_tags
 
@@ -19,6 +23,19 @@ from jaxstreams.tag import expose_tags
 # the estimates are rough, and a marginal gain is not worth two programs'
 # worth of events and launches.
 MIN_RELATIVE_GAIN = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+  """The settings one plan is made with (see ``jaxstreams.config``). Here,
+  not in a stage: each stage takes only the fields it needs (assignment the
+  rules and forward propagation; scheduling the device model; the report
+  ``reduce_stream_wait``), and this module hands them out."""
+  auto: bool = False
+  forward_propagation: bool = False
+  rules: StreamRules | None = None
+  reduce_stream_wait: bool = True
+  device: DeviceModel = DEFAULT_DEVICE
 
 
 def options_from_config(auto: bool | None = None) -> PlanOptions:
@@ -32,7 +49,7 @@ def options_from_config(auto: bool | None = None) -> PlanOptions:
 
 
 def plan_program(closed_jaxpr, streams: int, source: str, function_name: str,
-                 options: PlanOptions = PlanOptions()) -> StreamPlan:
+                 options: PlanOptions = PlanOptions()) -> PartitionedProgram:
   """Plan a traced program. Python's cyclic garbage collector is paused
   meanwhile: planning allocates many small objects and frees none in cycles,
   and full collections over a large traced program made planning time grow
@@ -46,9 +63,12 @@ def plan_program(closed_jaxpr, streams: int, source: str, function_name: str,
       gc.enable()
 
 
-def _plan(closed_jaxpr, streams, source, function_name, options) -> StreamPlan:
+def _plan(closed_jaxpr, streams, source, function_name,
+          options: PlanOptions) -> PartitionedProgram:
   program = expose_tags(closed_jaxpr)
-  placements = assign_streams(program, streams, source, options)
+  placements = assign_streams(
+      program, streams, source, rules=options.rules,
+      forward_propagation=options.forward_propagation)
   costs = [equation_cost(e) for e in program.jaxpr.eqns]
   seconds = [c.seconds(options.device) for c in costs]
   work = sum(c.work_seconds(options.device) for c in costs)
@@ -58,9 +78,11 @@ def _plan(closed_jaxpr, streams, source, function_name, options) -> StreamPlan:
   if options.auto:
     placements, graph, schedule, summary = _try_auto(
         program, placements, graph, schedule, seconds, work, streams, options)
-  return make_plan(function_name, streams, program, placements, graph,
-                   schedule=schedule, summary=summary, costs=costs,
-                   reduce_stream_wait=options.reduce_stream_wait)
+  return PartitionedProgram(
+      function_name=function_name, streams=streams, program=program,
+      placements=tuple(placements), costs=tuple(costs), graph=graph,
+      schedule=schedule, summary=summary,
+      reduce_stream_wait=options.reduce_stream_wait)
 
 
 def _try_auto(program, placements, graph, schedule, seconds, work, streams,

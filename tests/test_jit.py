@@ -225,3 +225,21 @@ def test_other_xla_metadata_calls_still_lower_on_cpu():
   text = jax.jit(f).lower(x).as_text()
   assert 'scheduling_group = "g"' in text and "call @" in text
   np.testing.assert_array_equal(jax.jit(f)(x), jnp.sin(x) * 2 + 1)
+
+
+def test_spec_of_answers_for_jaxstreams_jit_functions_only():
+  """One accessor says what ``jaxstreams.jit`` was given (serve and staged
+  unwrap with it); nothing private is set on jax's jit object."""
+  from jaxstreams._jit import spec_of
+
+  def f(x):
+    return x * 2
+
+  fixed = jaxstreams.jit(f, streams=2, donate_argnums=0)
+  from_option = jaxstreams.jit(f)
+  assert (spec_of(fixed).fun, spec_of(fixed).streams) == (f, 2)
+  assert spec_of(fixed).jit_kwargs == {"donate_argnums": 0}
+  assert (spec_of(from_option).fun, spec_of(from_option).streams) == (f, None)
+  for other in (f, jax.jit(f), functools.partial(f), [f], None):
+    assert spec_of(other) is None
+  assert not any(name.startswith("_jaxstreams") for name in dir(fixed))

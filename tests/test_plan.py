@@ -1,9 +1,11 @@
 """The plan: maximal acyclic regions, their dependencies, and the lowering."""
 
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jaxstreams
 from programs import (assert_bitwise_equal, check_region_graph, cuda_text,
@@ -146,3 +148,26 @@ def test_plan_of_a_jaxstreams_function_uses_its_settings():
   f = jaxstreams.jit(lambda x, n: x * n, streams=2, static_argnums=1)
   assert jaxstreams.plan(f)(jnp.ones(2), 3).streams == 2
   assert jaxstreams.plan(f, streams=4)(jnp.ones(2), 3).streams == 4
+
+
+def test_the_plan_is_a_frozen_report_of_names():
+  """The user's plan is read-only data: value names, not the program that
+  lowering emits, so nothing done to it can change what runs."""
+  def f(x):
+    with jaxstreams.stream(1):
+      a = jnp.sin(x)
+    return a + jnp.cos(x) * 2.0
+
+  plan = jaxstreams.plan(f, streams=2)(jnp.ones(3))
+  for name in ("regions", "equations", "dependencies", "streams", "summary"):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(plan, name, ())
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.regions[0].stream = 0
+  assert not hasattr(plan, "_program") and not hasattr(plan, "_graph")
+  sin, cos, mul, add = plan.equations
+  assert (sin.primitive, sin.inputs, sin.outputs) == ("sin", ("a0",), ("v0",))
+  assert mul.inputs == cos.outputs           # the literal 2.0 is not a value
+  assert add.inputs == sin.outputs + mul.outputs
+  assert plan.region_of(0).outputs == sin.outputs
+  assert plan.edges == ((0, 1),) and plan.dependencies[0].values == ("v0",)

@@ -43,7 +43,6 @@ import tempfile
 from typing import Optional
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 from jax import lax
 import pytest
@@ -471,36 +470,28 @@ def check_regions_match_program(plan):
   """Each equation is in exactly one region, on that region's stream; each
   value it reads from another region is made by an earlier region and listed
   as that region's output and this region's input."""
-  jaxpr = plan._program.jaxpr
   producer = {}
-  for index, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.outvars:
-      producer[v] = index
-  names = {}
-  for i, v in enumerate(jaxpr.invars):
-    names[v] = f"a{i}"
-  count = 0
-  for eqn in jaxpr.eqns:
-    for v in eqn.outvars:
-      names[v] = f"v{count}"
-      count += 1
+  for e in plan.equations:
+    for name in e.outputs:
+      producer[name] = e.index
   seen = sorted(i for r in plan.regions for i in r.equations)
   assert seen == list(range(len(plan.equations)))
   for r in plan.regions:
     for i in r.equations:
       assert plan.equations[i].region == r.index
       assert plan.equations[i].stream == r.stream
-  for index, eqn in enumerate(jaxpr.eqns):
-    mine = plan.equations[index].region
-    for v in eqn.invars:
-      if isinstance(v, jcore.Literal) or v not in producer:
+  for e in plan.equations:
+    mine = e.region
+    for name in e.inputs:
+      if name not in producer:
+        assert name[0] in "ac", f"#{e.index} reads {name}, made by nothing"
         continue
-      theirs = plan.equations[producer[v]].region
+      theirs = plan.equations[producer[name]].region
       if theirs == mine:
         continue
-      assert theirs < mine, f"#{index} in R{mine} reads R{theirs} (later)"
-      assert names[v] in plan.regions[mine].inputs
-      assert names[v] in plan.regions[theirs].outputs
+      assert theirs < mine, f"#{e.index} in R{mine} reads R{theirs} (later)"
+      assert name in plan.regions[mine].inputs
+      assert name in plan.regions[theirs].outputs
 
 
 def check_no_tag_moved(program: Program, plan):
@@ -532,11 +523,9 @@ def check_no_tag_moved(program: Program, plan):
 def input_producers(plan, index: int) -> list:
   """The planned equations that make equation ``index``'s inputs (arguments,
   constants and literals have none)."""
-  jaxpr = plan._program.jaxpr
-  producer = {v: i for i, eqn in enumerate(jaxpr.eqns[:index])
-              for v in eqn.outvars}
-  return [plan.equations[producer[v]] for v in jaxpr.eqns[index].invars
-          if not isinstance(v, jcore.Literal) and v in producer]
+  producer = {name: e for e in plan.equations[:index] for name in e.outputs}
+  return [producer[name] for name in plan.equations[index].inputs
+          if name in producer]
 
 
 def check_options_honoured(program: Program, options: Options, plan):

@@ -34,7 +34,6 @@ from typing import Any
 import jax.extend.core as jcore
 
 from jaxstreams import _compat
-from jaxstreams.assign.cost import DEFAULT_DEVICE, DeviceModel
 from jaxstreams.assign.rules import StreamRules
 from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag
 
@@ -44,16 +43,6 @@ class Placement:
   stream: int
   rule: str          # user, colocate, body, file, forward, auto, main, effects
   note: str = ""     # what could not be honoured, if anything
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanOptions:
-  """The settings a plan is made with (see ``jaxstreams.config``)."""
-  auto: bool = False
-  forward_propagation: bool = False
-  rules: StreamRules | None = None
-  reduce_stream_wait: bool = True
-  device: DeviceModel = DEFAULT_DEVICE
 
 
 class StreamIdError(ValueError):
@@ -89,17 +78,21 @@ def equation_name(eqn) -> str:
 
 
 def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
-                   options: PlanOptions = PlanOptions()) -> list[Placement]:
+                   *, rules: StreamRules | None = None,
+                   forward_propagation: bool = False) -> list[Placement]:
   """A ``Placement`` for each top-level equation of ``program.jaxpr``, by
-  rules 1-5 and 7 (``auto`` is applied by the caller, which can compare)."""
-  if options.rules is not None:
-    options.rules.check_range(streams, streams_source)
+  rules 1-5 and 7 (``auto`` is applied by the caller, which can compare).
+  ``rules`` is the rules file's content (rule 4), ``forward_propagation``
+  turns on rule 5."""
+  if rules is not None:
+    rules.check_range(streams, streams_source)
   producer: dict[Any, int] = {}      # var -> index of the equation making it
   placements: list[Placement] = []
   for index, eqn in enumerate(program.jaxpr.eqns):
     stack = _compat.name_stack_entries(eqn)
     placement = _place(eqn, stack, effective_tag(stack), program, producer,
-                       placements, streams, streams_source, options)
+                       placements, streams, streams_source, rules,
+                       forward_propagation)
     if eqn.effects and placement.stream != 0:
       placement = Placement(
           0, "effects", f"asked for stream {placement.stream} "
@@ -112,7 +105,8 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
 
 
 def _place(eqn, stack, tag: Tag | None, program, producer, placements,
-           streams, streams_source, options: PlanOptions) -> Placement:
+           streams, streams_source, rules: StreamRules | None,
+           forward_propagation: bool) -> Placement:
   inner: dict[int, Any] = {}
   _inner_stream_tags(eqn, stack, streams, streams_source, inner)
   if tag is not None and tag.kind == "stream":
@@ -137,12 +131,12 @@ def _place(eqn, stack, tag: Tag | None, program, producer, placements,
     ids = ", ".join(str(s) for s in sorted(inner))
     note = (f"its body asks for streams {ids}; a {eqn.primitive.name} body "
             "runs as one computation, so it is placed as a whole")
-  if options.rules is not None:
-    matched = options.rules.match(equation_name(eqn))
+  if rules is not None:
+    matched = rules.match(equation_name(eqn))
     if matched is not None:
       stream, _ = matched
       return Placement(stream, "file", note)
-  if options.forward_propagation:
+  if forward_propagation:
     # Only placed inputs count: an unplaced ("main") producer may still be
     # moved by the scheduler, which would leave this equation behind.
     sources = [placements[producer[v]] for v in eqn.invars

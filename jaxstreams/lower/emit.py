@@ -6,6 +6,9 @@ exactly as ``jax.jit`` would bind them, and any other region becomes one
 ``call`` carrying ``_xla_stream_annotation="<stream>"`` and
 ``inlineable="false"``, which XLA:GPU runs on that compute stream with its
 own events. XLA:CPU runs such a call as an ordinary computation.
+
+It reads the ``PartitionedProgram`` (jaxpr variables and equations), never
+the user's ``StreamPlan`` report.
 """
 
 from __future__ import annotations
@@ -15,24 +18,24 @@ from typing import Any, Sequence
 import jax.extend.core as jcore
 
 from jaxstreams import _compat
-from jaxstreams.partition.plan import StreamPlan
+from jaxstreams.partition.partitioned import PartitionedProgram
 
 
-def region_function(plan: StreamPlan, index: int):
+def region_function(plan: PartitionedProgram, index: int):
   """A function of the region's inputs returning its outputs."""
-  graph = plan._graph
-  eqns = [plan._program.jaxpr.eqns[i] for i in graph.members[index]]
-  return _compat.jaxpr_function(graph.inputs[index], graph.outputs[index], eqns)
+  graph = plan.graph
+  return _compat.jaxpr_function(graph.inputs[index], graph.outputs[index],
+                                plan.region_equations(index))
 
 
-def emit(plan: StreamPlan, args: Sequence[Any], *, profile: bool = False
+def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
          ) -> list[Any]:
   """Evaluate ``plan``'s program on flat ``args`` (the traced function's
   flattened dynamic arguments), emitting the regions as planned. With
   ``profile``, each region is wrapped in timing markers."""
-  program = plan._program
-  graph = plan._graph
-  if any(region.is_call for region in plan.regions):
+  program = plan.program
+  graph = plan.graph
+  if any(stream != 0 for stream in graph.streams):
     _compat.install_region_rules()
   env: dict[Any, Any] = {}
   for var, value in zip(program.jaxpr.constvars, program.consts):
@@ -40,16 +43,16 @@ def emit(plan: StreamPlan, args: Sequence[Any], *, profile: bool = False
   for var, value in zip(program.jaxpr.invars, args):
     env[var] = value
 
-  for index, region in enumerate(plan.regions):
+  for index, stream in enumerate(graph.streams):
     if not graph.outputs[index] and not _has_effects(plan, index):
       continue  # nothing reads it: jax.jit would drop it too
     fn = region_function(plan, index)
     if profile:
       from jaxstreams.runtime import profile as profiling
       region_id = profiling.new_region_id(f"{plan.function_name}/R{index}")
-      fn = profiling.wrap_region(fn, region_id, region.stream)
-    if region.is_call:
-      fn = _compat.stream_call(fn, region.stream)
+      fn = profiling.wrap_region(fn, region_id, stream)
+    if stream != 0:
+      fn = _compat.stream_call(fn, stream)
     results = fn(*(env[v] for v in graph.inputs[index]))
     for var, value in zip(graph.outputs[index], results):
       env[var] = value
@@ -61,6 +64,5 @@ def emit(plan: StreamPlan, args: Sequence[Any], *, profile: bool = False
           for v in program.jaxpr.outvars]
 
 
-def _has_effects(plan: StreamPlan, index: int) -> bool:
-  eqns = plan._program.jaxpr.eqns
-  return any(eqns[i].effects for i in plan._graph.members[index])
+def _has_effects(plan: PartitionedProgram, index: int) -> bool:
+  return any(eqn.effects for eqn in plan.region_equations(index))

@@ -1,9 +1,10 @@
-"""``StreamPlan``: what jaxstreams decided for one traced function, for people
-and for the lowering stage.
+"""``StreamPlan``: what jaxstreams decided for one traced function, for people.
 
-The public part (equations, regions, dependencies, notes, ``str(plan)``,
-``to_dot()``) describes the decision; the private part keeps the program and
-the regions' variables so ``jaxstreams.lower`` can emit it.
+A frozen report (equations, regions, dependencies, notes, ``str(plan)``,
+``to_dot()``, ``to_perfetto()``) built by ``report`` from the
+``PartitionedProgram`` that lowering emits. It names values (``a0``, ``c0``,
+``v0``) instead of holding jaxpr variables, so nothing in it can change what
+is emitted.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Any, Sequence
 import json
 import os
 
+import jax.extend.core as jcore
+
 from jaxstreams import _compat
-from jaxstreams.assign import Cost, Placement, equation_name
-from jaxstreams.partition.regions import RegionGraph, transitive_reduction
+from jaxstreams.assign import equation_name
+from jaxstreams.partition.partitioned import PartitionedProgram
+from jaxstreams.partition.regions import transitive_reduction
 from jaxstreams.partition.schedule import Schedule
-from jaxstreams.tag.read import ExposedProgram
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,8 @@ class PlannedEquation:
   flops: float = 0.0         # cost-model estimates
   bytes: float = 0.0
   seconds: float = 0.0
+  inputs: tuple[str, ...] = ()    # values it reads (literals left out) and
+  outputs: tuple[str, ...] = ()   # makes, named as in the regions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,42 +69,19 @@ class Dependency:
   values: tuple[str, ...]
 
 
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class StreamPlan:
-  """The stream plan of one traced function (one set of argument shapes)."""
-
-  def __init__(self, *, function_name: str, streams: int,
-               placements: Sequence[Placement], costs: Sequence[Cost],
-               regions: Sequence[Region], dependencies: Sequence[Dependency],
-               program: ExposedProgram, graph: RegionGraph,
-               schedule: Schedule, summary: str = ""):
-    self.function_name = function_name
-    self.streams = streams
-    self.regions = tuple(regions)
-    self.dependencies = tuple(dependencies)
-    self.schedule = schedule
-    self._placements = tuple(placements)
-    self._costs = tuple(costs)
-    self._equations: tuple[PlannedEquation, ...] | None = None
-    self.summary = summary     # what automatic assignment decided, if on
-    self._program = program
-    self._graph = graph
-
-  @property
-  def equations(self) -> tuple[PlannedEquation, ...]:
-    """Every top-level equation with its stream, rule, region, name, source
-    line and estimates. Built on first use: lowering does not need it, and
-    names and source lines are the slow part of a plan."""
-    if self._equations is None:
-      eqns = self._program.jaxpr.eqns
-      self._equations = tuple(
-          PlannedEquation(
-              index, eqn.primitive.name, equation_name(eqn), placement.stream,
-              placement.rule, self._graph.region_of[index],
-              _compat.source_location(eqn), placement.note, cost.flops,
-              cost.bytes, cost.seconds())
-          for index, (eqn, placement, cost) in enumerate(
-              zip(eqns, self._placements, self._costs)))
-    return self._equations
+  """The stream plan of one traced function (one set of argument shapes).
+  Made by ``jaxstreams.plan(f)(*args)`` and ``f.plan(*args)``; read-only."""
+  function_name: str
+  streams: int
+  equations: tuple[PlannedEquation, ...]
+  regions: tuple[Region, ...]
+  dependencies: tuple[Dependency, ...]   # cross-stream, as XLA will order them
+  edges: tuple[tuple[int, int], ...]     # every (producer, consumer) pair of
+                                         # regions linked by a value
+  schedule: Schedule
+  summary: str = ""       # what automatic assignment decided, if on
 
   @property
   def notes(self) -> tuple[str, ...]:
@@ -126,10 +108,10 @@ class StreamPlan:
     return all(not r.is_call for r in self.regions)
 
   def region_of(self, equation: int) -> Region:
-    return self.regions[self._graph.region_of[equation]]
+    return self.regions[self.equations[equation].region]
 
   def __repr__(self) -> str:
-    return (f"<StreamPlan {self.function_name}: {len(self._placements)} "
+    return (f"<StreamPlan {self.function_name}: {len(self.equations)} "
             f"equations, {len(self.regions)} regions on streams "
             f"{list(self.streams_used)}, {len(self.dependencies)} cross-stream "
             "dependencies>")
@@ -206,7 +188,7 @@ class StreamPlan:
                      f'{_dot_escape(prims)}"];')
       out.append("  }")
     cross = {(d.producer, d.consumer) for d in self.dependencies}
-    for (a, b), values in sorted(self._graph.edges.items()):
+    for a, b in self.edges:
       style = ' [color=red, penwidth=2]' if (a, b) in cross else ""
       if self.regions[a].stream != self.regions[b].stream and (a, b) not in cross:
         style = ' [color=gray, style=dashed]'
@@ -265,27 +247,37 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
   return [fmt(header)] + [fmt(r) for r in rows]
 
 
-def make_plan(function_name: str, streams: int, program: ExposedProgram,
-              placements: Sequence[Placement], graph: RegionGraph, *,
-              schedule: Schedule, costs: Sequence[Cost], summary: str = "",
-              reduce_stream_wait: bool = True) -> StreamPlan:
-  names = _value_names(program.jaxpr)
-  regions = [
+def report(partitioned: PartitionedProgram) -> StreamPlan:
+  """The user's report of a partitioned program. Names and source lines are
+  the slow part of a plan: this runs only when someone asks for the plan."""
+  jaxpr = partitioned.program.jaxpr
+  graph = partitioned.graph
+  names = _value_names(jaxpr)
+  named = lambda values: tuple(names[v] for v in values
+                               if not isinstance(v, jcore.Literal))
+  equations = tuple(
+      PlannedEquation(
+          index, eqn.primitive.name, equation_name(eqn), placement.stream,
+          placement.rule, graph.region_of[index], _compat.source_location(eqn),
+          placement.note, cost.flops, cost.bytes, cost.seconds(),
+          named(eqn.invars), named(eqn.outvars))
+      for index, (eqn, placement, cost) in enumerate(
+          zip(jaxpr.eqns, partitioned.placements, partitioned.costs)))
+  regions = tuple(
       Region(i, graph.streams[i], tuple(graph.members[i]),
-             tuple(names[v] for v in graph.inputs[i]),
-             tuple(names[v] for v in graph.outputs[i]))
-      for i in range(len(graph.streams))]
+             named(graph.inputs[i]), named(graph.outputs[i]))
+      for i in range(len(graph.streams)))
   kept = (transitive_reduction(len(regions), graph.edges)
-          if reduce_stream_wait else set(graph.edges))
-  dependencies = [
-      Dependency(a, b, graph.streams[a], graph.streams[b],
-                 tuple(names[v] for v in values))
+          if partitioned.reduce_stream_wait else set(graph.edges))
+  dependencies = tuple(
+      Dependency(a, b, graph.streams[a], graph.streams[b], named(values))
       for (a, b), values in sorted(graph.edges.items())
-      if (a, b) in kept and graph.streams[a] != graph.streams[b]]
-  return StreamPlan(function_name=function_name, streams=streams,
-                    placements=placements, costs=costs, regions=regions,
-                    dependencies=dependencies, program=program, graph=graph,
-                    schedule=schedule, summary=summary)
+      if (a, b) in kept and graph.streams[a] != graph.streams[b])
+  return StreamPlan(
+      function_name=partitioned.function_name, streams=partitioned.streams,
+      equations=equations, regions=regions, dependencies=dependencies,
+      edges=tuple(sorted(graph.edges)), schedule=partitioned.schedule,
+      summary=partitioned.summary)
 
 
 def _value_names(jaxpr) -> dict[Any, str]:

@@ -66,8 +66,8 @@ from jax import tree_util
 from jax.interpreters import mlir
 
 from jaxstreams import _compat
-from jaxstreams._jit import jit as _streams_jit
-from jaxstreams._signature import signature as _leaf_signatures
+from jaxstreams._jit import jit as _streams_jit, spec_of
+from jaxstreams._signature import signature as _leaf_signatures, traced_signature
 from jaxstreams.tag import stream as _stream
 
 __all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
@@ -137,7 +137,7 @@ mlir.register_lowering(_request_p, _request_lowering)
 
 def _signature(request) -> tuple:
   """What decides the traced program: the pytree structure and each leaf's
-  shape, dtype and weak type (``jaxstreams._signature``). Raises TypeError
+  shape, dtype, weak type and sharding (``jaxstreams._signature``). Raises TypeError
   for a leaf jax.jit would refuse."""
   leaves, treedef = tree_util.tree_flatten(request)
   return treedef, _leaf_signatures(leaves)
@@ -584,8 +584,7 @@ class _Core:
       if traced is not None:
         return traced
       treedef, avals = signature
-      specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
-               for shape, dtype, weak in avals]
+      specs = [leaf.struct() for leaf in avals]
       out_tree_cell = []
       fun = self.fun
 
@@ -659,11 +658,7 @@ def _signature_of_traced(request) -> tuple:
   """``_signature`` of a request whose leaves are tracers of the batch trace
   (their avals are the concrete requests' avals)."""
   leaves, treedef = tree_util.tree_flatten(request)
-  avals = []
-  for leaf in leaves:
-    aval = jax.typeof(leaf)
-    avals.append((tuple(aval.shape), aval.dtype, bool(aval.weak_type)))
-  return treedef, tuple(avals)
+  return treedef, traced_signature(leaves)
 
 
 def _name(fun) -> str:
@@ -769,7 +764,7 @@ def _unwrap(fun: Callable) -> Callable:
   """A ``jaxstreams.jit`` function is served as its Python function: its
   stream blocks are flattened into the request's group like any others, and
   its annotated calls must not nest inside the request's region call."""
-  spec = getattr(fun, "_jaxstreams_spec", None)
+  spec = spec_of(fun)
   if spec is None:
     return fun
   static = {k for k in ("static_argnums", "static_argnames")

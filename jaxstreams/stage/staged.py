@@ -114,6 +114,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxstreams import _compat
 from jaxstreams import _checks
+from jaxstreams._jit import spec_of
 from jaxstreams._signature import signature as _signature
 from jaxstreams.stage.prefetch import NOT_READY, Prefetcher
 from jaxstreams.tag.read import stream_ids
@@ -235,7 +236,7 @@ class _Split:
 
 def _shapes(leaves) -> str:
   return ", ".join(f"{dtype}{list(shape)}{' (weak)' if weak else ''}"
-                   for shape, dtype, weak in _signature(leaves))
+                   for shape, dtype, weak, _ in _signature(leaves))
 
 
 def _identity(item: Any) -> Any:
@@ -490,7 +491,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
 def _unwrap(step: Callable) -> tuple[Callable, Callable, str, Callable[[], int]]:
   """The function to trace, how to jit the consumer (thread mode), a name,
   and how many streams the step's own plan uses (read when a runner starts)."""
-  spec = getattr(step, "_jaxstreams_spec", None)
+  spec = spec_of(step)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
     static = {k for k in ("static_argnums", "static_argnames") if spec.jit_kwargs.get(k)}

@@ -1,0 +1,42 @@
+"""``PartitionedProgram``: the pipeline's result for one traced function,
+what lowering emits.
+
+It holds the exposed program, each equation's placement and cost, the region
+graph and the estimated schedule: jaxpr variables and equations, nothing
+printable. The user's report, ``StreamPlan`` (``partition/plan.py``), is built
+from it on request, so tracing a ``jaxstreams.jit`` function never pays for
+names and source lines, and lowering never reads the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxstreams.assign import Cost, Placement
+from jaxstreams.partition.regions import RegionGraph
+from jaxstreams.partition.schedule import Schedule
+from jaxstreams.tag.read import ExposedProgram
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PartitionedProgram:
+  """A traced program cut into regions, one stream each, in emission order.
+
+  ``placements`` and ``costs`` follow ``program.jaxpr.eqns``; ``graph`` numbers
+  the regions. ``reduce_stream_wait`` is the option the plan was made with:
+  whether the report lists only the cross-stream dependencies left after
+  transitive reduction."""
+  function_name: str
+  streams: int
+  program: ExposedProgram
+  placements: tuple[Placement, ...]
+  costs: tuple[Cost, ...]
+  graph: RegionGraph
+  schedule: Schedule
+  summary: str = ""          # what automatic assignment decided, if on
+  reduce_stream_wait: bool = True
+
+  def region_equations(self, index: int) -> list:
+    """The equations of region ``index``, in program order."""
+    eqns = self.program.jaxpr.eqns
+    return [eqns[i] for i in self.graph.members[index]]
