@@ -65,19 +65,20 @@ def _step_done() -> None:
 
 
 def completion_token() -> None:
-  """Give the profiled step being traced an ordered effect.
+  """Make the profiled step being traced leave a token that
+  ``jax.effects_barrier()`` waits for.
 
   ``profile()`` must read the markers only after the steps run in its block
   have finished, and jax dispatches asynchronously: a step whose output was
-  dropped may still be running at the block's exit. An ordered effect makes
-  jax thread a runtime token through the step, and ``jax.effects_barrier()``
-  waits for it. jax supports ordered effects on one device only, so a
-  process with several devices goes without (its markers are read as they
-  stand at exit).
+  dropped, or not yet read, may still be running at the block's exit. A
+  program with a host callback makes jax keep, per device, a runtime token
+  of its last execution, and ``jax.effects_barrier()`` blocks on those. An
+  unordered callback is enough (the token is the execution's, wherever the
+  callback sits in it) and, unlike an ordered one, jax allows it in a
+  process with several devices.
   """
   import jax
-  if jax.device_count() == 1:
-    jax.debug.callback(_step_done, ordered=True)
+  jax.debug.callback(_step_done)
 
 
 class profile:
@@ -119,7 +120,7 @@ class profile:
     from jaxstreams.runtime import timeline
     _state.depth -= 1
     self._metadata.__exit__(*exc_info)
-    jax.effects_barrier()   # the steps' completion tokens: see completion_token
+    jax.effects_barrier()   # the steps' runtime tokens: see completion_token
     self.timeline = timeline.read()
     self.intervals = timeline.intervals(self.timeline.markers)
     if self.path is not None and self.timeline.markers:
