@@ -1,8 +1,9 @@
 """jaxstreams at work: a two-tower training step placed on three streams.
 
-Prints the stream plan, the regions as XLA:GPU receives them (lowered for
-CUDA, which works on any machine), checks the results against jax.jit, and,
-on a GPU, times both.
+Prints the stream plan; what XLA:GPU makes of it (on a GPU, its compiled
+program; without one, the program XLA compiles for an H100 when the CUDA
+plugin is installed, else the regions as lowered for CUDA); checks the
+results against jax.jit; and, on a GPU, times both.
 
   python examples/streams_demo.py [--towers 2] [--width 512] [--batch 8]
 """
@@ -57,6 +58,32 @@ def median_time(fn, args, reps=30):
   return statistics.median(times)
 
 
+def show_gpu_schedule(fast, plan, args):
+  """The schedule XLA:GPU compiles for the step: on this machine's GPU, or
+  for an H100 without one (deviceless compilation), lane per stream."""
+  if jax.default_backend() == "gpu":
+    where, compiled = jax.devices()[0].device_kind, fast.lower(*args).compile()
+  else:
+    try:
+      target = jaxstreams.gpu_target("h100")
+    except jaxstreams.GpuTargetError as error:
+      text = fast.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      calls = re.findall(r'call @\S+.*_xla_stream_annotation = "(\d+)"', text)
+      print(f"lowered for CUDA: {len(calls)} region calls, on streams "
+            f"{sorted(set(int(c) for c in calls))}. To see the program XLA "
+            f"would run on an H100: {error}\n")
+      return
+    where, compiled = "an H100, compiled without one", fast.lower(
+        *target.abstract(*args)).compile()
+  schedule = jaxstreams.xla_schedule(compiled, plan=plan)
+  print(f"what XLA:GPU runs ({where}); rows are positions in its schedule, "
+        "not time:")
+  print(schedule, "\n")
+  together = [p for p in schedule.compare(plan) if p.scheduled_together]
+  print(f"{len(together)} of {len(schedule.compare(plan))} pairs of regions "
+        "the plan lets run at the same time are scheduled so\n")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--towers", type=int, default=2)
@@ -80,10 +107,7 @@ def main():
   summary = str(plan).split("\nequations (")[0]
   print(summary, "\n")
 
-  text = fast.trace(params, x, y).lower(lowering_platforms=("cuda",)).as_text()
-  calls = re.findall(r'call @\S+.*_xla_stream_annotation = "(\d+)"', text)
-  print(f"lowered for CUDA: {len(calls)} region calls, on streams "
-        f"{sorted(set(int(c) for c in calls))} (forward and backward towers)\n")
+  show_gpu_schedule(fast, plan, (params, x, y))
 
   new_fast, loss_fast = fast(params, x, y)
   new_plain, loss_plain = plain(params, x, y)
@@ -97,8 +121,6 @@ def main():
         f"{'bitwise' if same else 'to rounding' if close else 'NO'}")
 
   if jax.default_backend() == "gpu":
-    compiled = fast.lower(params, x, y).compile().as_text()
-    print(f"compiled: {compiled.count('call-start')} call-start ops")
     t_plain = median_time(plain, (params, x, y))
     t_fast = median_time(fast, (params, x, y))
     print(f"step time: jax.jit {t_plain * 1e3:.3f} ms, jaxstreams "

@@ -126,6 +126,22 @@ def three_chains(x, w):
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def gpu_target_problem():
+  """Why this machine cannot compile for a GPU it lacks (the CUDA plugin
+  missing or at another version than jaxlib), or None."""
+  import importlib.metadata
+  import jaxlib
+  from jaxstreams.xla.target import PLUGIN_PACKAGES
+  for package in PLUGIN_PACKAGES:
+    try:
+      version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      return f"{package} is not installed"
+    if version != jaxlib.__version__:
+      return f"{package} {version} does not match jaxlib {jaxlib.__version__}"
+  return None
+
+
 def run_example(name, *flags, env=None):
   """Run ``examples/<name>`` from the repository root, as a user would (the
   stream count from the environment left out unless ``env`` sets it);

@@ -9,13 +9,33 @@ stream count it was given, losses going down, and results equal to jax.jit
 
 import re
 
-from programs import run_example
+from programs import gpu_target_problem, run_example
 
 
 def backend(out):
   match = re.search(r"^backend: (\w+)", out, re.M)
   assert match, out
   return match.group(1)
+
+
+# ---------------------------------------------------------------------------
+# streams_demo.py (the README's demo)
+
+def test_streams_demo_shows_plan_gpu_program_and_equal_results():
+  out = run_example("streams_demo.py", "--width=64", "--depth=2",
+                    env={"JAX_PLATFORMS": "cpu"})
+  plan = re.search(r"^StreamPlan for \S+: streams=3, \d+ equations, 6 regions",
+                   out, re.M)
+  assert plan, out
+  if gpu_target_problem() is None:
+    # Compiled for an H100 without one: the towers' four regions, forward
+    # and backward, are async regions on streams 1 and 2.
+    assert "what XLA:GPU runs (an H100, compiled without one)" in out, out
+    assert re.search(r"^4 async region\(s\) on stream\(s\) \[1, 2\]", out,
+                     re.M), out
+  else:
+    assert "lowered for CUDA: 4 region calls, on streams [1, 2]" in out, out
+  assert "results equal jax.jit: bitwise" in out, out
 
 
 # ---------------------------------------------------------------------------

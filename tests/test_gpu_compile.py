@@ -8,35 +8,23 @@ compiled in one child process (tests/gpu_compile_programs.py), because
 deviceless compilation needs JAX_PLATFORMS=cpu before jax starts.
 """
 
-import importlib.metadata
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
-import jaxlib
 import pytest
 
-from jaxstreams.xla.target import PLUGIN_PACKAGES, install_command
+from jaxstreams.xla.target import install_command
+from programs import gpu_target_problem
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def _plugin_problem():
-  for package in PLUGIN_PACKAGES:
-    try:
-      version = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      return f"{package} is not installed"
-    if version != jaxlib.__version__:
-      return f"{package} {version} does not match jaxlib {jaxlib.__version__}"
-  return None
-
-
 @pytest.fixture(scope="module")
 def schedules():
-  problem = _plugin_problem()
+  problem = gpu_target_problem()
   if problem:
     message = f"{problem}; {install_command()}"
     if os.environ.get("JAXSTREAMS_REQUIRE_GPU_TARGET") == "1":
