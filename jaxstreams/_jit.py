@@ -191,6 +191,20 @@ class _Spec:
       return self.streams
     return config.read("jaxstreams_streams")
 
+  def array_function(self, context: str) -> Callable:
+    """The function, for a caller that passes every argument as an array
+    (``serve``, ``staged``); a TypeError naming ``context`` when it was
+    made with static arguments, which such a caller cannot honour."""
+    static = sorted(k for k in ("static_argnums", "static_argnames")
+                    if self.jit_kwargs.get(k) not in (None, (), []))
+    if static:
+      raise TypeError(
+          f"{context}: {_function_name(self.fun)} is a jaxstreams.jit "
+          f"function with {', '.join(static)}; {context} passes every "
+          "argument as an array. Bind static values first "
+          "(functools.partial) and pass that.")
+    return self.fun
+
   def jitted(self, streams: int):
     """A new ``jax.jit`` function of the shared staged function."""
     staged = _staged_for(self.fun, streams, self.auto, self.source)

@@ -395,6 +395,17 @@ def test_bad_step_and_data():
     jaxstreams.staged(step1, data=_batches(2), data_argnum=5)(_params())
 
 
+@pytest.mark.parametrize("static", [dict(static_argnums=0),
+                                    dict(static_argnames="params")])
+def test_step_with_static_arguments_is_an_error_as_in_serve(static):
+  step = jaxstreams.jit(step1, streams=2, **static)
+  for make in (lambda: jaxstreams.staged(step, data=_batches(2)),
+               lambda: jaxstreams.serve(step)):
+    with pytest.raises(TypeError, match=f"{next(iter(static))}; .* passes "
+                       "every argument as an array"):
+      make()
+
+
 def test_staged_plan_before_first_call_is_an_error():
   runner = jaxstreams.staged(step1, data=_batches(2))
   with pytest.raises(RuntimeError, match="has not traced a batch yet"):

@@ -65,7 +65,7 @@ import jax.extend.core as jcore
 from jax import tree_util
 from jax.interpreters import mlir
 
-from jaxstreams import _compat
+from jaxstreams import _checks, _compat
 from jaxstreams._jit import jit as _streams_jit, spec_of
 from jaxstreams._signature import signature as _leaf_signatures, traced_signature
 from jaxstreams.tag import stream as _stream
@@ -750,31 +750,12 @@ class Server:
             f"{self._core.groups}, mode={self._core.mode}, {state}>")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"jaxstreams.serve: {name} must be an integer >= "
-                    f"{minimum}, got {value!r} of type {type(value).__name__}")
-  if value < minimum:
-    raise ValueError(f"jaxstreams.serve: {name} must be >= {minimum}, got "
-                     f"{value}")
-  return int(value)
-
-
 def _unwrap(fun: Callable) -> Callable:
   """A ``jaxstreams.jit`` function is served as its Python function: its
   stream blocks are flattened into the request's group like any others, and
   its annotated calls must not nest inside the request's region call."""
   spec = spec_of(fun)
-  if spec is None:
-    return fun
-  static = {k for k in ("static_argnums", "static_argnames")
-            if spec.jit_kwargs.get(k) not in (None, (), [])}
-  if static:
-    raise TypeError(
-        "jaxstreams.serve: f is a jaxstreams.jit function with "
-        f"{', '.join(sorted(static))}; serve passes every argument as an "
-        "array. Bind static values first (functools.partial) and serve that.")
-  return spec.fun
+  return fun if spec is None else spec.array_function("jaxstreams.serve")
 
 
 def serve(fun: Callable | None = None, *, groups: int = 4,
@@ -826,10 +807,13 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
   error. Worker threads start with the first request and end on ``close()``,
   on leaving a ``with`` block, or when the server is garbage-collected.
   """
-  groups = _check_int("groups", groups, 1)
-  max_programs = _check_int("max_programs", max_programs, 1)
-  if queue_size is not None:
-    queue_size = _check_int("queue_size", queue_size, 1)
+  groups = _checks.integer(groups, name="groups", context="jaxstreams.serve",
+                           minimum=1)
+  max_programs = _checks.integer(max_programs, name="max_programs",
+                                 context="jaxstreams.serve", minimum=1)
+  queue_size = _checks.integer(queue_size, name="queue_size",
+                               context="jaxstreams.serve", minimum=1,
+                               none_ok=True)
   if isinstance(max_batch_wait_ms, bool) or not isinstance(
       max_batch_wait_ms, numbers.Real):
     raise TypeError(f"jaxstreams.serve: max_batch_wait_ms must be a number "
@@ -838,11 +822,14 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
     raise ValueError(f"jaxstreams.serve: max_batch_wait_ms must be a finite "
                      f"number >= 0, got {max_batch_wait_ms}")
   if not isinstance(block, bool):
-    if not isinstance(block, numbers.Real) or not block >= 0:
+    try:
+      seconds = _checks.timeout(block, name="block",
+                                context="jaxstreams.serve", zero_ok=True,
+                                none_ok=False)
+    except (TypeError, ValueError):   # worded for what block also takes
       raise TypeError(f"jaxstreams.serve: block must be True, False or a "
-                      f"timeout in seconds >= 0, got {block!r}")
-    # An infinite timeout is block=True (threading cannot wait for inf s).
-    block = True if block == float("inf") else float(block)
+                      f"timeout in seconds >= 0, got {block!r}") from None
+    block = True if seconds is None else seconds    # no bound: wait for room
   if mode not in MODES:
     raise ValueError(f"jaxstreams.serve: mode must be one of {MODES}, got "
                      f"{mode!r}")

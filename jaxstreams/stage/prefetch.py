@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import threading
 import time
 import types
@@ -104,20 +103,6 @@ def _positive_int(value: Any, name: str, func: str) -> int:
 
 
 MAX_THREADS = 1024   # far more than the items worth placing at once
-
-
-def _timeout(value: Any, func: str) -> float | None:
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise TypeError(f"{func}: timeout must be a number of seconds > 0 or None, "
-                    f"got {value!r} of type {type(value).__name__}")
-  if not value > 0:
-    raise ValueError(f"{func}: timeout must be > 0 seconds or None, got "
-                     f"{value!r}")
-  if math.isinf(value):
-    return None       # no bound (threading cannot wait an infinite time)
-  return float(value)
 
 
 def _check_sharding(sharding: Any) -> None:
@@ -522,7 +507,7 @@ class Prefetcher:
     blocked inside the iterable's ``__next__`` exits when that call returns,
     delivers nothing, and then closes what the iterator owns (a generator
     iterable, a stage area). Idempotent."""
-    timeout = _timeout(timeout, "Prefetcher.close")
+    timeout = _checks.timeout(timeout, name="timeout", context="Prefetcher.close")
     self._closed = True
     self._finalizer.detach()
     return self._pipeline.stop(join=True, timeout=timeout)
@@ -969,7 +954,7 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
     raise ValueError(f"{func}: num_threads must be <= {MAX_THREADS} (one "
                      f"thread each; at most size={size} items are placed at "
                      f"once), got {num_threads}")
-  timeout = _timeout(timeout, func)
+  timeout = _checks.timeout(timeout, name="timeout", context=func)
   closed = _exception_types(closed_exception_types, "closed_exception_types")
   ignored = _exception_types(ignored_exception_types, "ignored_exception_types")
   both = set(closed) & set(ignored)

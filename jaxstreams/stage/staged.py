@@ -494,16 +494,13 @@ def _unwrap(step: Callable) -> tuple[Callable, Callable, str, Callable[[], int]]
   spec = spec_of(step)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
-    static = {k for k in ("static_argnums", "static_argnames") if spec.jit_kwargs.get(k)}
-    if static:
-      raise ValueError(f"{_FUNC}: {name} has {sorted(static)}; a staged step "
-                       "takes array arguments only")
+    fun = spec.array_function(_FUNC)
     from jaxstreams import jit as streams_jit
 
     def consumer_jit(f):
       return streams_jit(f, streams=spec.streams)
     consumer_jit.cache_key = ("jaxstreams.jit", spec.streams)
-    return spec.fun, consumer_jit, name, spec.streams_now
+    return fun, consumer_jit, name, spec.streams_now
   inner = getattr(step, "__wrapped__", None)
   if inner is not None and hasattr(step, "lower"):
     step = inner    # a jax.jit function: trace what it wraps, so stage() is visible
