@@ -74,7 +74,7 @@ __all__ = ["prefetch", "Prefetcher", "TRANSFERS", "AUTO_TRANSFER"]
 
 _names = itertools.count()
 
-# What Prefetcher._next_if_ready returns when the next item is not ready.
+# What next_if_ready returns when the next item is not ready.
 NOT_READY = object()
 
 # Result kinds stored per item number.
@@ -433,6 +433,15 @@ class _Pipeline:
     self.transfer.release()
 
 
+def next_if_ready(prefetcher: Prefetcher) -> Any:
+  """The prefetcher's next item if it is ready now, else ``NOT_READY``: no
+  waiting and no exception to build. Package-internal, for ``staged``'s
+  fused runner, which polls its reader every call and must never wait for a
+  batch the reader has not finished; the end and item errors are raised as
+  by ``next``."""
+  return prefetcher._get(wait=False)
+
+
 def _stop_unjoined(pipeline: _Pipeline) -> None:
   # Run by weakref.finalize at collection time: it may run on any thread,
   # even a worker, so it only signals.
@@ -482,11 +491,6 @@ class Prefetcher:
 
   def __next__(self) -> Any:
     return self._get(wait=True)
-
-  def _next_if_ready(self) -> Any:
-    """The next item if it is ready now, else ``NOT_READY``: no waiting and
-    no exception to build (a staged runner polls its reader every call)."""
-    return self._get(wait=False)
 
   def _get(self, wait: bool) -> Any:
     try:

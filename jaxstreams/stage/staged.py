@@ -116,7 +116,7 @@ from jaxstreams import _compat
 from jaxstreams import _checks
 from jaxstreams._jit import spec_of
 from jaxstreams._signature import signature as _signature
-from jaxstreams.stage.prefetch import NOT_READY, Prefetcher
+from jaxstreams.stage.prefetch import NOT_READY, Prefetcher, next_if_ready
 from jaxstreams.tag.read import stream_ids
 
 __all__ = ["stage", "staged", "staged_plan", "StagedPlan", "StagedRunner"]
@@ -773,7 +773,7 @@ class _Fused:
       batch, self.first = self.first, None
     else:
       try:
-        batch = next(self.reader) if block else self.reader._next_if_ready()
+        batch = next(self.reader) if block else next_if_ready(self.reader)
       except StopIteration:
         self.ended = True
         return None
