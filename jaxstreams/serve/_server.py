@@ -68,6 +68,7 @@ from jax.interpreters import mlir
 from jaxstreams import _checks, _compat
 from jaxstreams._jit import jit as _streams_jit, spec_of
 from jaxstreams._signature import signature as _leaf_signatures, traced_signature
+from jaxstreams._trace import trace
 from jaxstreams.tag import stream as _stream
 
 __all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
@@ -584,19 +585,11 @@ class _Core:
       if traced is not None:
         return traced
       treedef, avals = signature
-      specs = [leaf.struct() for leaf in avals]
-      out_tree_cell = []
-      fun = self.fun
-
-      def flat_fun(*leaves):
-        args, kwargs = tree_util.tree_unflatten(treedef, leaves)
-        out_leaves, out_tree = tree_util.tree_flatten(fun(*args, **kwargs))
-        out_tree_cell.append(out_tree)
-        return out_leaves
-
+      args, kwargs = tree_util.tree_unflatten(
+          treedef, [leaf.struct() for leaf in avals])
       self.counts["signatures_traced"] += 1
-      closed = jax.make_jaxpr(flat_fun)(*specs)
-      traced = _Traced(closed, out_tree_cell[0])
+      closed, _, out_tree = trace(self.fun, args, kwargs)
+      traced = _Traced(closed, out_tree)
       self.traced.put(signature, traced)
       return traced
 

@@ -116,6 +116,7 @@ from jaxstreams import _compat
 from jaxstreams import _checks
 from jaxstreams._jit import spec_of
 from jaxstreams._signature import signature as _signature
+from jaxstreams._trace import trace
 from jaxstreams.stage.prefetch import NOT_READY, Prefetcher, next_if_ready
 from jaxstreams.tag.read import stream_ids
 
@@ -274,22 +275,11 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
         f"step called with {len(other_args)} other argument(s) plus the data "
         f"(valid: {-(len(other_args) + 1)} .. {len(other_args)})")
   args = other_args[:position] + (batch,) + other_args[position:]
-  paths_leaves, in_tree = tree_util.tree_flatten_with_path((args, kwargs))
-  paths = [p for p, _ in paths_leaves]
-  leaves = [leaf for _, leaf in paths_leaves]
+  paths = [p for p, _ in tree_util.tree_flatten_with_path((args, kwargs))[0]]
   is_data = [len(p) > 1 and isinstance(p[0], tree_util.SequenceKey) and p[0].idx == 0
              and isinstance(p[1], tree_util.SequenceKey) and p[1].idx == position
              for p in paths]
-  out_tree_cell = []
-
-  def flat_fun(*flat):
-    call_args, call_kwargs = tree_util.tree_unflatten(in_tree, flat)
-    out = fun(*call_args, **call_kwargs)
-    out_leaves, out_tree = tree_util.tree_flatten(out)
-    out_tree_cell.append(out_tree)
-    return out_leaves
-
-  closed = jax.make_jaxpr(flat_fun)(*leaves)
+  closed, leaves, out_tree = trace(fun, args, kwargs)
   jaxpr = closed.jaxpr
   names = {}
   for var, path, data in zip(jaxpr.invars, paths, is_data):
@@ -472,7 +462,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   split = _Split(plan, other_invars, data_invars,
                 (list(jaxpr.constvars), list(closed.consts)),
                 stage_ins, stage_outs, keep_after, fns, bodies,
-                out_tree_cell[0], other_sig)
+                out_tree, other_sig)
   # What fused programs donate (see ``_donated``): the values producer
   # stages made, the consumer's output types, and which parts may raise.
   split.staged = {v for outs in stage_outs[:n_producers] for v in outs}
