@@ -118,7 +118,7 @@ from jaxstreams._jit import spec_of
 from jaxstreams._signature import signature as _signature
 from jaxstreams._trace import trace
 from jaxstreams.stage.prefetch import NOT_READY, Prefetcher, next_if_ready
-from jaxstreams.tag.read import stream_ids
+from jaxstreams.tag.read import any_equation, stream_ids
 
 __all__ = ["stage", "staged", "staged_plan", "StagedPlan", "StagedRunner"]
 
@@ -145,15 +145,11 @@ def _is_marker(eqn) -> bool:
   return eqn.primitive.name == "name" and eqn.params.get("name") == STAGE_NAME
 
 
-def _nested_marker(params: dict) -> bool:
-  for value in params.values():
-    for item in (value if isinstance(value, (tuple, list)) else (value,)):
-      jaxpr = item.jaxpr if isinstance(item, jcore.ClosedJaxpr) else item
-      if isinstance(jaxpr, jcore.Jaxpr):
-        for eqn in jaxpr.eqns:
-          if _is_marker(eqn) or _nested_marker(eqn.params):
-            return True
-  return False
+def _nested_marker(eqn) -> bool:
+  """Whether a ``stage()`` marker sits inside ``eqn`` (a nested jit, a loop
+  body, a branch)."""
+  return any(any_equation(sub.eqns, _is_marker)
+             for sub in _compat.sub_jaxprs(eqn))
 
 
 # ---------------------------------------------------------------------------
@@ -259,9 +255,7 @@ _MAY_RAISE = frozenset({"pure_callback", "io_callback", "debug_callback",
 
 
 def _may_raise(eqns) -> bool:
-  return any(eqn.primitive.name in _MAY_RAISE
-             or any(_may_raise(sub.eqns) for sub in _compat.sub_jaxprs(eqn))
-             for eqn in eqns)
+  return any_equation(eqns, lambda eqn: eqn.primitive.name in _MAY_RAISE)
 
 
 def _build_split(fun: Callable, function_name: str, other_args: tuple,
@@ -304,7 +298,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   constant: list[bool] = []
   markers: list[int] = []
   for i, eqn in enumerate(jaxpr.eqns):
-    if _nested_marker(eqn.params):
+    if _nested_marker(eqn):
       raise ValueError(
           f"{_FUNC}: jaxstreams.stage() is called inside a nested "
           f"'{eqn.primitive.name}' ({_compat.source_location(eqn)}); call it at "

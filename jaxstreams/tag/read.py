@@ -1,7 +1,9 @@
 """Reading the tags back off a traced program.
 
 ``effective_tag`` decides which ``stream()`` / ``colocate_with()`` block an
-equation belongs to from its name stack. ``expose_tags`` rewrites a traced
+equation belongs to from its name stack; ``any_equation`` is the one walk
+over an equation's sub-jaxprs, for tags here and for ``stage()`` markers and
+callbacks in staging. ``expose_tags`` rewrites a traced
 program so that every tag is visible at its top level: nested ``jax.jit``
 calls whose bodies hold tags are inlined (XLA inlines them anyway, so the
 result is the same program), and the colocate anchors are taken out and
@@ -11,7 +13,7 @@ returned separately.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax.extend.core as jcore
 
@@ -86,18 +88,26 @@ def _without_repeated_context(stack):
   return stack
 
 
+def any_equation(eqns, predicate: Callable[[Any], bool]) -> bool:
+  """Whether ``predicate`` holds for one of ``eqns`` or for an equation at
+  any depth inside them (loop bodies, branches, nested calls)."""
+  for eqn in eqns:
+    if predicate(eqn):
+      return True
+    if any(any_equation(sub.eqns, predicate) for sub in _compat.sub_jaxprs(eqn)):
+      return True
+  return False
+
+
 def has_tags(jaxpr) -> bool:
   """Whether any equation in ``jaxpr`` (closed or not; at any depth) is tagged."""
-  for eqn in jaxpr.eqns:
-    if any(kind == "scope" and parse_scope(name) is not None
-           for kind, name in _compat.name_stack_entries(eqn)):
-      return True
-    if eqn.primitive is colocate_anchor_p:
-      return True
-    for sub in _compat.sub_jaxprs(eqn):
-      if has_tags(sub):
-        return True
-  return False
+  return any_equation(jaxpr.eqns, _is_tagged)
+
+
+def _is_tagged(eqn) -> bool:
+  return eqn.primitive is colocate_anchor_p or any(
+      kind == "scope" and parse_scope(name) is not None
+      for kind, name in _compat.name_stack_entries(eqn))
 
 
 def stream_ids(jaxpr, outer_stack=()) -> set[int]:
