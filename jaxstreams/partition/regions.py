@@ -19,6 +19,8 @@ from typing import Any, Sequence
 
 import jax.extend.core as jcore
 
+from jaxstreams.tag.read import ExposedProgram
+
 
 CANDIDATES = 4
 
@@ -34,8 +36,11 @@ class RegionGraph:
   region_of: list[int]                   # region of each equation
 
 
-def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
-  producer: dict[Any, int] = {}
+def partition(program: ExposedProgram, eqn_streams: Sequence[int]
+              ) -> RegionGraph:
+  """Regions of ``program`` (an ``ExposedProgram``) for equation ``i`` on
+  stream ``eqn_streams[i]``."""
+  jaxpr = program.jaxpr
   region_of: list[int] = []
   region_stream: list[int] = []
   region_eqns: list[list[int]] = []
@@ -47,8 +52,7 @@ def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
 
   for index, eqn in enumerate(jaxpr.eqns):
     stream = eqn_streams[index]
-    pred_regions = {region_of[producer[v]] for v in eqn.invars
-                    if not isinstance(v, jcore.Literal) and v in producer}
+    pred_regions = {region_of[p] for p in program.sources(eqn)}
     chosen = None
     # Only the newest few regions of the stream are candidates: that finds
     # the merges blocks and independent work need, and keeps planning linear.
@@ -67,13 +71,11 @@ def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
     region_eqns[chosen].append(index)
     _add_ancestors(ancestors, chosen, pred_regions,
                    new=len(region_eqns[chosen]) == 1)
-    for var in eqn.outvars:
-      producer[var] = index
 
-  order = _topological_order(len(region_stream), jaxpr, producer, region_of)
+  order = _topological_order(len(region_stream), program, region_of)
   rank = {old: new for new, old in enumerate(order)}
   region_of = [rank[r] for r in region_of]
-  return _describe(jaxpr, producer, region_of,
+  return _describe(program, region_of,
                    [region_stream[old] for old in order],
                    [region_eqns[old] for old in order])
 
@@ -99,17 +101,15 @@ def _add_ancestors(ancestors: list[int], region: int, pred_regions,
       ancestors[other] = mask | added
 
 
-def _topological_order(count, jaxpr, producer, region_of) -> list[int]:
+def _topological_order(count, program, region_of) -> list[int]:
   """Regions sorted so each comes after those it reads from (Kahn's
   algorithm, ties broken by creation order)."""
   succ: list[set[int]] = [set() for _ in range(count)]
   indegree = [0] * count
-  for index, eqn in enumerate(jaxpr.eqns):
+  for index, eqn in enumerate(program.jaxpr.eqns):
     mine = region_of[index]
-    for v in eqn.invars:
-      if isinstance(v, jcore.Literal) or v not in producer:
-        continue
-      theirs = region_of[producer[v]]
+    for p in program.sources(eqn):
+      theirs = region_of[p]
       if theirs != mine and mine not in succ[theirs]:
         succ[theirs].add(mine)
         indegree[mine] += 1
@@ -128,7 +128,8 @@ def _topological_order(count, jaxpr, producer, region_of) -> list[int]:
   return order
 
 
-def _describe(jaxpr, producer, region_of, streams, members) -> RegionGraph:
+def _describe(program, region_of, streams, members) -> RegionGraph:
+  jaxpr, producer = program.jaxpr, program.producer
   count = len(streams)
   inputs: list[list[Any]] = [[] for _ in range(count)]
   outputs: list[list[Any]] = [[] for _ in range(count)]
