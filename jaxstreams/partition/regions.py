@@ -8,7 +8,8 @@ from something the region produced. This keeps a user's ``with stream(1):``
 block one call, and merges independent equations of a stream as well.
 
 Each region carries the set of regions it transitively depends on, as a
-bitmask, so the cycle test is a few integer operations per input.
+bitmask, so the cycle test is a few integer operations per input. What each
+region reads and makes comes from ``cut``, as for staging's parts.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import dataclasses
 import heapq
 from typing import Any, Sequence
 
-import jax.extend.core as jcore
-
+from jaxstreams.partition.cut import cut
 from jaxstreams.tag.read import ExposedProgram
 
 
@@ -129,46 +129,15 @@ def _topological_order(count, program, region_of) -> list[int]:
 
 
 def _describe(program, region_of, streams, members) -> RegionGraph:
-  jaxpr, producer = program.jaxpr, program.producer
-  count = len(streams)
-  inputs: list[list[Any]] = [[] for _ in range(count)]
-  outputs: list[list[Any]] = [[] for _ in range(count)]
+  parts = cut(program.jaxpr, members)
   edges: dict[tuple[int, int], list[Any]] = {}
-  seen_in: list[set] = [set() for _ in range(count)]
-  seen_out: list[set] = [set() for _ in range(count)]
-
-  def mark_output(var):
-    region = region_of[producer[var]]
-    if var not in seen_out[region]:
-      seen_out[region].add(var)
-      outputs[region].append(var)
-
-  for index, eqn in enumerate(jaxpr.eqns):
-    mine = region_of[index]
-    for v in eqn.invars:
-      if isinstance(v, jcore.Literal):
-        continue
-      if v in producer and region_of[producer[v]] == mine:
-        continue
-      if v not in seen_in[mine]:
-        seen_in[mine].add(v)
-        inputs[mine].append(v)
-      if v in producer:
-        mark_output(v)
-        edge = edges.setdefault((region_of[producer[v]], mine), [])
-        if v not in edge:
-          edge.append(v)
-  for v in jaxpr.outvars:
-    if not isinstance(v, jcore.Literal) and v in producer:
-      mark_output(v)
-  # Keep outputs in the order their equations run, for stable plans.
-  position = {}
-  for index, eqn in enumerate(jaxpr.eqns):
-    for var in eqn.outvars:
-      position[var] = index
-  for outs in outputs:
-    outs.sort(key=position.__getitem__)
-  return RegionGraph(streams, members, inputs, outputs, edges, region_of)
+  for region, part in enumerate(parts):
+    for v in part.inputs:
+      made_by = program.producer_of(v)
+      if made_by is not None:
+        edges.setdefault((region_of[made_by], region), []).append(v)
+  return RegionGraph(streams, members, [list(p.inputs) for p in parts],
+                     [list(p.outputs) for p in parts], edges, region_of)
 
 
 def transitive_reduction(count: int, edges) -> set[tuple[int, int]]:

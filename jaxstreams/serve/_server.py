@@ -65,10 +65,11 @@ import jax.extend.core as jcore
 from jax import tree_util
 from jax.interpreters import mlir
 
-from jaxstreams import _checks, _compat
+from jaxstreams import _checks
 from jaxstreams._jit import jit as _streams_jit, spec_of
 from jaxstreams._signature import signature as _leaf_signatures, traced_signature
 from jaxstreams._trace import trace
+from jaxstreams.partition.cut import part_jaxpr
 from jaxstreams.tag import stream as _stream
 
 __all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
@@ -101,9 +102,8 @@ class _Traced:
     # operands rather than constants baked into each request's code: the k
     # requests of a batch then share one copy of them instead of k.
     jaxpr = closed.jaxpr
-    self.closed = jcore.ClosedJaxpr(
-        _compat.make_jaxpr(list(jaxpr.constvars) + list(jaxpr.invars),
-                           jaxpr.outvars, jaxpr.eqns), ())
+    self.closed = part_jaxpr([*jaxpr.constvars, *jaxpr.invars], jaxpr.outvars,
+                             jaxpr.eqns)
     self.consts = list(closed.consts)
     self.out_tree = out_tree
 

@@ -117,6 +117,7 @@ from jaxstreams import _checks
 from jaxstreams._jit import spec_of
 from jaxstreams._signature import signature as _signature
 from jaxstreams._trace import trace
+from jaxstreams.partition.cut import cut, part_function
 from jaxstreams.stage.prefetch import NOT_READY, Prefetcher, next_if_ready
 from jaxstreams.tag.read import any_equation, stream_ids
 
@@ -376,51 +377,28 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
     for v in eqn.invars:
       if not isinstance(v, jcore.Literal):
         readers[v] |= parts[i]
-  local = {v for i, eqn in enumerate(jaxpr.eqns) if constant[i]
-           for v in eqn.outvars}
 
-  # Per stage: the (index, equation) pairs it runs; inputs (defined
-  # earlier), outputs (used later).
+  # Each part's inputs, outputs and function. The consumer takes the step's
+  # other arguments first, then the values carried to it.
   n_stages = n_producers + 1
-  part_eqns: list[list] = [[] for _ in range(n_stages)]
-  for i, eqn in enumerate(jaxpr.eqns):
+  members: list[list[int]] = [[] for _ in range(n_stages)]
+  for i in range(len(jaxpr.eqns)):
     for s in parts[i]:
-      part_eqns[s].append((i, eqn))
-  defined_in: dict[Any, int] = {v: -1 for v in data_invars}
-  defined_in.update({v: -1 for v in jaxpr.constvars})
-  defined_in.update({v: n_producers for v in other_invars})
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in eqn.outvars:
-      defined_in[v] = stage_of[i]
-  reads: list[dict] = [dict() for _ in range(n_stages)]   # ordered sets
-  for s in range(n_stages):
-    for _, eqn in part_eqns[s]:
-      for v in eqn.invars:
-        if (not isinstance(v, jcore.Literal) and v not in local
-            and defined_in[v] != s):
-          reads[s][v] = None
-  for v in jaxpr.outvars:
-    if (not isinstance(v, jcore.Literal) and v not in local
-        and defined_in[v] != n_producers):
-      reads[n_producers][v] = None
-  stage_ins = [list(r) for r in reads]
-  stage_outs = []
-  keep_after = []
-  for s in range(n_stages):
-    later = {v for t in range(s + 1, n_stages) for v in stage_ins[t]}
-    keep_after.append(later)
-    outs = [v for _, eqn in part_eqns[s] for v in eqn.outvars if v in later]
-    stage_outs.append(list(dict.fromkeys(outs)))
-
-  # Functions.
+      members[s].append(i)
+  cut_parts = cut(jaxpr, members, results_part=n_producers)
+  other = set(other_invars)
+  stage_ins = [list(part.inputs) for part in cut_parts]
+  stage_ins[n_producers] = [v for v in stage_ins[n_producers] if v not in other]
+  stage_outs = [list(part.outputs) for part in cut_parts]
+  keep_after = [set().union(*stage_ins[s + 1:]) for s in range(n_stages)]
+  part_eqns = [[jaxpr.eqns[i] for i in positions] for positions in members]
   fns, bodies = [], []
   for s in range(n_producers):
-    eqns = [e for _, e in part_eqns[s]]
-    if not eqns:
+    if not members[s]:
       fns.append(None)
       bodies.append(None)
       continue
-    body = _compat.jaxpr_function(stage_ins[s], stage_outs[s], eqns)
+    body = part_function(stage_ins[s], stage_outs[s], part_eqns[s])
     bodies.append(body)
     if stream is not None:
       from jaxstreams import jit as streams_jit, stream as stream_scope
@@ -431,11 +409,8 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
       fns.append(streams_jit(run, streams=stream + 1))
     else:
       fns.append(jax.jit(body))
-  consumer_eqns = [e for _, e in part_eqns[n_producers]]
-  consumer_carried = [v for v in stage_ins[n_producers] if v not in set(other_invars)]
-  stage_ins[n_producers] = consumer_carried
-  consumer = _compat.jaxpr_function(other_invars + consumer_carried,
-                                    jaxpr.outvars, consumer_eqns)
+  consumer = part_function(other_invars + stage_ins[n_producers],
+                           jaxpr.outvars, part_eqns[n_producers])
   fns.append(consumer_jit(consumer))
   bodies.append(consumer)
 
@@ -443,7 +418,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
     return tuple(
         StagedEquation(i, e.primitive.name, _compat.source_location(e),
                        eqn_level[i], constant[i])
-        for i, e in part_eqns[s])
+        for i, e in zip(members[s], part_eqns[s]))
   stages = tuple(
       StageSpec(s, "producer" if s < n_producers else "consumer", describe(s),
                 len(stage_ins[s]), len(stage_outs[s]) if s < n_producers
@@ -461,8 +436,7 @@ def _build_split(fun: Callable, function_name: str, other_args: tuple,
   # stages made, the consumer's output types, and which parts may raise.
   split.staged = {v for outs in stage_outs[:n_producers] for v in outs}
   split.out_avals = [v.aval for v in jaxpr.outvars]
-  split.may_raise = [_may_raise(e for _, e in part_eqns[s])
-                     for s in range(n_stages)]
+  split.may_raise = [_may_raise(eqns) for eqns in part_eqns]
   # Streams the step's own stream() blocks ask for: a fused program needs
   # them all, and the producer's default stream is the first one above them.
   split.streams_used = max(stream_ids(jaxpr), default=0) + 1
