@@ -94,8 +94,9 @@ def any_equation(eqns, predicate: Callable[[Any], bool]) -> bool:
   for eqn in eqns:
     if predicate(eqn):
       return True
-    if any(any_equation(sub.eqns, predicate) for sub in _compat.sub_jaxprs(eqn)):
-      return True
+    for sub in _compat.sub_jaxprs(eqn):
+      if any_equation(sub.eqns, predicate):
+        return True
   return False
 
 
