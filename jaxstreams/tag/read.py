@@ -2,12 +2,13 @@
 
 ``effective_tag`` decides which ``stream()`` / ``colocate_with()`` block an
 equation belongs to from its name stack; ``any_equation`` is the one walk
-over an equation's sub-jaxprs, for tags here and for ``stage()`` markers and
-callbacks in staging. ``expose_tags`` rewrites a traced
-program so that every tag is visible at its top level: nested ``jax.jit``
-calls whose bodies hold tags are inlined (XLA inlines them anyway, so the
-result is the same program), and the colocate anchors are taken out and
-returned separately.
+into equations' sub-jaxprs, for tags here and for ``stage()`` markers and
+callbacks in staging. ``expose_tags`` rewrites a traced program so that
+every tag is visible at its top level: nested ``jax.jit`` calls whose bodies
+hold tags are inlined (XLA inlines them anyway, so the result is the same
+program), and the colocate anchors are taken out and returned separately.
+The result, an ``ExposedProgram``, carries the def-use index the later
+stages read.
 """
 
 from __future__ import annotations
@@ -129,9 +130,9 @@ class ExposedProgram:
   """A traced program with its tags at the top level, and its def-use index.
 
   The index, ``producer``, maps each value an equation makes to that
-  equation's position in ``jaxpr.eqns``. It is built once, here, and read by
-  assignment, partition and the schedule estimate: each used to build its
-  own, with its own test for literals."""
+  equation's position in ``jaxpr.eqns``. Assignment, partition and the
+  schedule estimate all need it: it is built once, with the program, and
+  ``producer_of`` is the one place that knows literals have no producer."""
   jaxpr: Any                    # jax.extend.core.Jaxpr
   consts: list[Any]
   anchors: dict[int, Any]       # colocate token -> the atom it anchors
