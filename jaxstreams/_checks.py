@@ -1,6 +1,6 @@
-"""Argument checks shared by the public functions, so every bad integer or
-timeout gets the same kind of message: what was given, what would be right,
-and where."""
+"""Argument checks shared by the public functions, so every bad integer,
+choice or timeout gets the same kind of message: what was given, what would
+be right, and where."""
 
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ def integer(value: Any, *, name: str, context: str, minimum: int,
     raise ValueError(f"{context}: {name} must be >= {minimum}{meaning}, got "
                      f"{number}")
   return number
+
+
+def one_of(value: Any, choices: tuple, *, name: str, context: str) -> Any:
+  """``value`` if it is one of ``choices``; a ValueError listing them."""
+  if not any(value is c or (type(value) is type(c) and value == c)
+             for c in choices):
+    raise ValueError(f"{context}: {name} must be one of {choices}, got "
+                     f"{value!r}")
+  return value
 
 
 def timeout(value: Any, *, name: str, context: str, unit: str = "seconds",

@@ -823,9 +823,7 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
       raise TypeError(f"jaxstreams.serve: block must be True, False or a "
                       f"timeout in seconds >= 0, got {block!r}") from None
     block = True if seconds is None else seconds    # no bound: wait for room
-  if mode not in MODES:
-    raise ValueError(f"jaxstreams.serve: mode must be one of {MODES}, got "
-                     f"{mode!r}")
+  _checks.one_of(mode, MODES, name="mode", context="jaxstreams.serve")
   if fun is None:
     return lambda f: serve(f, groups=groups,
                            max_batch_wait_ms=max_batch_wait_ms,

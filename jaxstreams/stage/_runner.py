@@ -200,8 +200,7 @@ def _check_options(data_argnum, capacity, stream, smart, mode="fused"):
                            meaning=" (0 is the main stream)", none_ok=True)
   if not isinstance(smart, bool):
     raise TypeError(f"{FUNC}: smart must be True or False, got {smart!r}")
-  if not isinstance(mode, str) or mode not in MODES:
-    raise ValueError(f"{FUNC}: mode must be one of {MODES}, got {mode!r}")
+  _checks.one_of(mode, MODES, name="mode", context=FUNC)
   return capacity, stream
 
 
