@@ -44,8 +44,8 @@ def auto_assign(program: ExposedProgram, fixed: Sequence[int | None],
       return finish[p]
     return finish[p] + device.event_s
 
-  for index, eqn in enumerate(program.jaxpr.eqns):
-    preds = sorted(set(program.sources(eqn)))
+  for index, made_by in enumerate(program.sources):
+    preds = sorted(set(made_by))
     placed = [p for p in preds if stream_of[p] is not None]
     # The input that arrives last decides where the equation "continues".
     main_pred = max(placed, key=lambda p: (finish[p], p)) if placed else None
@@ -91,4 +91,4 @@ def _adopt(index: int, stream: int, stream_of, program) -> None:
     if stream_of[i] is not None:
       continue
     stream_of[i] = stream
-    todo += program.sources(program.jaxpr.eqns[i])
+    todo += program.sources[i]

@@ -85,9 +85,9 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
   if rules is not None:
     rules.check_range(streams, streams_source)
   placements: list[Placement] = []
-  for eqn in program.jaxpr.eqns:
+  for index, eqn in enumerate(program.jaxpr.eqns):
     stack = _compat.name_stack_entries(eqn)
-    placement = _place(eqn, stack, effective_tag(stack), program,
+    placement = _place(index, eqn, stack, effective_tag(stack), program,
                        placements, streams, streams_source, rules,
                        forward_propagation)
     if eqn.effects and placement.stream != 0:
@@ -99,7 +99,7 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
   return placements
 
 
-def _place(eqn, stack, tag: Tag | None, program, placements,
+def _place(index, eqn, stack, tag: Tag | None, program, placements,
            streams, streams_source, rules: StreamRules | None,
            forward_propagation: bool) -> Placement:
   inner: dict[int, Any] = {}
@@ -134,7 +134,7 @@ def _place(eqn, stack, tag: Tag | None, program, placements,
   if forward_propagation:
     # Only placed inputs count: an unplaced ("main") producer may still be
     # moved by the scheduler, which would leave this equation behind.
-    sources = [placements[p] for p in program.sources(eqn)]
+    sources = [placements[p] for p in program.sources[index]]
     streams_in = {p.stream for p in sources}
     if len(streams_in) == 1 and all(p.rule != "main" for p in sources):
       return Placement(streams_in.pop(), "forward", note)

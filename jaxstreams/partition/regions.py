@@ -40,7 +40,6 @@ def partition(program: ExposedProgram, eqn_streams: Sequence[int]
               ) -> RegionGraph:
   """Regions of ``program`` (an ``ExposedProgram``) for equation ``i`` on
   stream ``eqn_streams[i]``."""
-  jaxpr = program.jaxpr
   region_of: list[int] = []
   region_stream: list[int] = []
   region_eqns: list[list[int]] = []
@@ -50,9 +49,9 @@ def partition(program: ExposedProgram, eqn_streams: Sequence[int]
   # everything the whole region waits for.
   ancestors: list[int] = []
 
-  for index, eqn in enumerate(jaxpr.eqns):
+  for index, sources in enumerate(program.sources):
     stream = eqn_streams[index]
-    pred_regions = {region_of[p] for p in program.sources(eqn)}
+    pred_regions = {region_of[p] for p in sources}
     chosen = None
     # Only the newest few regions of the stream are candidates: that finds
     # the merges blocks and independent work need, and keeps planning linear.
@@ -106,9 +105,9 @@ def _topological_order(count, program, region_of) -> list[int]:
   algorithm, ties broken by creation order)."""
   succ: list[set[int]] = [set() for _ in range(count)]
   indegree = [0] * count
-  for index, eqn in enumerate(program.jaxpr.eqns):
+  for index, sources in enumerate(program.sources):
     mine = region_of[index]
-    for p in program.sources(eqn):
+    for p in sources:
       theirs = region_of[p]
       if theirs != mine and mine not in succ[theirs]:
         succ[theirs].add(mine)

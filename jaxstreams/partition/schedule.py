@@ -57,7 +57,7 @@ def estimate(graph: RegionGraph, seconds: Sequence[float],
       clock, first = begin, None
       for i in graph.members[region]:
         at = clock
-        for p in program.sources(program.jaxpr.eqns[i]):
+        for p in program.sources[i]:
           p_region = graph.region_of[p]
           ready = eqn_end[p] if p_region == region else arrival(p_region, 0)
           if ready > at:

@@ -129,29 +129,31 @@ def stream_ids(jaxpr, outer_stack=()) -> set[int]:
 class ExposedProgram:
   """A traced program with its tags at the top level, and its def-use index.
 
-  The index, ``producer``, maps each value an equation makes to that
-  equation's position in ``jaxpr.eqns``. Assignment, partition and the
-  schedule estimate all need it: it is built once, with the program, and
-  ``producer_of`` is the one place that knows literals have no producer."""
+  The index: ``producer`` maps each value an equation makes to that
+  equation's position in ``jaxpr.eqns``; ``sources[i]`` holds the positions
+  of the equations whose values equation ``i`` reads, in the order of its
+  inputs (repeats kept). Assignment, partition and the schedule estimate all
+  need it, in their inner loops: it is built once, with the program, and
+  here is the one place that knows literals have no producer."""
   jaxpr: Any                    # jax.extend.core.Jaxpr
   consts: list[Any]
   anchors: dict[int, Any]       # colocate token -> the atom it anchors
   producer: dict[Any, int] = dataclasses.field(init=False, repr=False)
+  sources: list[tuple[int, ...]] = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
-    self.producer = {var: index for index, eqn in enumerate(self.jaxpr.eqns)
-                     for var in eqn.outvars}
+    self.producer, self.sources = {}, []
+    for index, eqn in enumerate(self.jaxpr.eqns):
+      self.sources.append(tuple(
+          self.producer[v] for v in eqn.invars
+          if not isinstance(v, jcore.Literal) and v in self.producer))
+      for var in eqn.outvars:
+        self.producer[var] = index
 
   def producer_of(self, atom) -> int | None:
     """The position of the equation that makes ``atom``; None for a
     literal, an argument or a constant."""
     return None if isinstance(atom, jcore.Literal) else self.producer.get(atom)
-
-  def sources(self, eqn) -> list[int]:
-    """The positions of the equations whose values ``eqn`` reads, in the
-    order of its inputs (repeats kept)."""
-    found = (self.producer_of(v) for v in eqn.invars)
-    return [index for index in found if index is not None]
 
 
 def expose_tags(closed_jaxpr) -> ExposedProgram:
