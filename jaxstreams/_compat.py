@@ -176,13 +176,6 @@ def make_jaxpr(invars: Iterable, outvars: Iterable, eqns: Iterable,
                      debug)
 
 
-def jaxpr_function(invars: Iterable, outvars: Iterable, eqns: Iterable):
-  """A Python function evaluating ``eqns`` from ``invars`` to ``outvars``
-  (each equation bound again, with its name stack and context)."""
-  return jcore.jaxpr_as_fun(jcore.ClosedJaxpr(make_jaxpr(invars, outvars, eqns),
-                                              ()))
-
-
 def is_unspecified_sharding(sharding: Any) -> bool:
   return type(sharding).__name__ in ("UnspecifiedValue", "NotSpecified")
 

@@ -20,6 +20,7 @@ import jax
 from jax import tree_util
 
 from jaxstreams import _checks, _compat, _pipeline, config
+from jaxstreams._trace import trace
 from jaxstreams.lower import emit
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
@@ -191,6 +192,20 @@ class _Spec:
       return self.streams
     return config.read("jaxstreams_streams")
 
+  def array_function(self, context: str) -> Callable:
+    """The function, for a caller that passes every argument as an array
+    (``serve``, ``staged``); a TypeError naming ``context`` when it was
+    made with static arguments, which such a caller cannot honour."""
+    static = sorted(k for k in ("static_argnums", "static_argnames")
+                    if self.jit_kwargs.get(k) not in (None, (), []))
+    if static:
+      raise TypeError(
+          f"{context}: {_function_name(self.fun)} is a jaxstreams.jit "
+          f"function with {', '.join(static)}; {context} passes every "
+          "argument as an array. Bind static values first "
+          "(functools.partial) and pass that.")
+    return self.fun
+
   def jitted(self, streams: int):
     """A new ``jax.jit`` function of the shared staged function."""
     staged = _staged_for(self.fun, streams, self.auto, self.source)
@@ -220,34 +235,12 @@ def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,
 
   Called inside a ``jax.jit`` trace: array arguments are tracers, static
   arguments are the values themselves and stay baked in, as in jax.jit.
-  The user's function itself is traced (not a flattening wrapper of it),
-  with the arguments that carry no tracer kept static, so that jax's tracing
-  errors name the user's function, its file and line, and the argument
-  (``x``, ``params['w']``) as ``jax.jit``'s do.
   """
-  is_traced = lambda tree: any(isinstance(leaf, jax.core.Tracer)
-                               for leaf in tree_util.tree_leaves(tree))
-  has_leaves = lambda tree: bool(tree_util.tree_leaves(tree))
-  # Static arguments of the outer jax.jit come here as plain values; an
-  # argument with no leaves at all (None, {}) adds no input either way.
-  static_argnums = tuple(i for i, arg in enumerate(args)
-                         if has_leaves(arg) and not is_traced(arg))
-  static_kwargs = {name: value for name, value in kwargs.items()
-                   if has_leaves(value) and not is_traced(value)}
-  dynamic_kwargs = {name: value for name, value in kwargs.items()
-                    if name not in static_kwargs}
-  # A new partial each time: jax's trace cache, keyed by the function, never
-  # hands back an earlier trace, so the user's Python runs on every trace of
-  # the staged function, as before (a failed plan is retraced, not reused).
-  traced_fun = functools.partial(fun, **static_kwargs)
-  closed, out_shapes = jax.make_jaxpr(
-      traced_fun, static_argnums=static_argnums, return_shape=True)(
-          *args, **dynamic_kwargs)
-  dynamic = [leaf for leaf in tree_util.tree_leaves((args, kwargs))
-             if isinstance(leaf, jax.core.Tracer)]
+  closed, dynamic, out_tree = trace(
+      fun, args, kwargs, traced=lambda leaf: isinstance(leaf, jax.core.Tracer))
   plan = _pipeline.plan_program(closed, streams, source, _function_name(fun),
                                 _pipeline.options_from_config(auto))
-  return plan, tree_util.tree_structure(out_shapes), dynamic
+  return plan, out_tree, dynamic
 
 
 class StreamJit:

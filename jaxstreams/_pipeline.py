@@ -72,8 +72,8 @@ def _plan(closed_jaxpr, streams, source, function_name,
   costs = [equation_cost(e) for e in program.jaxpr.eqns]
   seconds = [c.seconds(options.device) for c in costs]
   work = sum(c.work_seconds(options.device) for c in costs)
-  graph = partition(program.jaxpr, [p.stream for p in placements])
-  schedule = estimate(graph, seconds, options.device, work, program.jaxpr)
+  graph = partition(program, [p.stream for p in placements])
+  schedule = estimate(graph, seconds, options.device, work, program)
   summary = ""
   if options.auto:
     placements, graph, schedule, summary = _try_auto(
@@ -93,12 +93,11 @@ def _try_auto(program, placements, graph, schedule, seconds, work, streams,
   if streams == 1 or all(f is not None for f in fixed):
     return placements, graph, schedule, ("auto: nothing to place" if streams > 1
                                          else "auto: streams=1, nothing to split")
-  chosen = auto_assign(program.jaxpr, fixed, streams, seconds, options.device)
+  chosen = auto_assign(program, fixed, streams, seconds, options.device)
   auto_placements = [p if f is not None else Placement(s, "auto", p.note)
                      for p, f, s in zip(placements, fixed, chosen)]
-  auto_graph = partition(program.jaxpr, [p.stream for p in auto_placements])
-  auto_schedule = estimate(auto_graph, seconds, options.device, work,
-                           program.jaxpr)
+  auto_graph = partition(program, [p.stream for p in auto_placements])
+  auto_schedule = estimate(auto_graph, seconds, options.device, work, program)
   before, after = schedule.makespan, auto_schedule.makespan
   moved = sum(p.rule == "auto" and p.stream != 0 for p in auto_placements)
   figures = (f"estimated {after * 1e6:.1f} us split vs {before * 1e6:.1f} us "

@@ -171,3 +171,44 @@ def test_the_plan_is_a_frozen_report_of_names():
   assert add.inputs == sin.outputs + mul.outputs
   assert plan.region_of(0).outputs == sin.outputs
   assert plan.edges == ((0, 1),) and plan.dependencies[0].values == ("v0",)
+
+
+
+def test_cut_gives_each_part_its_inputs_outputs_and_function():
+  """The one cutter partition, staging and serve use. A part's inputs are
+  the values it reads and does not make, first read first; its outputs the
+  values it makes that are read outside it, in program order. An equation
+  in two parts runs in both, so its value is neither part's input."""
+  from jaxstreams.partition import cut, part_function
+
+  def f(x, y):
+    k = jnp.arange(3.0) * 2.0
+    a = jnp.sin(x) + k
+    b = jnp.cos(y)
+    return a * b + k, b, 1.0
+
+  x_val, y_val = jnp.linspace(0.0, 1.0, 3), jnp.linspace(1.0, 2.0, 3)
+  jaxpr = jax.make_jaxpr(f)(x_val, y_val).jaxpr
+  eqns = jaxpr.eqns
+  assert [e.primitive.name for e in eqns] == [
+      "iota", "mul", "sin", "add", "cos", "mul", "add"]
+  x, y = jaxpr.invars
+  const, a, b, result = eqns[1].outvars[0], eqns[3].outvars[0], \
+      eqns[4].outvars[0], eqns[6].outvars[0]
+  members = [[0, 1, 2, 3], [0, 1, 4, 5, 6]]      # k is made by both parts
+
+  first, second = cut(jaxpr, members, results_part=1)
+  assert first.equations == (0, 1, 2, 3)
+  assert first.inputs == (x,) and first.outputs == (a,)
+  assert second.inputs == (y, a) and second.outputs == ()
+  assert const not in first.outputs + second.inputs
+  # Results read outside every part: each part outputs those it makes.
+  assert cut(jaxpr, members)[1].outputs == (b, result)
+
+  run_first = part_function(first.inputs, first.outputs,
+                            [eqns[i] for i in first.equations])
+  run_second = part_function(second.inputs, jaxpr.outvars,
+                             [eqns[i] for i in second.equations])
+  (a_val,) = run_first(x_val)
+  for got, want in zip(run_second(y_val, a_val), f(x_val, y_val)):
+    assert_bitwise_equal(got, want)

@@ -333,6 +333,8 @@ def test_stage_area_argument_errors():
     rt.StageArea(spec, timeout_ms=float("nan"))
   with pytest.raises(ValueError, match="device must be a device ordinal.*got -1"):
     rt.StageArea(spec, device=-1)
+  with rt.StageArea(spec, timeout_ms=float("inf")) as stage:
+    assert stage.timeout_ms == -1                 # inf means no bound
   with pytest.raises(rt.RuntimeOpError, match="capacity \\* item bytes <="):
     rt.StageArea(spec, capacity=10**12)
   with rt.StageArea(spec, capacity=1) as stage:

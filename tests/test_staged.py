@@ -185,6 +185,23 @@ def test_data_argnum(data_argnum, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_step_returning_constants(mode):
+  """Outputs that are constants of the step (literals in its jaxpr, or an
+  argument passed straight through) come back as the plain step's."""
+  def step(params, batch):
+    f = jaxstreams.stage(_features(batch))
+    return jnp.sum(f @ params["w"]), 1.0, params["v"], batch["y"]
+
+  params, data = _params(), _batches(4)
+  want = [jax.jit(step)(params, b) for b in data]
+  with jaxstreams.staged(step, data=data, mode=mode) as runner:
+    got = _run(runner, params)
+  _assert_same(got, want)
+  assert all(g[1].dtype == w[1].dtype and g[1].weak_type == w[1].weak_type
+             for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_jaxstreams_jit_and_jax_jit_steps(mode):
   params, data = _params(), _batches(4)
   want = [jax.jit(step1)(params, b) for b in data]
@@ -393,6 +410,17 @@ def test_bad_step_and_data():
     jaxstreams.staged(step1, data=5)
   with pytest.raises(ValueError, match="data_argnum=5 does not name"):
     jaxstreams.staged(step1, data=_batches(2), data_argnum=5)(_params())
+
+
+@pytest.mark.parametrize("static", [dict(static_argnums=0),
+                                    dict(static_argnames="params")])
+def test_step_with_static_arguments_is_an_error_as_in_serve(static):
+  step = jaxstreams.jit(step1, streams=2, **static)
+  for make in (lambda: jaxstreams.staged(step, data=_batches(2)),
+               lambda: jaxstreams.serve(step)):
+    with pytest.raises(TypeError, match=f"{next(iter(static))}; .* passes "
+                       "every argument as an array"):
+      make()
 
 
 def test_staged_plan_before_first_call_is_an_error():

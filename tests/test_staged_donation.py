@@ -30,7 +30,7 @@ import jaxstreams
 from jaxstreams.stage import staged_plan
 from programs import assert_bitwise_equal, wait_until
 
-staged_module = importlib.import_module("jaxstreams.stage.staged")
+analysis_module = importlib.import_module("jaxstreams.stage._analysis")
 
 B = 8
 CONST = np.linspace(0.0, 1.0, 6, dtype=np.float32)   # closed over by the step
@@ -163,7 +163,7 @@ def two_stage(params, batch):
 
 def _staged_values(runner):
   """(batch index, array) of every staged value in flight."""
-  fused = runner._fused
+  fused = runner._run              # the fused run (None before the first call)
   if fused is None:
     return []
   return [(e.index, x) for e in fused.inflight if e.split is not None
@@ -272,7 +272,7 @@ def test_input_gone_after_a_failure_gives_the_original_error(monkeypatch):
   raise), the failed program takes the older batch's inputs with it: the
   error is then raised by the call that ran it, as itself, not as a
   deleted buffer."""
-  monkeypatch.setattr(staged_module, "_MAY_RAISE", frozenset())
+  monkeypatch.setattr(analysis_module, "_MAY_RAISE", frozenset())
   params, data = _params(), _batches(6)
 
   def check(ids):

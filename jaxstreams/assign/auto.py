@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import jax.extend.core as jcore
-
 from jaxstreams.assign.cost import DeviceModel
+from jaxstreams.tag.read import ExposedProgram
 
 
-def auto_assign(jaxpr, fixed: Sequence[int | None], streams: int,
-                seconds: Sequence[float], device: DeviceModel) -> list[int]:
+def auto_assign(program: ExposedProgram, fixed: Sequence[int | None],
+                streams: int, seconds: Sequence[float],
+                device: DeviceModel) -> list[int]:
   """A stream for every equation: ``fixed[i]`` where given, chosen otherwise.
 
   Equations cheaper than an event are followers: they take no stream time
@@ -35,7 +35,6 @@ def auto_assign(jaxpr, fixed: Sequence[int | None], streams: int,
   where their first consumer goes (so ``x * 2`` feeding a branch moves with
   the branch instead of queueing on the main stream).
   """
-  producer: dict = {}
   stream_of: list[int | None] = []
   finish: list[float] = []
   ready = [0.0] * streams
@@ -45,9 +44,8 @@ def auto_assign(jaxpr, fixed: Sequence[int | None], streams: int,
       return finish[p]
     return finish[p] + device.event_s
 
-  for index, eqn in enumerate(jaxpr.eqns):
-    preds = sorted({producer[v] for v in eqn.invars
-                    if not isinstance(v, jcore.Literal) and v in producer})
+  for index, made_by in enumerate(program.sources):
+    preds = sorted(set(made_by))
     placed = [p for p in preds if stream_of[p] is not None]
     # The input that arrives last decides where the equation "continues".
     main_pred = max(placed, key=lambda p: (finish[p], p)) if placed else None
@@ -81,13 +79,11 @@ def auto_assign(jaxpr, fixed: Sequence[int | None], streams: int,
       stream_of.append(choice)
       ready[choice] = finish[-1]
       for p in preds:
-        _adopt(p, choice, stream_of, jaxpr, producer)
-    for var in eqn.outvars:
-      producer[var] = index
+        _adopt(p, choice, stream_of, program)
   return [0 if s is None else s for s in stream_of]
 
 
-def _adopt(index: int, stream: int, stream_of, jaxpr, producer) -> None:
+def _adopt(index: int, stream: int, stream_of, program) -> None:
   """An undecided follower (and its undecided inputs) joins ``stream``."""
   todo = [index]
   while todo:
@@ -95,5 +91,4 @@ def _adopt(index: int, stream: int, stream_of, jaxpr, producer) -> None:
     if stream_of[i] is not None:
       continue
     stream_of[i] = stream
-    todo += [producer[v] for v in jaxpr.eqns[i].invars
-             if not isinstance(v, jcore.Literal) and v in producer]
+    todo += program.sources[i]

@@ -31,8 +31,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax.extend.core as jcore
-
 from jaxstreams import _compat
 from jaxstreams.assign.rules import StreamRules
 from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag
@@ -86,11 +84,10 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
   turns on rule 5."""
   if rules is not None:
     rules.check_range(streams, streams_source)
-  producer: dict[Any, int] = {}      # var -> index of the equation making it
   placements: list[Placement] = []
   for index, eqn in enumerate(program.jaxpr.eqns):
     stack = _compat.name_stack_entries(eqn)
-    placement = _place(eqn, stack, effective_tag(stack), program, producer,
+    placement = _place(index, eqn, stack, effective_tag(stack), program,
                        placements, streams, streams_source, rules,
                        forward_propagation)
     if eqn.effects and placement.stream != 0:
@@ -99,12 +96,10 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
           f"({placement.rule}), but equations with side effects run on the "
           "main stream")
     placements.append(placement)
-    for var in eqn.outvars:
-      producer[var] = index
   return placements
 
 
-def _place(eqn, stack, tag: Tag | None, program, producer, placements,
+def _place(index, eqn, stack, tag: Tag | None, program, placements,
            streams, streams_source, rules: StreamRules | None,
            forward_propagation: bool) -> Placement:
   inner: dict[int, Any] = {}
@@ -120,7 +115,7 @@ def _place(eqn, stack, tag: Tag | None, program, producer, placements,
     if anchor is None:
       return Placement(0, "main", "colocate_with target was removed by a "
                        "transformation before planning; placed on main")
-    source = producer.get(anchor)
+    source = program.producer_of(anchor)
     if source is None:
       return Placement(0, "colocate")   # an argument or constant: main stream
     return Placement(placements[source].stream, "colocate")
@@ -139,8 +134,7 @@ def _place(eqn, stack, tag: Tag | None, program, producer, placements,
   if forward_propagation:
     # Only placed inputs count: an unplaced ("main") producer may still be
     # moved by the scheduler, which would leave this equation behind.
-    sources = [placements[producer[v]] for v in eqn.invars
-               if not isinstance(v, jcore.Literal) and v in producer]
+    sources = [placements[p] for p in program.sources[index]]
     streams_in = {p.stream for p in sources}
     if len(streams_in) == 1 and all(p.rule != "main" for p in sources):
       return Placement(streams_in.pop(), "forward", note)

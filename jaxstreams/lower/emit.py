@@ -18,14 +18,15 @@ from typing import Any, Sequence
 import jax.extend.core as jcore
 
 from jaxstreams import _compat
+from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
 
 
 def region_function(plan: PartitionedProgram, index: int):
   """A function of the region's inputs returning its outputs."""
   graph = plan.graph
-  return _compat.jaxpr_function(graph.inputs[index], graph.outputs[index],
-                                plan.region_equations(index))
+  return part_function(graph.inputs[index], graph.outputs[index],
+                       plan.region_equations(index))
 
 
 def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False

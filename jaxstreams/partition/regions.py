@@ -8,7 +8,8 @@ from something the region produced. This keeps a user's ``with stream(1):``
 block one call, and merges independent equations of a stream as well.
 
 Each region carries the set of regions it transitively depends on, as a
-bitmask, so the cycle test is a few integer operations per input.
+bitmask, so the cycle test is a few integer operations per input. What each
+region reads and makes comes from ``cut``, as for staging's parts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import dataclasses
 import heapq
 from typing import Any, Sequence
 
-import jax.extend.core as jcore
+from jaxstreams.partition.cut import cut
+from jaxstreams.tag.read import ExposedProgram
 
 
 CANDIDATES = 4
@@ -34,8 +36,10 @@ class RegionGraph:
   region_of: list[int]                   # region of each equation
 
 
-def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
-  producer: dict[Any, int] = {}
+def partition(program: ExposedProgram, eqn_streams: Sequence[int]
+              ) -> RegionGraph:
+  """Regions of ``program`` (an ``ExposedProgram``) for equation ``i`` on
+  stream ``eqn_streams[i]``."""
   region_of: list[int] = []
   region_stream: list[int] = []
   region_eqns: list[list[int]] = []
@@ -45,10 +49,9 @@ def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
   # everything the whole region waits for.
   ancestors: list[int] = []
 
-  for index, eqn in enumerate(jaxpr.eqns):
+  for index, sources in enumerate(program.sources):
     stream = eqn_streams[index]
-    pred_regions = {region_of[producer[v]] for v in eqn.invars
-                    if not isinstance(v, jcore.Literal) and v in producer}
+    pred_regions = {region_of[p] for p in sources}
     chosen = None
     # Only the newest few regions of the stream are candidates: that finds
     # the merges blocks and independent work need, and keeps planning linear.
@@ -67,13 +70,11 @@ def partition(jaxpr, eqn_streams: Sequence[int]) -> RegionGraph:
     region_eqns[chosen].append(index)
     _add_ancestors(ancestors, chosen, pred_regions,
                    new=len(region_eqns[chosen]) == 1)
-    for var in eqn.outvars:
-      producer[var] = index
 
-  order = _topological_order(len(region_stream), jaxpr, producer, region_of)
+  order = _topological_order(len(region_stream), program, region_of)
   rank = {old: new for new, old in enumerate(order)}
   region_of = [rank[r] for r in region_of]
-  return _describe(jaxpr, producer, region_of,
+  return _describe(program, region_of,
                    [region_stream[old] for old in order],
                    [region_eqns[old] for old in order])
 
@@ -99,17 +100,15 @@ def _add_ancestors(ancestors: list[int], region: int, pred_regions,
       ancestors[other] = mask | added
 
 
-def _topological_order(count, jaxpr, producer, region_of) -> list[int]:
+def _topological_order(count, program, region_of) -> list[int]:
   """Regions sorted so each comes after those it reads from (Kahn's
   algorithm, ties broken by creation order)."""
   succ: list[set[int]] = [set() for _ in range(count)]
   indegree = [0] * count
-  for index, eqn in enumerate(jaxpr.eqns):
+  for index, sources in enumerate(program.sources):
     mine = region_of[index]
-    for v in eqn.invars:
-      if isinstance(v, jcore.Literal) or v not in producer:
-        continue
-      theirs = region_of[producer[v]]
+    for p in sources:
+      theirs = region_of[p]
       if theirs != mine and mine not in succ[theirs]:
         succ[theirs].add(mine)
         indegree[mine] += 1
@@ -128,46 +127,16 @@ def _topological_order(count, jaxpr, producer, region_of) -> list[int]:
   return order
 
 
-def _describe(jaxpr, producer, region_of, streams, members) -> RegionGraph:
-  count = len(streams)
-  inputs: list[list[Any]] = [[] for _ in range(count)]
-  outputs: list[list[Any]] = [[] for _ in range(count)]
+def _describe(program, region_of, streams, members) -> RegionGraph:
+  parts = cut(program.jaxpr, members)
   edges: dict[tuple[int, int], list[Any]] = {}
-  seen_in: list[set] = [set() for _ in range(count)]
-  seen_out: list[set] = [set() for _ in range(count)]
-
-  def mark_output(var):
-    region = region_of[producer[var]]
-    if var not in seen_out[region]:
-      seen_out[region].add(var)
-      outputs[region].append(var)
-
-  for index, eqn in enumerate(jaxpr.eqns):
-    mine = region_of[index]
-    for v in eqn.invars:
-      if isinstance(v, jcore.Literal):
-        continue
-      if v in producer and region_of[producer[v]] == mine:
-        continue
-      if v not in seen_in[mine]:
-        seen_in[mine].add(v)
-        inputs[mine].append(v)
-      if v in producer:
-        mark_output(v)
-        edge = edges.setdefault((region_of[producer[v]], mine), [])
-        if v not in edge:
-          edge.append(v)
-  for v in jaxpr.outvars:
-    if not isinstance(v, jcore.Literal) and v in producer:
-      mark_output(v)
-  # Keep outputs in the order their equations run, for stable plans.
-  position = {}
-  for index, eqn in enumerate(jaxpr.eqns):
-    for var in eqn.outvars:
-      position[var] = index
-  for outs in outputs:
-    outs.sort(key=position.__getitem__)
-  return RegionGraph(streams, members, inputs, outputs, edges, region_of)
+  for region, part in enumerate(parts):
+    for v in part.inputs:
+      made_by = program.producer_of(v)
+      if made_by is not None:
+        edges.setdefault((region_of[made_by], region), []).append(v)
+  return RegionGraph(streams, members, [list(p.inputs) for p in parts],
+                     [list(p.outputs) for p in parts], edges, region_of)
 
 
 def transitive_reduction(count: int, edges) -> set[tuple[int, int]]:

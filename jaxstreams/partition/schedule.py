@@ -27,23 +27,19 @@ class Schedule:
 
 def estimate(graph: RegionGraph, seconds: Sequence[float],
              device: DeviceModel, work_seconds: float = 0.0,
-             jaxpr=None) -> Schedule:
+             program=None) -> Schedule:
   """``seconds``: each equation's time on its stream; ``work_seconds``: the
   total work with the whole GPU (a lower bound on any schedule).
 
   A region off the main stream is a call: it starts when all its inputs are
-  there. Main-stream equations are emitted inline, so, given the ``jaxpr``,
-  each of them starts as soon as its own inputs are there.
+  there. Main-stream equations are emitted inline, so, given the
+  ``program`` (an ``ExposedProgram``), each of them starts as soon as its
+  own inputs are there.
   """
   count = len(graph.streams)
   preds: list[set[int]] = [set() for _ in range(count)]
   for a, b in graph.edges:
     preds[b].add(a)
-  producer = {}
-  if jaxpr is not None:
-    for index, eqn in enumerate(jaxpr.eqns):
-      for var in eqn.outvars:
-        producer[var] = index
   eqn_end: dict[int, float] = {}
   start = [0.0] * count
   end = [0.0] * count
@@ -57,14 +53,11 @@ def estimate(graph: RegionGraph, seconds: Sequence[float],
   for region in range(count):      # regions are numbered in plan order
     stream = graph.streams[region]
     begin, why = free.get(stream, (0.0, None))
-    if stream == 0 and jaxpr is not None:
+    if stream == 0 and program is not None:
       clock, first = begin, None
       for i in graph.members[region]:
         at = clock
-        for var in jaxpr.eqns[i].invars:
-          p = producer.get(var) if not hasattr(var, "val") else None
-          if p is None:
-            continue
+        for p in program.sources[i]:
           p_region = graph.region_of[p]
           ready = eqn_end[p] if p_region == region else arrival(p_region, 0)
           if ready > at:

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstreams import _checks
+
 from . import _capi, _loader, _ops, _pool
 
 # CUDA stage ids start here so that a CPU stage used in a GPU program (or the
@@ -51,14 +53,10 @@ def _default_platform() -> str:
 
 
 def _timeout(value: float | None, what: str) -> int:
-    if value is None:
-        return -1
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"jaxstreams stage: {what} must be a number of ms >= 0 or None, "
-                        f"got {value!r} of type {type(value).__name__}")
-    if not value >= 0:
-        raise ValueError(f"jaxstreams stage: {what} must be >= 0 ms or None, got {value}")
-    return int(value)
+    """Milliseconds for the runtime, which takes -1 for no bound."""
+    ms = _checks.timeout(value, name=what, context="jaxstreams stage", unit="ms",
+                         zero_ok=True)
+    return -1 if ms is None else int(ms)
 
 
 class StageArea:

@@ -65,9 +65,11 @@ import jax.extend.core as jcore
 from jax import tree_util
 from jax.interpreters import mlir
 
-from jaxstreams import _compat
+from jaxstreams import _checks
 from jaxstreams._jit import jit as _streams_jit, spec_of
 from jaxstreams._signature import signature as _leaf_signatures, traced_signature
+from jaxstreams._trace import trace
+from jaxstreams.partition.cut import part_jaxpr
 from jaxstreams.tag import stream as _stream
 
 __all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
@@ -100,9 +102,8 @@ class _Traced:
     # operands rather than constants baked into each request's code: the k
     # requests of a batch then share one copy of them instead of k.
     jaxpr = closed.jaxpr
-    self.closed = jcore.ClosedJaxpr(
-        _compat.make_jaxpr(list(jaxpr.constvars) + list(jaxpr.invars),
-                           jaxpr.outvars, jaxpr.eqns), ())
+    self.closed = part_jaxpr([*jaxpr.constvars, *jaxpr.invars], jaxpr.outvars,
+                             jaxpr.eqns)
     self.consts = list(closed.consts)
     self.out_tree = out_tree
 
@@ -584,19 +585,11 @@ class _Core:
       if traced is not None:
         return traced
       treedef, avals = signature
-      specs = [leaf.struct() for leaf in avals]
-      out_tree_cell = []
-      fun = self.fun
-
-      def flat_fun(*leaves):
-        args, kwargs = tree_util.tree_unflatten(treedef, leaves)
-        out_leaves, out_tree = tree_util.tree_flatten(fun(*args, **kwargs))
-        out_tree_cell.append(out_tree)
-        return out_leaves
-
+      args, kwargs = tree_util.tree_unflatten(
+          treedef, [leaf.struct() for leaf in avals])
       self.counts["signatures_traced"] += 1
-      closed = jax.make_jaxpr(flat_fun)(*specs)
-      traced = _Traced(closed, out_tree_cell[0])
+      closed, _, out_tree = trace(self.fun, args, kwargs)
+      traced = _Traced(closed, out_tree)
       self.traced.put(signature, traced)
       return traced
 
@@ -750,31 +743,12 @@ class Server:
             f"{self._core.groups}, mode={self._core.mode}, {state}>")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"jaxstreams.serve: {name} must be an integer >= "
-                    f"{minimum}, got {value!r} of type {type(value).__name__}")
-  if value < minimum:
-    raise ValueError(f"jaxstreams.serve: {name} must be >= {minimum}, got "
-                     f"{value}")
-  return int(value)
-
-
 def _unwrap(fun: Callable) -> Callable:
   """A ``jaxstreams.jit`` function is served as its Python function: its
   stream blocks are flattened into the request's group like any others, and
   its annotated calls must not nest inside the request's region call."""
   spec = spec_of(fun)
-  if spec is None:
-    return fun
-  static = {k for k in ("static_argnums", "static_argnames")
-            if spec.jit_kwargs.get(k) not in (None, (), [])}
-  if static:
-    raise TypeError(
-        "jaxstreams.serve: f is a jaxstreams.jit function with "
-        f"{', '.join(sorted(static))}; serve passes every argument as an "
-        "array. Bind static values first (functools.partial) and serve that.")
-  return spec.fun
+  return fun if spec is None else spec.array_function("jaxstreams.serve")
 
 
 def serve(fun: Callable | None = None, *, groups: int = 4,
@@ -826,10 +800,13 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
   error. Worker threads start with the first request and end on ``close()``,
   on leaving a ``with`` block, or when the server is garbage-collected.
   """
-  groups = _check_int("groups", groups, 1)
-  max_programs = _check_int("max_programs", max_programs, 1)
-  if queue_size is not None:
-    queue_size = _check_int("queue_size", queue_size, 1)
+  groups = _checks.integer(groups, name="groups", context="jaxstreams.serve",
+                           minimum=1)
+  max_programs = _checks.integer(max_programs, name="max_programs",
+                                 context="jaxstreams.serve", minimum=1)
+  queue_size = _checks.integer(queue_size, name="queue_size",
+                               context="jaxstreams.serve", minimum=1,
+                               none_ok=True)
   if isinstance(max_batch_wait_ms, bool) or not isinstance(
       max_batch_wait_ms, numbers.Real):
     raise TypeError(f"jaxstreams.serve: max_batch_wait_ms must be a number "
@@ -838,14 +815,15 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
     raise ValueError(f"jaxstreams.serve: max_batch_wait_ms must be a finite "
                      f"number >= 0, got {max_batch_wait_ms}")
   if not isinstance(block, bool):
-    if not isinstance(block, numbers.Real) or not block >= 0:
+    try:
+      seconds = _checks.timeout(block, name="block",
+                                context="jaxstreams.serve", zero_ok=True,
+                                none_ok=False)
+    except (TypeError, ValueError):   # worded for what block also takes
       raise TypeError(f"jaxstreams.serve: block must be True, False or a "
-                      f"timeout in seconds >= 0, got {block!r}")
-    # An infinite timeout is block=True (threading cannot wait for inf s).
-    block = True if block == float("inf") else float(block)
-  if mode not in MODES:
-    raise ValueError(f"jaxstreams.serve: mode must be one of {MODES}, got "
-                     f"{mode!r}")
+                      f"timeout in seconds >= 0, got {block!r}") from None
+    block = True if seconds is None else seconds    # no bound: wait for room
+  _checks.one_of(mode, MODES, name="mode", context="jaxstreams.serve")
   if fun is None:
     return lambda f: serve(f, groups=groups,
                            max_batch_wait_ms=max_batch_wait_ms,

@@ -10,13 +10,20 @@
   program per call, the producer on a stream of its own (``mode="fused"``),
   or in worker threads (``mode="threads"``).
 
+Modules: ``prefetch`` (the prefetcher); for ``staged``, ``_marker``
+(``stage(x)``), ``_analysis`` (how a step is split), ``_plan`` (the
+``StagedPlan`` report), ``_splits`` (the split a batch uses, cached),
+``_fused`` and ``_threads`` (the two runs) and ``_runner`` (``staged``, its
+runner and ``staged_plan``). This file only re-exports.
+
 Note: ``jaxstreams.stage`` is the function (the package exports it), so reach
 this subpackage's other names with ``from jaxstreams.stage import ...``.
 """
 
+from jaxstreams.stage._marker import stage
+from jaxstreams.stage._plan import StagedPlan
+from jaxstreams.stage._runner import StagedRunner, staged, staged_plan
 from jaxstreams.stage.prefetch import Prefetcher, prefetch
-from jaxstreams.stage.staged import (StagedPlan, StagedRunner, stage, staged,
-                                     staged_plan)
 
 __all__ = ["Prefetcher", "StagedPlan", "StagedRunner", "prefetch", "stage",
            "staged", "staged_plan"]

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import threading
 import time
 import types
@@ -75,7 +74,7 @@ __all__ = ["prefetch", "Prefetcher", "TRANSFERS", "AUTO_TRANSFER"]
 
 _names = itertools.count()
 
-# What Prefetcher._next_if_ready returns when the next item is not ready.
+# What next_if_ready returns when the next item is not ready.
 NOT_READY = object()
 
 # Result kinds stored per item number.
@@ -104,20 +103,6 @@ def _positive_int(value: Any, name: str, func: str) -> int:
 
 
 MAX_THREADS = 1024   # far more than the items worth placing at once
-
-
-def _timeout(value: Any, func: str) -> float | None:
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise TypeError(f"{func}: timeout must be a number of seconds > 0 or None, "
-                    f"got {value!r} of type {type(value).__name__}")
-  if not value > 0:
-    raise ValueError(f"{func}: timeout must be > 0 seconds or None, got "
-                     f"{value!r}")
-  if math.isinf(value):
-    return None       # no bound (threading cannot wait an infinite time)
-  return float(value)
 
 
 def _check_sharding(sharding: Any) -> None:
@@ -448,6 +433,15 @@ class _Pipeline:
     self.transfer.release()
 
 
+def next_if_ready(prefetcher: Prefetcher) -> Any:
+  """The prefetcher's next item if it is ready now, else ``NOT_READY``: no
+  waiting and no exception to build. Package-internal, for ``staged``'s
+  fused runner, which polls its reader every call and must never wait for a
+  batch the reader has not finished; the end and item errors are raised as
+  by ``next``."""
+  return prefetcher._get(wait=False)
+
+
 def _stop_unjoined(pipeline: _Pipeline) -> None:
   # Run by weakref.finalize at collection time: it may run on any thread,
   # even a worker, so it only signals.
@@ -498,11 +492,6 @@ class Prefetcher:
   def __next__(self) -> Any:
     return self._get(wait=True)
 
-  def _next_if_ready(self) -> Any:
-    """The next item if it is ready now, else ``NOT_READY``: no waiting and
-    no exception to build (a staged runner polls its reader every call)."""
-    return self._get(wait=False)
-
   def _get(self, wait: bool) -> Any:
     try:
       item = self._pipeline.get(self.timeout, wait)
@@ -522,7 +511,7 @@ class Prefetcher:
     blocked inside the iterable's ``__next__`` exits when that call returns,
     delivers nothing, and then closes what the iterator owns (a generator
     iterable, a stage area). Idempotent."""
-    timeout = _timeout(timeout, "Prefetcher.close")
+    timeout = _checks.timeout(timeout, name="timeout", context="Prefetcher.close")
     self._closed = True
     self._finalizer.detach()
     return self._pipeline.stop(join=True, timeout=timeout)
@@ -969,7 +958,7 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
     raise ValueError(f"{func}: num_threads must be <= {MAX_THREADS} (one "
                      f"thread each; at most size={size} items are placed at "
                      f"once), got {num_threads}")
-  timeout = _timeout(timeout, func)
+  timeout = _checks.timeout(timeout, name="timeout", context=func)
   closed = _exception_types(closed_exception_types, "closed_exception_types")
   ignored = _exception_types(ignored_exception_types, "ignored_exception_types")
   both = set(closed) & set(ignored)

@@ -1,17 +1,20 @@
 """Reading the tags back off a traced program.
 
 ``effective_tag`` decides which ``stream()`` / ``colocate_with()`` block an
-equation belongs to from its name stack. ``expose_tags`` rewrites a traced
-program so that every tag is visible at its top level: nested ``jax.jit``
-calls whose bodies hold tags are inlined (XLA inlines them anyway, so the
-result is the same program), and the colocate anchors are taken out and
-returned separately.
+equation belongs to from its name stack; ``any_equation`` is the one walk
+into equations' sub-jaxprs, for tags here and for ``stage()`` markers and
+callbacks in staging. ``expose_tags`` rewrites a traced program so that
+every tag is visible at its top level: nested ``jax.jit`` calls whose bodies
+hold tags are inlined (XLA inlines them anyway, so the result is the same
+program), and the colocate anchors are taken out and returned separately.
+The result, an ``ExposedProgram``, carries the def-use index the later
+stages read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax.extend.core as jcore
 
@@ -86,18 +89,27 @@ def _without_repeated_context(stack):
   return stack
 
 
-def has_tags(jaxpr) -> bool:
-  """Whether any equation in ``jaxpr`` (closed or not; at any depth) is tagged."""
-  for eqn in jaxpr.eqns:
-    if any(kind == "scope" and parse_scope(name) is not None
-           for kind, name in _compat.name_stack_entries(eqn)):
-      return True
-    if eqn.primitive is colocate_anchor_p:
+def any_equation(eqns, predicate: Callable[[Any], bool]) -> bool:
+  """Whether ``predicate`` holds for one of ``eqns`` or for an equation at
+  any depth inside them (loop bodies, branches, nested calls)."""
+  for eqn in eqns:
+    if predicate(eqn):
       return True
     for sub in _compat.sub_jaxprs(eqn):
-      if has_tags(sub):
+      if any_equation(sub.eqns, predicate):
         return True
   return False
+
+
+def has_tags(jaxpr) -> bool:
+  """Whether any equation in ``jaxpr`` (closed or not; at any depth) is tagged."""
+  return any_equation(jaxpr.eqns, _is_tagged)
+
+
+def _is_tagged(eqn) -> bool:
+  return eqn.primitive is colocate_anchor_p or any(
+      kind == "scope" and parse_scope(name) is not None
+      for kind, name in _compat.name_stack_entries(eqn))
 
 
 def stream_ids(jaxpr, outer_stack=()) -> set[int]:
@@ -115,10 +127,33 @@ def stream_ids(jaxpr, outer_stack=()) -> set[int]:
 
 @dataclasses.dataclass
 class ExposedProgram:
-  """A traced program with its tags at the top level."""
+  """A traced program with its tags at the top level, and its def-use index.
+
+  The index: ``producer`` maps each value an equation makes to that
+  equation's position in ``jaxpr.eqns``; ``sources[i]`` holds the positions
+  of the equations whose values equation ``i`` reads, in the order of its
+  inputs (repeats kept). Assignment, partition and the schedule estimate all
+  need it, in their inner loops: it is built once, with the program, and
+  here is the one place that knows literals have no producer."""
   jaxpr: Any                    # jax.extend.core.Jaxpr
   consts: list[Any]
   anchors: dict[int, Any]       # colocate token -> the atom it anchors
+  producer: dict[Any, int] = dataclasses.field(init=False, repr=False)
+  sources: list[tuple[int, ...]] = dataclasses.field(init=False, repr=False)
+
+  def __post_init__(self):
+    self.producer, self.sources = {}, []
+    for index, eqn in enumerate(self.jaxpr.eqns):
+      self.sources.append(tuple(
+          self.producer[v] for v in eqn.invars
+          if not isinstance(v, jcore.Literal) and v in self.producer))
+      for var in eqn.outvars:
+        self.producer[var] = index
+
+  def producer_of(self, atom) -> int | None:
+    """The position of the equation that makes ``atom``; None for a
+    literal, an argument or a constant."""
+    return None if isinstance(atom, jcore.Literal) else self.producer.get(atom)
 
 
 def expose_tags(closed_jaxpr) -> ExposedProgram:

@@ -1,0 +1,274 @@
+"""The split analysis: which part of a step each equation runs in.
+
+``staged`` traces the step once per batch signature to a jaxpr and gives
+every top-level equation a *level*: the data argument's leaves (and
+constants) are level 0, an equation is at the highest level of its inputs,
+and a ``stage()`` marker adds one. Equations that read any other argument
+(parameters, optimizer state) or have effects are *consumer* equations, and
+so is everything that depends on them. With ``K`` the highest marker level
+there are ``K`` producer stages and the consumer:
+
+* ``smart=False``: producer stage ``l`` holds the data-only equations of level
+  ``l`` that the markers need (what computes the staged value); the rest is
+  the consumer's.
+* ``smart=True``: every data-only equation that reads the data argument
+  (directly or not) is staged, at stage ``min(level, max(K, 1) - 1)``: the
+  widest subgraph that depends only on the data argument, SmartStage's
+  choice, with or without ``stage()`` calls.
+
+Constant-only equations, data-only ones that read no leaf of the data
+(``jnp.arange(n)``, ``jnp.zeros``, arithmetic on closed-over constants), are
+not staged values: every part (producer stage or consumer) that reads such a
+value computes it itself, the consumer when none does. Per batch they would
+be the same, so carrying them from part to part would only cost device
+memory; one that two parts read runs in both (XLA folds most into
+constants). The plan lists it in each part and marks it ``const``. A
+``stage()`` call is staged as written, even on a constant.
+
+A marker whose input depends on a non-data argument is an error naming that
+argument: the producer runs ahead on later batches, so it would read the
+parameters of an earlier step, silently.
+
+Given which equations each part runs, ``partition.cut`` says what each part
+reads and hands on and makes its function. Each equation is the one the
+step would run, on the same inputs, so the outputs are the step's (bitwise
+on CPU). The result, a ``Split``, is what both runs (fused and threads) use;
+its ``plan`` is the user's report.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import jax.extend.core as jcore
+from jax import tree_util
+
+from jaxstreams import _compat
+from jaxstreams._trace import trace
+from jaxstreams.partition.cut import cut, part_function
+from jaxstreams.stage._marker import has_nested_marker, is_marker
+from jaxstreams.stage._plan import StagedEquation, StagedPlan, StageSpec
+from jaxstreams.tag.read import any_equation, stream_ids
+
+FUNC = "jaxstreams.staged"
+
+# Primitives that can fail while a program runs, after it has taken its
+# donated inputs: host callbacks and foreign function calls. XLA's own
+# operations do not raise (bad indices clamp, NaNs propagate).
+_MAY_RAISE = frozenset({"pure_callback", "io_callback", "debug_callback",
+                        "debug_print", "ffi_call"})
+
+
+class Split:
+  """A step split for one batch signature: per part (producer stages
+  ``0 .. K-1``, then the consumer ``K``) the values it reads (``stage_ins``;
+  the consumer's besides the step's other arguments), hands on
+  (``stage_outs``) and its function (``bodies``, None for a producer stage
+  without equations), and what the fused program needs to decide donation.
+  ``fns`` is what thread mode made of ``bodies`` (``_threads.jit_parts``)."""
+
+  def __init__(self, *, plan: StagedPlan, other_invars, data_invars,
+               const_vars, consts, stage_ins, stage_outs, bodies, out_tree,
+               out_avals, may_raise, streams_used):
+    self.plan = plan
+    self.other_invars = other_invars
+    self.data_invars = data_invars
+    self.const_vars, self.consts = const_vars, consts
+    self.stage_ins = stage_ins
+    self.stage_outs = stage_outs
+    # The values later parts still read, after each part: what an in-flight
+    # batch keeps.
+    self.keep_after = [set().union(*stage_ins[s + 1:])
+                       for s in range(len(stage_ins))]
+    self.bodies = bodies
+    self.fns: list | None = None
+    self.out_tree = out_tree
+    # What fused programs donate: the values producer stages made, the
+    # consumer's output types, and which parts may raise while running.
+    self.staged = {v for outs in stage_outs[:-1] for v in outs}
+    self.out_avals = out_avals
+    self.may_raise = may_raise
+    # Streams the step's own stream() blocks ask for: a fused program needs
+    # them all, and the producer's default stream is the first one above.
+    self.streams_used = streams_used
+
+  def batch_env(self, data_leaves) -> dict:
+    """The values a batch starts with: constants and the batch's leaves."""
+    env = dict(zip(self.const_vars, self.consts))
+    env.update(zip(self.data_invars, data_leaves))
+    return env
+
+
+def build_split(fun: Callable, function_name: str, other_args: tuple,
+                kwargs: dict, batch: Any, data_argnum: int,
+                smart: bool) -> Split:
+  """Traces ``fun`` with ``batch`` at ``data_argnum`` and splits it."""
+  position = data_argnum if data_argnum >= 0 else len(other_args) + 1 + data_argnum
+  if not 0 <= position <= len(other_args):
+    raise ValueError(
+        f"{FUNC}: data_argnum={data_argnum} does not name an argument of a "
+        f"step called with {len(other_args)} other argument(s) plus the data "
+        f"(valid: {-(len(other_args) + 1)} .. {len(other_args)})")
+  args = other_args[:position] + (batch,) + other_args[position:]
+  closed, _, out_tree = trace(fun, args, kwargs)
+  jaxpr = closed.jaxpr
+  is_data, names = _arguments(jaxpr, args, kwargs, position)
+  data_invars = [v for v, d in zip(jaxpr.invars, is_data) if d]
+  other_invars = [v for v, d in zip(jaxpr.invars, is_data) if not d]
+  eqn_level, constant, markers = _levels(jaxpr, data_invars, other_invars,
+                                         names, f"args[{position}]")
+  top = max((eqn_level[i] + 1 for i in markers), default=0)
+  if top == 0 and not smart:
+    raise ValueError(
+        f"{FUNC}: {function_name} calls no jaxstreams.stage(), so there is no "
+        f"producer to run ahead; mark the boundary with jaxstreams.stage(x) "
+        f"or pass smart=True to stage the widest data-only subgraph")
+  n_producers = max(top, 1)
+  members = _members(jaxpr, eqn_level, constant, set(markers), smart,
+                     n_producers)
+
+  # Each part's inputs, outputs and function. The consumer takes the step's
+  # other arguments first, then the values carried to it.
+  parts = cut(jaxpr, members, results_part=n_producers)
+  other = set(other_invars)
+  stage_ins = [list(part.inputs) for part in parts]
+  stage_ins[n_producers] = [v for v in stage_ins[n_producers] if v not in other]
+  stage_outs = [list(part.outputs) for part in parts]
+  part_eqns = [[jaxpr.eqns[i] for i in positions] for positions in members]
+  bodies = [part_function(stage_ins[s], stage_outs[s], part_eqns[s])
+            if members[s] else None for s in range(n_producers)]
+  bodies.append(part_function(other_invars + stage_ins[n_producers],
+                              jaxpr.outvars, part_eqns[n_producers]))
+
+  def describe(s):
+    return tuple(
+        StagedEquation(i, e.primitive.name, _compat.source_location(e),
+                       eqn_level[i], constant[i])
+        for i, e in zip(members[s], part_eqns[s]))
+  stages = tuple(
+      StageSpec(s, "producer" if s < n_producers else "consumer", describe(s),
+                len(stage_ins[s]), len(stage_outs[s]) if s < n_producers
+                else len(jaxpr.outvars))
+      for s in range(n_producers + 1))
+  boundaries = tuple((eqn_level[i] + 1, _compat.source_location(jaxpr.eqns[i]))
+                     for i in markers)
+  return Split(
+      plan=StagedPlan(function_name, smart, position, stages, boundaries),
+      other_invars=other_invars, data_invars=data_invars,
+      const_vars=list(jaxpr.constvars), consts=list(closed.consts),
+      stage_ins=stage_ins, stage_outs=stage_outs, bodies=bodies,
+      out_tree=out_tree, out_avals=[v.aval for v in jaxpr.outvars],
+      may_raise=[_may_raise(eqns) for eqns in part_eqns],
+      streams_used=max(stream_ids(jaxpr), default=0) + 1)
+
+
+def _arguments(jaxpr, args, kwargs, position) -> tuple[list[bool], dict]:
+  """Per input of the jaxpr: whether it is a leaf of the data argument, and
+  its name for errors (``args[0]['w']``, ``kwargs['k']``)."""
+  paths = [p for p, _ in tree_util.tree_flatten_with_path((args, kwargs))[0]]
+  is_data = [len(p) > 1 and isinstance(p[0], tree_util.SequenceKey)
+             and p[0].idx == 0 and isinstance(p[1], tree_util.SequenceKey)
+             and p[1].idx == position for p in paths]
+  names = {var: (f"args{tree_util.keystr(path[1:])}" if path[0].idx == 0
+                 else f"kwargs{tree_util.keystr(path[1:])}")
+           for var, path in zip(jaxpr.invars, paths)}
+  return is_data, names
+
+
+def _levels(jaxpr, data_invars, other_invars, names, data_name):
+  """Each equation's level (None: it depends on another argument or has
+  effects), whether it is constant-only, and the markers' positions."""
+  level: dict[Any, int | None] = {v: 0 for v in data_invars}
+  level.update({v: 0 for v in jaxpr.constvars})
+  origin: dict[Any, str] = {v: names[v] for v in other_invars}
+  level.update({v: None for v in other_invars})
+  eqn_level: list[int | None] = []
+  # Values computed from a leaf of the data argument; a data-only equation
+  # that reads none is constant-only (iota, zeros, closed-over constants).
+  from_data: set = set(data_invars)
+  constant: list[bool] = []
+  markers: list[int] = []
+  for i, eqn in enumerate(jaxpr.eqns):
+    if has_nested_marker(eqn):
+      raise ValueError(
+          f"{FUNC}: jaxstreams.stage() is called inside a nested "
+          f"'{eqn.primitive.name}' ({_compat.source_location(eqn)}); call it at "
+          f"the top level of the step (pass the undecorated function, or a "
+          f"jaxstreams.jit one, to staged)")
+    reads = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+    lv: int | None = 0
+    why = None
+    for v in reads:
+      if level[v] is None:
+        lv, why = None, origin[v]
+        break
+      lv = max(lv, level[v])
+    if lv is not None and eqn.effects:
+      lv, why = None, (f"the effectful '{eqn.primitive.name}' at "
+                       f"{_compat.source_location(eqn)}")
+    marker = is_marker(eqn)
+    if marker and lv is None:
+      raise ValueError(
+          f"{FUNC}: the value passed to jaxstreams.stage() at "
+          f"{_compat.source_location(eqn)} depends on {why}, which is not "
+          f"the data argument {data_name}. The producer runs ahead on later "
+          f"batches, so it would read {why} from an earlier step; compute "
+          f"only from the data before stage(), and use {why} after it.")
+    if marker:
+      markers.append(i)
+    eqn_level.append(lv)
+    reads_data = any(v in from_data for v in reads)
+    if reads_data:
+      from_data.update(eqn.outvars)
+    constant.append(lv is not None and not reads_data and not marker)
+    out_lv = lv + 1 if marker else lv
+    for v in eqn.outvars:
+      level[v] = out_lv
+      if out_lv is None:
+        origin[v] = why
+  return eqn_level, constant, markers
+
+
+def _members(jaxpr, eqn_level, constant, markers: set, smart: bool,
+             n_producers: int) -> list[list[int]]:
+  """The positions of the equations each part runs (producer stages, then
+  the consumer), in program order."""
+  stage_of = [n_producers] * len(jaxpr.eqns)       # default: the consumer
+  if smart:
+    for i, lv in enumerate(eqn_level):
+      if lv is not None and not constant[i]:
+        stage_of[i] = min(lv, n_producers - 1)
+  else:
+    needed: set = set()
+    for i in reversed(range(len(jaxpr.eqns))):
+      eqn = jaxpr.eqns[i]
+      if i in markers or (not constant[i]
+                          and any(v in needed for v in eqn.outvars)):
+        stage_of[i] = eqn_level[i]
+        needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+  # A constant-only equation runs in every part that reads its value
+  # (directly or through other constant-only equations), the consumer when
+  # none does: constants are recomputed, never carried from part to part.
+  parts = [{s} for s in stage_of]
+  readers = collections.defaultdict(set)
+  for v in jaxpr.outvars:
+    if not isinstance(v, jcore.Literal):
+      readers[v].add(n_producers)
+  for i in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[i]
+    if constant[i]:
+      parts[i] = (set().union(*(readers[v] for v in eqn.outvars))
+                  or {n_producers})
+    for v in eqn.invars:
+      if not isinstance(v, jcore.Literal):
+        readers[v] |= parts[i]
+  members: list[list[int]] = [[] for _ in range(n_producers + 1)]
+  for i, in_parts in enumerate(parts):
+    for s in in_parts:
+      members[s].append(i)
+  return members
+
+
+def _may_raise(eqns) -> bool:
+  return any_equation(eqns, lambda eqn: eqn.primitive.name in _MAY_RAISE)

@@ -1,0 +1,288 @@
+"""``staged(step, data=...)``: software pipelining of a step, the runner.
+
+A training step usually begins with work that depends only on the batch
+(decoding, hashing, casting, feature crosses, the host-to-device copy) and
+continues with work on parameters and state. The first part of batch
+``k + 1`` does not need batch ``k``'s results, so it can run while batch
+``k``'s second part runs: seed 004's staging areas (warm-up
+``A0; A1 B0; A2 B1 C0; ...``), DeepRec's ``tf.staged`` and SmartStage.
+
+Where each piece lives: ``_marker`` (``stage(x)``), ``_analysis`` (how a step
+is split), ``_splits`` (the split a batch uses, cached), ``_fused`` (the
+default run: one program per call) and ``_threads`` (``mode="threads"``).
+This module checks the arguments, picks the run and holds what every call
+checks: the step's other arguments keep the first call's structure and
+shapes. Either way each equation is the one ``step`` would run, on the same
+inputs, so the outputs are ``step``'s (bitwise on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import jax
+from jax import tree_util
+
+from jaxstreams import _checks
+from jaxstreams._jit import jit as streams_jit, spec_of
+from jaxstreams._signature import signature
+from jaxstreams.stage._analysis import FUNC, Split, build_split
+from jaxstreams.stage._fused import FusedRun
+from jaxstreams.stage._plan import StagedPlan
+from jaxstreams.stage._splits import Splits
+from jaxstreams.stage._threads import ThreadRun, jit_parts
+
+MODES = ("fused", "threads")
+
+
+class StagedRunner:
+  """What ``jaxstreams.staged`` returns: call it with the step's other
+  arguments to run the next batch. Raises ``StopIteration`` once the data is
+  exhausted and drained; also an iterator-friendly context manager with
+  ``close()``. ``plan`` is the ``StagedPlan`` of the latest batch (None
+  before the first call); ``mode`` is ``"fused"`` or ``"threads"``;
+  ``stream`` and ``streams`` (fused mode, from the first call on) the
+  producer's stream and the stream count its program is compiled with."""
+
+  def __init__(self, step: Callable, data: Iterable[Any], data_argnum: int,
+               capacity: int, stream: int | None, smart: bool, mode: str):
+    fun, consumer_jit, self._name, self._streams_now = _unwrap(step)
+    self._data = data
+    self.data_argnum = data_argnum
+    self.capacity = capacity
+    self.stream = stream
+    self.streams: int | None = None
+    self.smart = smart
+    self.mode = mode
+    self.plan: StagedPlan | None = None
+    if mode == "threads":
+      # Thread mode jits each part on its own (the producer on ``stream``);
+      # fused mode applies the stream inside the one program it fuses.
+      self._splits = Splits(fun, self._name, data_argnum, smart,
+                            jit_key=(stream, consumer_jit.key),
+                            jit_parts=jit_parts(stream, consumer_jit.jit))
+    else:
+      self._splits = Splits(fun, self._name, data_argnum, smart)
+    self._run: FusedRun | ThreadRun | None = None
+    self._last_split: Split | None = None
+    self._done = False
+    self._other_key = None          # the first call's (structure, signature)
+
+  def _start(self, other_args: tuple, kwargs: dict) -> None:
+    """Warm-up: trace with the first batch (in the caller, so a planning
+    error is raised by this call), then start the reader (and, in thread
+    mode, one worker per producer stage: they fill their ``capacity`` slots
+    as in seed 004's ``A0; A1 B0; ...``)."""
+    self._splits.other = (other_args, kwargs)
+    first_leaves, first_tree = tree_util.tree_flatten(self._splits.other)
+    self._other_key = (first_tree, signature(first_leaves))
+    data, self._data = self._data, None     # the run owns the iterable now
+    if self.mode == "fused":
+      self._run = FusedRun(self._splits, data, self.capacity, self.stream,
+                           self._streams_now)
+      self.stream, self.streams = self._run.stream, self._run.streams
+    else:
+      self._run = ThreadRun(self._splits, data, self.capacity)
+    self.plan = self._run.first_split.plan
+
+  def __call__(self, *other_args, **kwargs):
+    if self._done:
+      raise StopIteration
+    try:
+      if self._run is None:
+        self._start(other_args, kwargs)
+      split, outs = self._run.step(self._check_other((other_args, kwargs)))
+    except BaseException:
+      self.close()
+      raise
+    self.plan = split.plan
+    self._last_split = split
+    return tree_util.tree_unflatten(split.out_tree, outs)
+
+  def _check_other(self, call) -> list:
+    """The call's leaves, once checked against the first call's structure,
+    shapes and dtypes (kept by ``_start``: this runs on every call)."""
+    leaves, treedef = tree_util.tree_flatten(call)
+    if (treedef, signature(leaves)) != self._other_key:
+      raise ValueError(
+          f"{FUNC}: the step's other arguments changed structure, shape or "
+          f"dtype since the first call; a staged runner traces its producer "
+          f"with the first call's arguments, so they must keep their shapes")
+    return leaves
+
+  @property
+  def schedule(self) -> list[str]:
+    """Fused mode: the latest programs run (up to 64), oldest first, in seed
+    004's notation: ``"A2 B1 C0"`` is one program that ran producer stage A
+    (stage 0) for batch 2, stage B for batch 1 and the consumer (the letter
+    after the last stage) for batch 0. Empty in thread mode."""
+    return self._run.labels() if isinstance(self._run, FusedRun) else []
+
+  def step_program(self) -> tuple[Callable, list]:
+    """Fused mode: the steady-state program (consumer of batch ``k`` with
+    every producer stage of the following batches) for the latest batch
+    shapes, and its arguments as ``jax.ShapeDtypeStruct``s, to inspect it:
+    ``program, args = runner.step_program();
+    program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()``
+    shows the producer inside calls annotated with ``stream``."""
+    if not isinstance(self._run, FusedRun) or self._last_split is None:
+      raise RuntimeError(f"{FUNC}: step_program() needs a fused runner that "
+                         "has run a call")
+    return self._run.step_program(self._last_split)
+
+  @property
+  def programs_run(self) -> int:
+    """Fused mode: how many programs ran (one per call after the warm-up)."""
+    return self._run.programs if isinstance(self._run, FusedRun) else 0
+
+  def staged_plan(self) -> StagedPlan:
+    """What was staged: the ``StagedPlan`` of the latest batch (available
+    from the first call on; ``jaxstreams.stage.staged_plan`` makes one from
+    example arguments without running)."""
+    if self.plan is None:
+      raise RuntimeError(f"{FUNC}: the runner has not traced a batch yet; call "
+                         "it once, or use jaxstreams.stage.staged_plan(step, "
+                         "*args) with an example batch")
+    return self.plan
+
+  def close(self) -> None:
+    """Stops the reader and every stage's worker and waits for them;
+    idempotent. Staged values still in flight are dropped."""
+    self._done = True
+    if self._run is not None:
+      self._run.close()
+
+  def __enter__(self) -> StagedRunner:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    return (f"<jaxstreams.staged {self._name}, mode={self.mode!r}, "
+            f"capacity={self.capacity}, smart={self.smart}>")
+
+
+class _ConsumerJit:
+  """How thread mode jits the consumer: as the step was jitted (a
+  ``jaxstreams.jit`` step keeps its stream plan), and what tells two such
+  ways apart in the split cache."""
+
+  def __init__(self, jit: Callable, key: Any):
+    self.jit, self.key = jit, key
+
+
+def _unwrap(step: Callable) -> tuple[Callable, _ConsumerJit, str,
+                                     Callable[[], int]]:
+  """The function to trace, how to jit the consumer (thread mode), a name,
+  and how many streams the step's own plan uses (read when a runner starts)."""
+  spec = spec_of(step)
+  name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
+  if spec is not None:
+    fun = spec.array_function(FUNC)
+    consumer_jit = _ConsumerJit(
+        lambda f: streams_jit(f, streams=spec.streams),
+        ("jaxstreams.jit", spec.streams))
+    return fun, consumer_jit, name, spec.streams_now
+  inner = getattr(step, "__wrapped__", None)
+  if inner is not None and hasattr(step, "lower"):
+    step = inner    # a jax.jit function: trace what it wraps, so stage() is visible
+  return step, _ConsumerJit(jax.jit, "jax.jit"), name, lambda: 1
+
+
+def _check_options(data_argnum, capacity, stream, smart, mode="fused"):
+  if isinstance(data_argnum, bool) or not isinstance(data_argnum, int):
+    raise TypeError(f"{FUNC}: data_argnum must be an int (the position of the "
+                    f"data argument, -1 for the last), got {data_argnum!r}")
+  capacity = _checks.integer(capacity, name="capacity", context=FUNC,
+                             minimum=1)
+  stream = _checks.integer(stream, name="stream", context=FUNC, minimum=0,
+                           meaning=" (0 is the main stream)", none_ok=True)
+  if not isinstance(smart, bool):
+    raise TypeError(f"{FUNC}: smart must be True or False, got {smart!r}")
+  _checks.one_of(mode, MODES, name="mode", context=FUNC)
+  return capacity, stream
+
+
+def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
+           capacity: int = 1, stream: int | None = None,
+           smart: bool = False, mode: str = "fused") -> StagedRunner:
+  """Runs ``step`` as a software pipeline over the batches of ``data``.
+
+  ``runner = jaxstreams.staged(step, data=batches)``; then each
+  ``runner(*other_args)`` takes the next batch ``b``, and returns what
+  ``step(*other_args, b)`` returns (``b`` goes in at ``data_argnum``), while
+  the producer part of the step (what computes the ``jaxstreams.stage()``
+  values from ``b``; with ``smart=True`` all of the step that depends only on
+  ``b``) already runs for the following batches. The first call warms the
+  pipeline up; once ``data`` is exhausted and drained, calls raise
+  ``StopIteration``. An exception raised by ``data`` at batch ``k``, or by a
+  producer stage's computation for batch ``k``, is raised by call ``k``.
+
+  ``mode="fused"`` (the default): each call runs ONE ``jaxstreams.jit``
+  program that computes the consumer part for batch ``k`` and, at the same
+  time, producer stage ``j`` for batch ``k + K - j`` (``K`` producer stages),
+  and hands the staged values on to the next call on the device: seed 004's
+  software pipeline, ``A0; A1 B0`` on the first call (warm-up), then
+  ``A2 B1 C0``, ``A3 B2 C1``, ... and ``B4 C3``, ``C4`` at the end (drain);
+  ``runner.schedule`` lists the programs run in that notation. The producer
+  part is placed on stream ``stream`` inside the program, so on a GPU it
+  runs on its own CUDA stream beside the consumer (an annotated call, as for
+  any ``jaxstreams.stream()`` block); on CPU it is inlined and the results
+  are bitwise those of the unstaged step. ``stream=None`` picks the first
+  stream the step does not use itself (one above its own ``stream()``
+  blocks, ``N`` for a ``jaxstreams.jit(streams=N)`` step), and the program is
+  compiled with ``streams = max(step's streams, stream + 1)``; ``stream=0``
+  keeps the producer on the main stream (no overlap). A thread reads and
+  places the batches on the device ahead of the programs that need them,
+  at most ``capacity`` ahead; a call never waits for a batch the reader has
+  not finished once the pipeline is warm (the program then runs without
+  that producer stage, and a later program catches up). The staged values
+  of at most ``K + 1`` batches are on the device at once.
+
+  ``mode="threads"``: every producer stage is a program of its own run by a
+  worker thread, ``capacity`` finished items ahead per stage, and the
+  consumer runs in the caller's thread. On a GPU separate programs do not
+  run their device work at the same time, so this hides only host work
+  (reading, Python parsing, dispatch) and copies; on CPU, where each program
+  runs on its caller's thread, producer work also runs on other cores,
+  which helps when the producer's computation is heavy. ``stream`` tags the
+  producer's programs.
+
+  ``step`` is a plain function, a ``jaxstreams.jit`` function (its consumer
+  part keeps its stream plan) or a ``jax.jit`` function (its wrapped function
+  is traced). Its other arguments must keep their shapes from call to call.
+  In fused mode, a consumer that uses ``jaxstreams.stream()`` blocks gets
+  them honoured even for a plain or ``jax.jit`` step (the program is a
+  ``jaxstreams.jit`` one), within the ``streams`` count above. When a fused
+  program fails (on CPU, where errors are raised by the call), its parts are
+  run again one by one to find the batch the error belongs to, so the
+  consumer's side effects of that call may happen twice; on a GPU an error
+  raised asynchronously by the device surfaces in the outputs of the call
+  that ran it.
+  """
+  if not callable(step):
+    raise TypeError(f"{FUNC}: step must be callable, got {step!r} of type "
+                    f"{type(step).__name__}")
+  capacity, stream = _check_options(data_argnum, capacity, stream, smart, mode)
+  try:
+    iter(data)
+  except TypeError:
+    raise TypeError(f"{FUNC}: data must be an iterable of batches, got "
+                    f"{data!r} of type {type(data).__name__}") from None
+  return StagedRunner(step, data, data_argnum, capacity, stream, smart, mode)
+
+
+def staged_plan(step: Callable, *args, data_argnum: int = -1,
+                smart: bool = False, **kwargs) -> StagedPlan:
+  """The ``StagedPlan`` ``staged`` would make for ``step(*args, **kwargs)``,
+  where ``args[data_argnum]`` is an example batch. Traces; runs nothing."""
+  _check_options(data_argnum, 1, None, smart)
+  fun, _, name, _ = _unwrap(step)
+  position = data_argnum if data_argnum >= 0 else len(args) + data_argnum
+  if not 0 <= position < len(args):
+    raise ValueError(f"{FUNC}: data_argnum={data_argnum} does not name one of "
+                     f"the {len(args)} argument(s)")
+  other = args[:position] + args[position + 1:]
+  return build_split(fun, name, other, kwargs, args[position], position,
+                     smart).plan

@@ -1,0 +1,91 @@
+"""Which ``Split`` a batch runs with: one per batch signature, cached.
+
+A runner meets a new batch signature (structure, shapes, dtypes, weak types)
+in the caller's thread or, in thread mode, in the stage-0 worker, so the
+lookup is locked. Splits are also kept per step function across runners, so
+that a new runner over the same step (the next epoch) reuses the traced and
+compiled stage functions instead of compiling them again; weakly, so that a
+dropped step function frees its programs. ``Splits`` is kept apart from the
+runner so that worker threads never hold the runner: an abandoned runner is
+collected and its workers stop.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+from jax import tree_util
+
+from jaxstreams._signature import signature
+from jaxstreams.stage._analysis import FUNC, Split, build_split
+
+_BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = \
+    weakref.WeakKeyDictionary()
+_BY_FUNCTION_LOCK = threading.Lock()
+
+
+def _per_function(fun) -> dict:
+  try:
+    with _BY_FUNCTION_LOCK:
+      return _BY_FUNCTION.setdefault(fun, {})
+  except TypeError:      # not weak-referenceable: no sharing across runners
+    return {}
+
+
+class Splits:
+  """One runner's splits. ``jit_parts`` is what the runner's mode makes of
+  a new split's functions, and ``jit_key`` tells one way from another in
+  the shared cache (thread mode jits each part, ``jit_parts(split)`` sets
+  ``split.fns``; fused mode fuses ``split.bodies`` itself and passes None);
+  ``cache`` is the step function's cache, which fused programs share too."""
+
+  def __init__(self, fun: Callable, name: str, data_argnum: int, smart: bool,
+               jit_key: Any = None,
+               jit_parts: Callable[[Split], None] | None = None):
+    self.fun, self.name = fun, name
+    self.data_argnum, self.smart = data_argnum, smart
+    self.jit_key, self.jit_parts = jit_key, jit_parts
+    self.cache = _per_function(fun)
+    self.other: tuple | None = None   # the first call's (args, kwargs)
+    self.n_producers = 0              # the first split's producer stages
+    self._mine: dict[tuple, Split] = {}
+    self._lock = threading.Lock()
+
+  def split_for(self, batch: Any) -> Split:
+    data_leaves = tree_util.tree_leaves(batch)
+    key = (tree_util.tree_structure(batch), signature(data_leaves))
+    with self._lock:
+      split = self._mine.get(key)
+      if split is None:
+        split = self._shared(batch, key)
+        if not self._mine:
+          self.n_producers = len(split.plan.producers)
+        elif len(split.plan.producers) != self.n_producers:
+          raise ValueError(
+              f"{FUNC}: a batch of shapes ({_shapes(data_leaves)}) splits "
+              f"{self.name} into {len(split.plan.producers)} producer "
+              f"stage(s), the first batch into {self.n_producers}; the "
+              f"number of stages must not depend on the batch's shapes")
+        self._mine[key] = split
+    return split
+
+  def _shared(self, batch: Any, data_key: tuple) -> Split:
+    other_args, kwargs = self.other
+    key = (data_key, tree_util.tree_structure(self.other),
+           signature(tree_util.tree_leaves(self.other)), self.data_argnum,
+           self.smart, self.jit_key)
+    split = self.cache.get(key)
+    if split is None:
+      split = build_split(self.fun, self.name, other_args, kwargs, batch,
+                          self.data_argnum, self.smart)
+      if self.jit_parts is not None:
+        self.jit_parts(split)
+      self.cache[key] = split
+    return split
+
+
+def _shapes(leaves) -> str:
+  return ", ".join(f"{dtype}{list(shape)}{' (weak)' if weak else ''}"
+                   for shape, dtype, weak, _ in signature(leaves))
