@@ -21,6 +21,9 @@ What lives here, and why it cannot use a public API:
 * ``host_array_to_device``: a numpy array onto jax's default device through
   the call ``jax.device_put`` itself ends in, without its Python layers
   (prefetch places every item with it).
+* ``ARRAY_TYPE``: the concrete class of jax arrays, for an identity test on
+  a per-request path (``isinstance(x, jax.Array)`` goes through a Python
+  ``__instancecheck__``).
 """
 
 from __future__ import annotations
@@ -364,3 +367,18 @@ def host_array_to_device(array: Any) -> Any:
         jax.sharding.SingleDeviceSharding(device), [device])
   aval, sharding, devices = args
   return put(aval, sharding, [array], devices, False, True)
+
+
+# ---------------------------------------------------------------------------
+# The class of a jax.Array a computation returns (serve's direct path waits
+# on a single output without walking it as a tree).
+
+def _find_array_type():
+  try:
+    from jax._src.array import ArrayImpl
+    return ArrayImpl
+  except (ImportError, AttributeError):
+    return None
+
+
+ARRAY_TYPE = _find_array_type()
