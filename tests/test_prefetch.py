@@ -106,11 +106,14 @@ def test_lookahead_is_bounded_by_size():
 
   with jaxstreams.prefetch(source(), size=size, mode="workers") as it:
     for i in range(40):
-      if i in (0, 10):
-        # Give the worker every chance to run ahead: it must stop at `size`.
-        assert wait_until(lambda: len(pulled) == min(40, i + size))
+      if i in (0, 10, 11, 25):
+        # Give the worker every chance to run ahead: it must stop at `size`
+        # (it fills the lookahead at the start; later it is woken to refill
+        # once the lookahead is half empty, so it may be short of full).
+        assert wait_until(lambda: len(pulled) > i)
         time.sleep(0.05)
-        assert len(pulled) == i + size
+        assert (len(pulled) == size) if i == 0 else (
+            i < len(pulled) <= i + size)
       item = next(it)
       delivered[0] += 1
       assert int(item[0]) == i
@@ -515,9 +518,10 @@ def test_stage_area_lookahead_is_bounded_by_size():
                            mode="workers") as it:
     for i in range(30):
       if i in (0, 10):
-        assert wait_until(lambda: len(pulled) == min(30, i + size))
-        time.sleep(0.05)
-        assert len(pulled) == i + size
+        assert wait_until(lambda: len(pulled) > i)
+        time.sleep(0.05)       # (refilled once half empty: see above)
+        assert (len(pulled) == size) if i == 0 else (
+            i < len(pulled) <= i + size)
         stats = it.stage.stats()
         # The area holds at most size items, in memory allocated once.
         assert stats.capacity == size and stats.queued <= size

@@ -26,6 +26,9 @@ The pipeline, and the guarantees it keeps (both ways, and across a switch):
   the iterable; the consumer gives the slot back when it receives that item.
   With ``size`` slots, at most ``size`` items have been pulled and not yet
   delivered, so memory is ``size`` items whatever the speed of either side.
+  A worker waiting for a slot is woken once the lookahead is half empty and
+  then fills it (half the wake-ups, each a system call on both sides, at
+  the default ``size=2``).
 * **Order.** Pulls from the iterable are serialised (iterators are not
   thread-safe) and numbered; results are delivered by number, so the order is
   the iterable's even when ``num_threads > 1`` workers place items at once.
@@ -403,6 +406,7 @@ class _Pipeline:
                                                  # to pull, a switch, a stop
     self.consumers_waiting = 0
     self.free_slots = size
+    self.refill_below = (size - 1) // 2   # ready items under which to wake
     self.next_pull = 0          # number of the next item to pull
     self.next_out = 0           # number of the next item to deliver
     self.results: dict[int, tuple[str, Any, float]] = {}
@@ -553,7 +557,8 @@ class _Pipeline:
           kind, value, produced = self.results.pop(number)
           self.next_out += 1
           self.free_slots += 1
-          self.work.notify_all()      # a slot for a worker
+          if len(self.results) <= self.refill_below:
+            self.work.notify_all()    # half empty: a worker refills it
           if self.consumers_waiting:
             self.cond.notify_all()
           if kind is _VALUE:
@@ -1030,7 +1035,10 @@ def place_on_device(item: Any, sharding: Any = None, wait: bool = True) -> Any:
   if out is None:
     out = jax.device_put(item, sharding)
   if wait:
-    jax.block_until_ready(out)
+    if type(out) is _compat.ARRAY_TYPE:
+      out.block_until_ready()     # one array: no tree walk
+    else:
+      jax.block_until_ready(out)
   return out
 
 
