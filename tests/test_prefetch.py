@@ -701,7 +701,7 @@ def test_describing_the_iterable_prints_no_item():
       return "Item"
 
   items = [np.zeros(4, np.float32).view(Item) for _ in range(200)]
-  with jaxstreams.prefetch(items, size=2) as it:
+  with jaxstreams.prefetch(items, size=2, mode="workers") as it:
     assert len(list(it)) == 200
     assert "list of 200 item(s)" in repr(it)
   assert not printed
@@ -874,12 +874,17 @@ def _feed(chooser, n, cycle_us, produce_us, inline_made=None, waited=False):
 def test_chooser_stays_inline_where_production_is_cheap():
   chooser = Chooser(size=2)
   assert chooser.mode == "inline" and "judging" in chooser.reason
-  assert _feed(chooser, 2 + 10 * WINDOW, cycle_us=100, produce_us=5) == []
+  # A small share of the cycle ...
+  assert _feed(chooser, 2 + 10 * WINDOW, cycle_us=1000, produce_us=50) == []
   assert chooser.mode == "inline" and not chooser.trials
-  assert "5.0% of a cycle (5 us of 100 us" in chooser.reason
+  assert "5.0% of a cycle (50 us of 1000 us" in chooser.reason
   assert chooser.news == chooser.reason     # told once ...
   chooser.news = None
-  _feed(chooser, 3 * WINDOW, cycle_us=100, produce_us=5)
+  # ... or a large share, but less than a worker costs (a consumer that
+  # does not wait for its results has short cycles).
+  assert _feed(chooser, 3 * WINDOW, cycle_us=20, produce_us=15) == []
+  assert chooser.mode == "inline"
+  assert "takes 15 us (15 us of 20 us" in chooser.reason
   assert chooser.news is None               # ... and only once
 
 
@@ -898,6 +903,11 @@ def test_chooser_moves_to_workers_at_once_when_production_dominates():
   # Workers keep it while production is hidden (the consumer still waits).
   assert _feed(chooser, 10 * WINDOW, cycle_us=700, produce_us=600,
                waited=True) == []
+  # A share that large is not enough when an item is cheap, nor is an
+  # expensive item that is a small share of a long step.
+  for cycle, produce in ((100, 60), (10_000, 300)):
+    chooser = Chooser(size=2)
+    assert _feed(chooser, 4, cycle_us=cycle, produce_us=produce) == []
 
 
 def test_chooser_steps_aside_when_production_turns_cheap():
@@ -909,6 +919,10 @@ def test_chooser_steps_aside_when_production_turns_cheap():
   assert _feed(chooser, 3 + WINDOW, cycle_us=1000, produce_us=10) == ["inline"]
   assert "fell to 1.0% of a cycle" in chooser.reason
   assert chooser.news == chooser.reason
+  # Also when an item turns cheaper than a worker costs.
+  chooser = Chooser(size=2)
+  _feed(chooser, 4, cycle_us=1000, produce_us=600)
+  assert _feed(chooser, 3 + WINDOW, cycle_us=50, produce_us=10) == ["inline"]
 
 
 def test_chooser_keeps_workers_while_the_consumer_waits_for_them():
@@ -931,17 +945,18 @@ def _trial(chooser, workers_cycle_us, inline_cycle_us, produce_us):
 def test_chooser_trial_keeps_workers_when_they_are_faster():
   chooser = Chooser(size=2)
   # 30% of a cycle: worth a trial, not sure enough to skip one.
-  assert _feed(chooser, 2 + WINDOW, cycle_us=100, produce_us=30) == ["workers"]
+  assert _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300) == [
+      "workers"]
   assert chooser.reason.startswith("trial")
-  modes = _trial(chooser, workers_cycle_us=75, inline_cycle_us=100,
-                 produce_us=30)
+  modes = _trial(chooser, workers_cycle_us=750, inline_cycle_us=1000,
+                 produce_us=300)
   # Three rounds of a worker window then an inline window; the worker
   # windows also skip the size + 1 items that refill the lookahead.
   assert modes.count("workers") == 3 * (WINDOW + 3)
   assert modes.count("inline") == 3 * WINDOW
   assert chooser.mode == "workers"
-  assert chooser.trials == [{"workers_cycle_us": pytest.approx(75),
-                             "inline_cycle_us": pytest.approx(100),
+  assert chooser.trials == [{"workers_cycle_us": pytest.approx(750),
+                             "inline_cycle_us": pytest.approx(1000),
                              "workers_won": 3, "rounds": 3,
                              "chose": "workers"}]
   assert "a trial found them faster" in chooser.reason
@@ -950,16 +965,17 @@ def test_chooser_trial_keeps_workers_when_they_are_faster():
 
 def test_chooser_trial_steps_aside_when_workers_are_no_faster():
   chooser = Chooser(size=2)
-  _feed(chooser, 2 + WINDOW, cycle_us=100, produce_us=22)
-  _trial(chooser, workers_cycle_us=140, inline_cycle_us=100, produce_us=22)
+  _feed(chooser, 2 + WINDOW, cycle_us=200, produce_us=44)
+  _trial(chooser, workers_cycle_us=280, inline_cycle_us=200, produce_us=44)
   assert chooser.mode == "inline"
   assert chooser.trials[-1]["chose"] == "inline"
   assert chooser.news and "a trial found workers no faster" in chooser.news
   # The same production share does not start another trial ...
-  assert _feed(chooser, 50 * WINDOW, cycle_us=100, produce_us=22) == []
-  assert _feed(chooser, WINDOW, cycle_us=100, produce_us=40) == []
+  assert _feed(chooser, 50 * WINDOW, cycle_us=200, produce_us=44) == []
+  assert "a trial found workers no faster at 22%" in chooser.reason
+  assert _feed(chooser, WINDOW, cycle_us=200, produce_us=80) == []
   # ... doubled, it does (once enough items have passed since the last).
-  assert _feed(chooser, WINDOW, cycle_us=100, produce_us=45) == ["workers"]
+  assert _feed(chooser, WINDOW, cycle_us=200, produce_us=90) == ["workers"]
   assert chooser.trial is not None and chooser.reason.startswith("trial")
 
 
@@ -977,9 +993,10 @@ def test_chooser_trial_gap_doubles():
   chooser = Chooser(size=1)
   gaps = []
   for _ in range(3):
-    _feed(chooser, 2 + WINDOW, cycle_us=100, produce_us=30)
+    _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300)
     before = chooser.next_trial
-    _trial(chooser, workers_cycle_us=75, inline_cycle_us=100, produce_us=30)
+    _trial(chooser, workers_cycle_us=750, inline_cycle_us=1000,
+           produce_us=300)
     gaps.append(chooser.next_trial - chooser.judged)
     # Back to inline: production turns cheap under workers.
     _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=1)
@@ -1019,8 +1036,8 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
   monkeypatch.setattr(prefetch_module, "_clock", clock)
   got = []
   with pytest.warns(jaxstreams.PerformanceWarning,
-                    match="stepped aside: producing an item is 4.8% of a "
-                          "cycle") as record:
+                    match="stepped aside: producing an item takes 5 us "
+                          r"\(5 us of 105 us") as record:
     with jaxstreams.prefetch(_timed_source(clock, 300, 5)) as it:
       for item in it:
         got.append(int(item[0]))

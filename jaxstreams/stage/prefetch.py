@@ -165,20 +165,28 @@ MODES = ("auto", "workers", "inline")
 # mode="auto": worker threads only where they pay. A worker hides what it
 # takes to produce an item (pull it from the iterable, place it) behind the
 # consumer's step, and costs a hand-off per item plus its competition for
-# the CPU with the step itself. benchmarks/prefetch_sweep.py measured that
-# cost at 50-70 us per item on the shared 2-core development machine: a loop
-# whose step takes under a millisecond and reads its result every step ran
-# at 0.2x-0.85x of the plain loop with a worker, where producing an item cost
-# a few microseconds. So the worker has to earn its place: items are
-# produced in the consumer's thread (inline, as the plain loop does) until
-# producing one is worth hiding, measured by the consumer itself.
+# the CPU with the step itself: 11-32 us of CPU time per item in all, 2.5-6
+# us of it in the consumer's thread (a 16x32 float32 item, the shared 2-core
+# development machine). benchmarks/prefetch_sweep.py measured a loop whose
+# step takes under a millisecond and reads its result every step at
+# 0.2x-0.85x of the plain loop with a worker, where producing an item cost a
+# few microseconds. So the worker has to earn its place: items are produced
+# in the consumer's thread (inline, as the plain loop does) until producing
+# one is worth hiding, as measured by the consumer itself. Production must
+# be a share of the cycle *and* more than a worker costs: a fast consumer
+# (a loop that does not wait for its results) makes even a cheap item a
+# large share of a short cycle.
 WARMUP_ITEMS = 2       # deliveries not judged (the first steps compile)
 WINDOW = 16            # items per judgement, and per trial window
 TRIAL_ROUNDS = 3       # worker / inline window pairs in one trial
-TRY_SHARE = 0.20       # production's share of a cycle worth a trial
-SURE_SHARE = 0.5       # ... that workers hide whatever they cost
-LEAVE_SHARE = 0.05     # ... under which workers step aside
-MOSTLY_READY = 0.05    # share of items the consumer waited for, at most
+TRY_SHARE = 0.20       # production's share of a cycle worth a trial,
+TRY_US = 30.0          # ... when an item also takes this long to produce
+SURE_SHARE = 1 / 3     # workers without a trial: they would have to slow
+SURE_US = 200.0        # the step by a third to lose, and an item takes
+                       # several times what a worker costs
+LEAVE_SHARE = 0.05     # workers step aside under this share,
+LEAVE_US = 15.0        # ... or when an item takes less than this,
+MOSTLY_READY = 0.05    # ... if the consumer waited for this share at most
 FIRST_TRIAL_GAP = 256  # judged items between trials (doubling each time)
 
 
@@ -191,10 +199,11 @@ class _Chooser:
   drive it with made-up times.
 
   * Inline first. After ``WINDOW`` items, production's share of a cycle is
-    the most a worker could save. Under ``TRY_SHARE`` it stays inline (a
-    worker's hand-off and its competition for the CPU would cost about
-    that); from ``SURE_SHARE`` on (checked from the second item) it moves to
-    workers at once; in between it runs a *trial*.
+    the most a worker could save. Under ``TRY_SHARE``, or when an item
+    takes under ``TRY_US`` to produce, it stays inline (a worker's hand-off
+    and its competition for the CPU would cost about that); from
+    ``SURE_SHARE`` and ``SURE_US`` on (checked from the second item) it
+    moves to workers at once; in between it runs a *trial*.
   * A trial alternates worker and inline windows of ``WINDOW`` items
     (``TRIAL_ROUNDS`` pairs; the first items after a switch to workers, while
     they fill the lookahead, and in inline windows the items workers had
@@ -203,7 +212,8 @@ class _Chooser:
     doubling, and another one only starts once production's share has at
     least doubled since the last: a trial costs items in the worse mode.
   * In worker mode it steps aside when production falls under
-    ``LEAVE_SHARE`` of a cycle and the consumer almost never waits.
+    ``LEAVE_SHARE`` of a cycle or ``LEAVE_US`` per item and the consumer
+    almost never waits.
   """
 
   def __init__(self, size: int):
@@ -257,8 +267,9 @@ class _Chooser:
     if self.trial is not None:
       return self._trial_window()
     share = self.produce / self.cycle if self.cycle > 0 else 0.0
+    produce_us = self.produce / self.n * 1e6
     if self.inline:
-      if share >= SURE_SHARE:
+      if share >= SURE_SHARE and produce_us >= SURE_US:
         return self._switch("workers", (
             f"producing an item is {share:.0%} of a cycle "
             f"({self._figures()}): workers hide it behind the step"))
@@ -266,18 +277,28 @@ class _Chooser:
         self.check_at = WINDOW
         return False
       if (share >= max(TRY_SHARE, 2 * self.tried_share)
+          and produce_us >= TRY_US
           and self.judged + self.n >= self.next_trial):
         return self._start_trial(share)
-      self.reason = (
-          f"producing an item is {share:.1%} of a cycle ({self._figures()}): "
-          f"a worker could save at most that, and its hand-off and "
-          f"competition for the CPU cost about as much, so items are "
-          f"produced in the consumer's thread at next(), as without "
-          f"prefetching")
+      if produce_us < TRY_US:
+        cheap = (f"producing an item takes {produce_us:.0f} us "
+                 f"({self._figures()}), less than a worker's hand-off and "
+                 f"its competition for the CPU cost")
+      else:
+        cheap = (f"producing an item is {share:.1%} of a cycle "
+                 f"({self._figures()}): a worker could save at most that, "
+                 f"and its hand-off and competition for the CPU cost about "
+                 f"as much")
+      self.reason = (f"{cheap}, so items are produced in the consumer's "
+                     f"thread at next(), as without prefetching")
+      if self.trials:
+        self.reason += (f" (a trial found workers no faster at "
+                        f"{self.tried_share:.0%})")
       self._step_aside_news()
       self._reset()
       return False
-    if share < LEAVE_SHARE and self.waited <= MOSTLY_READY * self.n:
+    if ((share < LEAVE_SHARE or produce_us < LEAVE_US)
+        and self.waited <= MOSTLY_READY * self.n):
       self.tried_share = 0.0
       changed = self._switch("inline", (
           f"producing an item fell to {share:.1%} of a cycle "
