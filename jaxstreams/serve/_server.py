@@ -286,6 +286,8 @@ class _Core:
     self.running: collections.deque = collections.deque()
     self.limit = sys.maxsize if queue_size is None else queue_size
     self.finished = _Tally()
+    self.finished_add = self.finished.add
+    self.direct = self.mode == "direct"
     self.direct_failed = 0       # under self.lock
     self.lone_completed = 0      # grouped mode: lone requests run as jax.jit
     self.lone_failed = 0         # in their caller's thread (under self.lock)
@@ -358,29 +360,6 @@ class _Core:
 
   # -- direct mode: the caller's thread runs jax.jit(f) --------------------
 
-  def call_direct(self, *args, **kwargs):
-    """``jax.jit(f)(*args, **kwargs)``, waited for (so a run-time error
-    reaches this caller, as it would a plain caller reading the result).
-    Refused once closing; at most ``queue_size`` run at once (the
-    back-pressure of a queue that, here, is the callers themselves)."""
-    running = self.running
-    running.append(None)
-    if self.closing or len(running) > self.limit:
-      running.pop()
-      self._admit_slowly()
-    try:
-      out = self.jitted(*args, **kwargs)
-      _wait(out)
-    except BaseException:
-      self._direct_failure()
-      raise
-    finally:
-      running.pop()
-      self.finished.add()
-      if self.space_waiters or self.closing:
-        self._wake()
-    return out
-
   def _admit_slowly(self) -> None:
     """A direct request that found the server closing or full: refuse it,
     or wait for room as ``block`` says; on return it holds its token."""
@@ -440,7 +419,7 @@ class _Core:
       future.set_exception(e)
     finally:
       running.pop()
-      self.finished.add()
+      self.finished_add()
       if self.space_waiters or self.closing:
         self._wake()
     return future
@@ -693,10 +672,13 @@ class _Core:
           direct=direct if self.mode == "direct" else lone)
 
 
+_ARRAY_TYPE = _compat.ARRAY_TYPE
+
+
 def _wait(out) -> None:
   """Waits for a request's result: one array without walking it as a tree
   (``jax.block_until_ready`` costs about a microsecond more)."""
-  if type(out) is _compat.ARRAY_TYPE:
+  if type(out) is _ARRAY_TYPE:
     out.block_until_ready()
   else:
     jax.block_until_ready(out)
@@ -728,8 +710,6 @@ class Server:
 
   def __init__(self, core: _Core):
     self._core = core
-    self._call = (core.call_direct if core.mode == "direct"
-                  else core.call_grouped)
     self._finalizer = weakref.finalize(self, core.close, False, None)
     functools.update_wrapper(self, core.fun, updated=())
 
@@ -744,7 +724,35 @@ class Server:
   def __call__(self, *args, **kwargs):
     """``f(*args, **kwargs)``, run with whatever requests arrive with it
     (with none running or queued, it runs at once in the calling thread)."""
-    return self._call(*args, **kwargs)
+    core = self._core
+    if not core.direct:
+      return core.call_grouped(*args, **kwargs)
+    # Direct mode: jax.jit(f) in this thread, waited for (so a run-time
+    # error reaches this caller, as it would a plain caller reading the
+    # result). Written out here rather than called: with many threads a
+    # request costs the time it holds the GIL (about 5 us for jax.jit's
+    # dispatch), and each call frame more is a share of that. No lock for
+    # a request admitted at once (see _Core).
+    running = core.running
+    running.append(None)
+    if core.closing or len(running) > core.limit:
+      running.pop()
+      core._admit_slowly()        # refused, or waits for room
+    try:
+      out = core.jitted(*args, **kwargs)
+      if type(out) is _ARRAY_TYPE:
+        out.block_until_ready()   # one array: no tree walk
+      else:
+        jax.block_until_ready(out)
+    except BaseException:
+      core._direct_failure()
+      raise
+    finally:
+      running.pop()
+      core.finished_add()
+      if core.space_waiters or core.closing:
+        core._wake()
+    return out
 
   def close(self, timeout: float | None = None) -> bool:
     """Refuse new requests, finish the queued ones, and stop the threads.
