@@ -2,39 +2,59 @@
 loop, for steps from 0.1 ms to 10 ms, with and without a per-step read.
 
 The step is a jitted function whose time is calibrated (a chain of small
-matmuls repeated with ``lax.fori_loop``) to about 0.1, 0.3, 1, 3 and 10 ms;
-the producer is free (host numpy batches made in advance), so what is
-measured is the cost of each path's hand-off itself, where prefetching has
-nothing to hide. Three loops, in the same run, alternating:
+matmuls repeated with ``lax.fori_loop``) to about 0.1, 0.3, 1, 3 and 10 ms.
+Producers:
+
+* ``free`` (every step size): host numpy batches made in advance, so there
+  is nothing to hide and what is measured is each path's own cost (the
+  case ``prefetch(mode="auto")`` must not lose in: goal within 3%);
+* ``io`` (1, 3 and 10 ms steps; ``--producers`` to choose): each batch
+  waits as long as a step before it is handed over (``time.sleep``: a
+  storage read), the case prefetching is for.
+
+Loops, in the same run:
 
 * ``plain``: ``for b in data: out = step(w, b)``;
-* ``prefetch``: ``for b in jaxstreams.prefetch(data): out = step(w, b)``;
+* ``prefetch``: the same loop over ``jaxstreams.prefetch(data)``, the
+  default ``mode="auto"`` (the JSON records the way it chose);
+* ``workers``: over ``jaxstreams.prefetch(data, mode="workers")``, worker
+  threads always (what ``auto`` steps aside from, for reference);
 * ``staged``: ``jaxstreams.staged(step, data=data)`` with the batch's
   preprocessing in ``jaxstreams.stage(...)``, called once per batch.
 
 "read" means the loop reads each step's result (``float(loss)``), so the
 host waits for the device every step (the usual loop that logs its loss);
-"no read" reads only the last result. Printed: time per step and the ratios
-prefetch / plain and staged / plain (steps per second; > 1 is faster).
-Saves JSON and text under benchmarks/results/.
+"no read" reads only the last result.
 
-  python benchmarks/prefetch_sweep.py [--quick] [--steps N] [--repeats R]
+Method (benchmarks/_common.py): per case, ``--rounds`` rounds; a round runs
+each loop once over all ``--steps`` batches, in alternating order. Reported:
+each loop's median time per step, and per loop the median over rounds of
+plain's time over its time in the same round (the paired ratio; above 1 is
+faster than the plain loop). The load average is recorded per case. Saves
+benchmarks/results/prefetch_sweep_<platform>[_quick].json and .txt.
+
+  python benchmarks/prefetch_sweep.py [--quick] [--steps 400] [--rounds 7]
+      [--producers free,io] [--quiet] [--out DIR]
 """
 
-import argparse
-import json
 import os
-import platform
 import statistics
+import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxstreams
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jaxstreams  # noqa: E402
+import _common  # noqa: E402
 
 STEP_MS = (0.1, 0.3, 1.0, 3.0, 10.0)
+IO_STEP_MS = (1.0, 3.0, 10.0)      # steps the io producer is run with
+GOAL = 0.97                        # free producer: prefetch / plain at least
 
 
 def make_step(iters):
@@ -50,12 +70,16 @@ def make_step(iters):
 
 
 def _ms_per_step(w, batch, iters, n=30):
+  """The median of ``n`` timed calls (a median: load bursts on a shared
+  machine make a mean too long)."""
   f = jax.jit(make_step(iters))
   f(w, batch).block_until_ready()
-  t0 = time.perf_counter()
+  times = []
   for _ in range(n):
+    t0 = time.perf_counter()
     f(w, batch).block_until_ready()
-  return (time.perf_counter() - t0) / n * 1e3
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) * 1e3
 
 
 def calibrate(w, batch, target_ms):
@@ -75,97 +99,143 @@ def run_plain(step, w, data, read):
   return float(out)
 
 
-def run_prefetch(step, w, data, read):
-  """The plain loop, fed by ``jaxstreams.prefetch`` instead of the list."""
-  with jaxstreams.prefetch(data) as it:
-    return run_plain(step, w, it, read)
+def run_prefetch(step, w, data, read, mode="auto"):
+  """The plain loop, fed by ``jaxstreams.prefetch`` instead of the data;
+  returns its result and the iterator's stats."""
+  with jaxstreams.prefetch(data, mode=mode) as it:
+    return run_plain(step, w, it, read), it.stats()
 
 
-def run_staged(step, w, data, read):
+def run_staged(step, w, data, read, steps):
   out = None
   with jaxstreams.staged(step, data=data) as runner:
-    for _ in range(len(data)):
+    for _ in range(steps):
       out = runner(w)
       if read:
         float(out)
   return float(out)
 
 
-LOOPS = {"plain": run_plain, "prefetch": run_prefetch, "staged": run_staged}
+def source(batches, io_ms):
+  """The batches; with ``io_ms``, each waits that long first (a read)."""
+  if not io_ms:
+    return batches
+
+  def read():
+    for b in batches:
+      time.sleep(io_ms / 1e3)
+      yield b
+  return read()
+
+
+LOOPS = ("plain", "prefetch", "workers", "staged")
+
+
+def measure(step, w, batches, read, io_ms, rounds):
+  """One case: the loops' samples (seconds per step) and what prefetch's
+  default mode chose."""
+  steps = len(batches)
+  results, chose = {}, {}
+
+  def sample(name):
+    def run():
+      data = source(batches, io_ms)
+      t0 = time.perf_counter()
+      if name == "plain":
+        results[name] = run_plain(step, w, data, read)
+      elif name in ("prefetch", "workers"):
+        mode = "auto" if name == "prefetch" else "workers"
+        results[name], stats = run_prefetch(step, w, data, read, mode)
+        if name == "prefetch":
+          chose.update(mode=stats["mode"], switches=stats["switches"],
+                       trials=stats["trials"], reason=stats["mode_reason"])
+      else:
+        results[name] = run_staged(step, w, data, read, steps)
+      return (time.perf_counter() - t0) / steps
+    return run
+
+  samples = _common.rounds({name: sample(name) for name in LOOPS}, rounds)
+  assert len(set(results.values())) == 1, results   # the same loss
+  return samples, chose
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = _common.parser(
+      __doc__.splitlines()[0],
+      quick="150 steps (30 at 10 ms) x 3 rounds")
   parser.add_argument("--steps", type=int, default=400)
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--quick", action="store_true",
-                      help="150 steps (30 for 10 ms steps) x 3 repeats")
-  parser.add_argument("--quiet", action="store_true",
-                      help="record that the machine was otherwise idle")
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__),
-                                                    "results"))
+  parser.add_argument("--rounds", type=int, default=7)
+  parser.add_argument("--producers", default="free,io")
   args = parser.parse_args()
   if args.quick:
-    args.steps, args.repeats = 150, 3
+    args.steps, args.rounds = 150, 3
+  producers = args.producers.split(",")
 
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
   batch_shape = (16, 32)
-  device = jax.devices()[0]
-  print(f"device: {device.device_kind} ({device.platform}), jax "
-        f"{jax.__version__}, {os.cpu_count()} cores; free producer; "
-        f"{args.repeats} repeats, median")
-  print(f"{'step':>8} {'read':>6} {'plain us':>9} {'prefetch':>9} "
-        f"{'staged':>9}   prefetch/plain staged/plain")
-  rows = []
-  lines = []
+  info = _common.machine()
+  print(f"device: {info['device_kind']} ({info['platform']}), jax "
+        f"{info['jax']}, {info['cpu_cores']} cores, load "
+        f"{info['load_average_at_start']}; {args.rounds} rounds, median; "
+        f"ratio = plain / loop, paired per round (> 1: faster)")
+  header = (f"{'step':>7} {'producer':>8} {'read':>4} {'plain us':>9} "
+            + " ".join(f"{name:>9}" for name in LOOPS[1:])
+            + "   auto chose")
+  print(header)
+  rows, lines = [], [header]
   for target in STEP_MS:
     iters = calibrate(w, jnp.ones(batch_shape), target)
-    step = make_step(iters)
-    jitted = jax.jit(step)
+    step = jax.jit(make_step(iters))
     steps = args.steps if target < 10 else max(30, args.steps // 5)
-    data = [rng.standard_normal(batch_shape).astype(np.float32)
-            for _ in range(steps)]
-    for read in (True, False):
-      for name, loop in LOOPS.items():       # compile and warm each path
-        loop(jitted, w, data[:8], read)
-      times = {name: [] for name in LOOPS}
-      results = {}
-      for repeat in range(args.repeats):
-        order = list(LOOPS) if repeat % 2 == 0 else list(LOOPS)[::-1]
-        for name in order:
-          t0 = time.perf_counter()
-          results[name] = LOOPS[name](jitted, w, data, read)
-          times[name].append((time.perf_counter() - t0) / steps)
-      assert results["plain"] == results["prefetch"] == results["staged"], \
-          results
-      med = {name: statistics.median(v) for name, v in times.items()}
-      row = {"step_ms_target": target, "iters": iters, "read_every_step": read,
-             "steps": steps, "seconds_per_step": med,
-             "all_seconds_per_step": times,
-             "speed_vs_plain": {name: med["plain"] / med[name]
-                                for name in ("prefetch", "staged")}}
-      rows.append(row)
-      line = (f"{target:>6.1f}ms {'yes' if read else 'no':>6} "
-              f"{med['plain'] * 1e6:>9.0f} {med['prefetch'] * 1e6:>9.0f} "
-              f"{med['staged'] * 1e6:>9.0f}   "
-              f"{row['speed_vs_plain']['prefetch']:>13.3f}x "
-              f"{row['speed_vs_plain']['staged']:>11.3f}x")
-      print(line, flush=True)
-      lines.append(line)
+    batches = [rng.standard_normal(batch_shape).astype(np.float32)
+               for _ in range(steps)]
+    for producer in producers:
+      if producer == "io" and target not in IO_STEP_MS:
+        continue
+      io_ms = target if producer == "io" else 0.0
+      for read in (True, False):
+        with warnings.catch_warnings():   # auto's step-aside notice: expected
+          warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
+          measure(step, w, batches[:8], read, 0.0, 1)   # compile, warm
+          load_before = _common.load()
+          samples, chose = measure(step, w, batches, read, io_ms, args.rounds)
+        median = {name: statistics.median(v) for name, v in samples.items()}
+        ratios = {name: _common.paired(samples["plain"], samples[name])
+                  for name in LOOPS[1:]}
+        row = {"step_ms_target": target, "iters": iters,
+               "producer": producer, "io_ms": io_ms,
+               "read_every_step": read, "steps": steps,
+               "seconds_per_step_median": median,
+               "seconds_per_step_samples": samples,
+               "paired_ratio_to_plain": ratios, "prefetch_auto": chose,
+               "load_average_before": load_before,
+               "load_average_after": _common.load()}
+        if producer == "free":
+          row["prefetch_meets_goal"] = ratios["prefetch"] >= GOAL
+        rows.append(row)
+        line = (f"{target:>5.1f}ms {producer:>8} {'yes' if read else 'no':>4} "
+                f"{median['plain'] * 1e6:>9.0f} "
+                + " ".join(f"{ratios[name]:>8.3f}x" for name in LOOPS[1:])
+                + f"   {chose['mode']} ({chose['switches']} switches)")
+        print(line, flush=True)
+        lines.append(line)
 
-  result = {"benchmark": "prefetch_sweep", "device": device.device_kind,
-            "platform": device.platform, "jax": jax.__version__,
-            "machine": f"{platform.machine()} {os.cpu_count()} cores",
-            "quiet_machine": args.quiet, "steps": args.steps,
-            "repeats": args.repeats, "rows": rows}
-  os.makedirs(args.out, exist_ok=True)
-  base = os.path.join(args.out, f"prefetch_sweep_{device.platform}")
-  with open(base + ".json", "w") as f:
-    json.dump(result, f, indent=2)
-  with open(base + ".txt", "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print(f"saved {base}.json and .txt")
+  result = {"benchmark": "prefetch_sweep", "machine": info,
+            "load_average_at_end": _common.load(),
+            "quiet_machine": args.quiet, "quick": args.quick,
+            "steps": args.steps, "rounds": args.rounds,
+            "goal_free_producer_prefetch_over_plain": GOAL, "rows": rows,
+            "note": ("paired_ratio_to_plain: median over rounds of plain's "
+                     "time per step over the loop's in the same round; "
+                     "noisy unless the machine was quiet (see quiet_machine "
+                     "and the load averages)")}
+  name = f"prefetch_sweep_{info['platform']}" + ("_quick" if args.quick else "")
+  text = (f"# {'quiet' if args.quiet else 'not marked quiet'}; load at start "
+          f"{info['load_average_at_start']}, at end "
+          f"{result['load_average_at_end']}; {args.rounds} rounds x "
+          f"{args.steps} steps\n" + "\n".join(lines) + "\n")
+  print(f"saved {_common.save(args.out, name, result, text)} and .txt")
 
 
 if __name__ == "__main__":

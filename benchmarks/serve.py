@@ -2,37 +2,40 @@
 
 A small MLP at batch 1 (weights closed over, as a served model's are) is
 called by 1, 4, 16 and 64 client threads. Each client sends one request,
-waits for its result (block_until_ready), and sends the next, for a fixed
-time. Two ways of serving are measured in the same run:
+waits for its result (block_until_ready) and sends the next, for a fixed
+time. Three ways of serving, measured in the same run:
 
-* ``jax.jit``: every client thread calls ``jax.jit(mlp)(x)`` itself, so
-  requests run one after another on the device's one stream;
-* ``serve``: every client calls a ``jaxstreams.serve(mlp, groups=G)`` server
-  in its default ``mode="auto"``: on XLA:CPU (one stream) each request runs
-  as ``jax.jit`` in its caller's thread; with streams, requests that arrive
-  together run as one execution, each on its own stream group;
-* ``grouped`` (for reference): the same server forced to ``mode="grouped"``.
+* ``jax.jit`` (the baseline): every client thread calls ``jax.jit(mlp)(x)``
+  itself;
+* ``serve``: every client calls ``jaxstreams.serve(mlp, groups=G)`` in its
+  default ``mode="auto"``: on XLA:CPU (one stream) each request runs as
+  ``jax.jit`` in its caller's thread; where streams run, requests that
+  arrive together run as one execution, each on its own stream group;
+* ``grouped`` (for reference): the same server forced to ``mode="grouped"``
+  (``--no-grouped`` leaves it out).
 
-For each thread count the modes alternate (in reversed order every other
-repeat) ``--repeats`` times (so machine
-drift hits both) and the samples are pooled. Reported: throughput
-(requests/s), p50 and p99 latency (submit to result), the ratios serve /
-jax.jit, and serve's batch sizes. Saves JSON under benchmarks/results/.
+Method (benchmarks/_common.py): for each thread count, ``--rounds`` rounds;
+a round runs each way for ``--seconds``, in alternating order. Reported per
+thread count: the median over rounds of serve's throughput over jax.jit's
+taken in the same round (the paired ratio, the figure to compare with the
+0.95x goal), each way's median throughput, p50 and p99 latency (submit to
+result, all rounds pooled), and the load average before and after. Every
+batch size of the grouped server is compiled before timing, and the JSON
+says how many programs were traced while timing (0 means no compile
+stalled a sample). Saves benchmarks/results/serve_<platform>[_quick].json.
 
-  python benchmarks/serve.py [--quick] [--seconds 1.5] [--repeats 2]
-      [--groups 4] [--threads 1,4,16,64] [--out DIR]
+  python benchmarks/serve.py [--quick] [--seconds 0.5] [--rounds 10]
+      [--groups 4] [--threads 1,4,16,64] [--no-grouped] [--quiet] [--out DIR]
 
-``--quick`` (0.4 s x 2 per point) finishes in about a minute.
+``--quick`` (0.2 s x 4 rounds per point) finishes in about a minute.
 
 On a CPU there are no streams to gain (XLA:CPU has one), so what this shows
-there is the cost or gain of the batching path itself; on a GPU it also
+there is what the serving path costs over plain threads; on a GPU it also
 shows what running requests on separate streams buys.
 """
 
-import argparse
-import json
 import os
-import platform
+import sys
 import threading
 import time
 
@@ -40,7 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxstreams
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jaxstreams  # noqa: E402
+import _common  # noqa: E402
+
+GOAL = 0.95     # serve's throughput over jax.jit's, at every thread count
 
 
 def make_mlp(features=64, width=256, depth=3, classes=16, seed=0):
@@ -89,30 +97,32 @@ def run_clients(call, inputs, threads, seconds):
   return [v for per in latencies for v in per], wall
 
 
-def summarize(latencies, wall):
-  lat = np.asarray(latencies) * 1e6
-  return {"requests": int(lat.size), "throughput_rps": lat.size / wall,
-          "p50_us": float(np.percentile(lat, 50)),
-          "p99_us": float(np.percentile(lat, 99))}
+def warm_every_batch_size(server, inputs, groups, seconds=10.0):
+  """Runs clients at the grouped server until it has run a batch of every
+  size from 1 to ``groups`` (each is its own program), or ``seconds``."""
+  deadline = time.monotonic() + seconds
+  threads = 4 * groups
+  while time.monotonic() < deadline:
+    run_clients(server, inputs, threads, 0.3)
+    if all(server.stats().batch_sizes.get(k) for k in range(1, groups + 1)):
+      return True
+  return False
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seconds", type=float, default=1.5,
-                      help="client time per measurement")
-  parser.add_argument("--repeats", type=int, default=2)
+  parser = _common.parser(__doc__.splitlines()[0],
+                          quick="0.2 s x 4 rounds per point")
+  parser.add_argument("--seconds", type=float, default=0.5,
+                      help="client time per sample")
+  parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--groups", type=int, default=4)
   parser.add_argument("--threads", default="1,4,16,64")
-  parser.add_argument("--quiet", action="store_true",
-                      help="record that the machine was otherwise idle")
-  parser.add_argument("--quick", action="store_true",
-                      help="0.4 s x 2 repeats per point")
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__),
-                                                    "results"))
+  parser.add_argument("--no-grouped", action="store_true",
+                      help="leave out the grouped reference")
   args = parser.parse_args()
   thread_counts = [int(t) for t in args.threads.split(",")]
   if args.quick:
-    args.seconds, args.repeats = 0.4, 2
+    args.seconds, args.rounds = 0.2, 4
 
   mlp, features = make_mlp()
   inputs = [jax.random.normal(jax.random.PRNGKey(100 + i), (1, features))
@@ -123,83 +133,93 @@ def main():
     return jitted(x).block_until_ready()
 
   server = jaxstreams.serve(mlp, groups=args.groups, queue_size=4096)
-  grouped = jaxstreams.serve(mlp, groups=args.groups, queue_size=4096,
-                             mode="grouped")
-  # Same results, and every batch size compiled before timing.
+  ways = {"jax.jit": call_jit, "serve": server}
+  grouped = None
+  if not args.no_grouped:
+    grouped = jaxstreams.serve(mlp, groups=args.groups, queue_size=4096,
+                               mode="grouped")
+    ways["grouped"] = grouped
+  # Same results, and everything compiled before timing.
   for x in inputs[:4]:
-    assert np.array_equal(server(x), jitted(x))
-    assert np.array_equal(grouped(x), jitted(x))
-  run_clients(server, inputs, 4, 0.2)
-  run_clients(grouped, inputs, 4 * args.groups, 0.5)
-  run_clients(call_jit, inputs, 4, 0.2)
-  before = grouped.stats()
-  modes = (("jax.jit", call_jit), ("serve", server), ("grouped", grouped))
+    for call in ways.values():
+      assert np.array_equal(call(x), jitted(x))
+  warmed = grouped is None or warm_every_batch_size(grouped, inputs,
+                                                    args.groups)
+  traced_before = grouped.stats().programs_traced if grouped else 0
+  batches_before = dict(grouped.stats().batch_sizes) if grouped else {}
 
-  device = jax.devices()[0]
-  print(f"device: {device.device_kind} ({device.platform}), jax "
-        f"{jax.__version__}, {os.cpu_count()} cores; MLP 64-256x3-16 at batch "
-        f"1; serve groups={args.groups}, mode {server.mode} "
-        f"({server.stats().mode_reason}); {args.seconds}s x {args.repeats} "
-        "per point")
-  header = (f"{'threads':>7}  {'mode':<8} {'req/s':>10} {'p50 us':>9} "
-            f"{'p99 us':>9}")
-  print(header)
+  info = _common.machine()
+  print(f"device: {info['device_kind']} ({info['platform']}), jax "
+        f"{info['jax']}, {info['cpu_cores']} cores, load {info['load_average_at_start']}; "
+        f"MLP 64-256x3-16 at batch 1; serve groups={args.groups}, mode "
+        f"{server.mode} ({server.stats().mode_reason}); {args.rounds} rounds "
+        f"x {args.seconds} s per way and thread count")
+  print(f"{'threads':>7}  {'way':<8} {'req/s':>10} {'p50 us':>9} "
+        f"{'p99 us':>9}   paired ratio to jax.jit (throughput)")
   rows = {}
   for threads in thread_counts:
-    samples = {mode: ([], 0.0) for mode, _ in modes}
-    for repeat in range(args.repeats):
-      # Alternate the order, so that no mode always runs first (or last).
-      for mode, call in (modes if repeat % 2 == 0 else modes[::-1]):
-        lat, wall = run_clients(call, inputs, threads, args.seconds)
-        prev_lat, prev_wall = samples[mode]
-        samples[mode] = (prev_lat + lat, prev_wall + wall)
-    row = {mode: summarize(*s) for mode, s in samples.items()}
-    row["ratio_serve_to_jit"] = {
-        "throughput": row["serve"]["throughput_rps"] / row["jax.jit"]["throughput_rps"],
-        "p50": row["serve"]["p50_us"] / row["jax.jit"]["p50_us"],
-        "p99": row["serve"]["p99_us"] / row["jax.jit"]["p99_us"]}
-    row["ratio_grouped_to_jit"] = {
-        "throughput": row["grouped"]["throughput_rps"] / row["jax.jit"]["throughput_rps"],
-        "p50": row["grouped"]["p50_us"] / row["jax.jit"]["p50_us"]}
+    latencies = {name: [] for name in ways}
+    load_before = _common.load()
+
+    def sample(name, call=None):
+      def run():
+        lat, wall = run_clients(call or ways[name], inputs, threads,
+                                args.seconds)
+        latencies[name].extend(lat)
+        return len(lat) / wall
+      return run
+
+    rates = _common.rounds({name: sample(name) for name in ways}, args.rounds)
+    row = {"load_average_before": load_before,
+           "load_average_after": _common.load()}
+    for name in ways:
+      lat = np.asarray(latencies[name]) * 1e6
+      row[name] = {"throughput_rps_median": float(np.median(rates[name])),
+                   "throughput_rps_samples": rates[name],
+                   "p50_us": float(np.percentile(lat, 50)),
+                   "p99_us": float(np.percentile(lat, 99)),
+                   "requests": int(lat.size)}
+      if name != "jax.jit":
+        row[name]["paired_ratio_to_jit"] = _common.paired(
+            rates[name], rates["jax.jit"])
+    row["serve_meets_goal"] = row["serve"]["paired_ratio_to_jit"] >= GOAL
     rows[str(threads)] = row
-    for mode, _ in modes:
-      r = row[mode]
-      print(f"{threads:>7}  {mode:<8} {r['throughput_rps']:>10.0f} "
-            f"{r['p50_us']:>9.1f} {r['p99_us']:>9.1f}")
-    q = row["ratio_serve_to_jit"]
-    print(f"{'':>7}  serve/jit: throughput {q['throughput']:.2f}x, p50 "
-          f"{q['p50']:.2f}x, p99 {q['p99']:.2f}x")
-    g = row["ratio_grouped_to_jit"]
-    print(f"{'':>7}  grouped/jit: throughput {g['throughput']:.2f}x, p50 "
-          f"{g['p50']:.2f}x")
-  after = grouped.stats()
+    for name in ways:
+      r = row[name]
+      ratio = r.get("paired_ratio_to_jit")
+      print(f"{threads:>7}  {name:<8} {r['throughput_rps_median']:>10.0f} "
+            f"{r['p50_us']:>9.1f} {r['p99_us']:>9.1f}   "
+            + ("" if ratio is None else f"{ratio:.3f}x"), flush=True)
+
   serve_stats = server.stats()
   server.close()
-  grouped.close()
-  batch_sizes = {k: v - before.batch_sizes.get(k, 0)
-                 for k, v in after.batch_sizes.items()}
-  print(f"grouped batch sizes (requests per execution: executions): "
-        f"{batch_sizes}; serve ran {serve_stats.direct} of "
-        f"{serve_stats.requests} requests directly")
-
   result = {
-      "benchmark": "serve", "device": device.device_kind,
-      "platform": device.platform, "jax": jax.__version__,
-      "machine": f"{platform.machine()} {os.cpu_count()} cores",
+      "benchmark": "serve", "machine": info,
+      "load_average_at_end": _common.load(),
+      "quiet_machine": args.quiet, "quick": args.quick,
       "model": "MLP 64-256-256-256-16, batch 1, weights closed over",
       "groups": args.groups, "serve_mode": serve_stats.mode,
       "serve_mode_reason": serve_stats.mode_reason,
-      "seconds_per_point": args.seconds,
-      "repeats": args.repeats, "results_by_threads": rows,
-      "grouped_batch_sizes": batch_sizes,
-      "note": "noisy unless the machine was quiet; see quiet_machine",
-      "quiet_machine": args.quiet,
+      "seconds_per_sample": args.seconds, "rounds": args.rounds,
+      "goal_serve_over_jit": GOAL, "results_by_threads": rows,
+      "note": ("paired_ratio_to_jit: median over rounds of the way's "
+               "throughput over jax.jit's in the same round; noisy unless "
+               "the machine was quiet (see quiet_machine and the load "
+               "averages)"),
   }
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"serve_{device.platform}.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"saved {path}")
+  if grouped is not None:
+    after = grouped.stats()
+    grouped.close()
+    result["grouped_every_batch_size_compiled_before"] = warmed
+    result["grouped_programs_traced_while_timing"] = (
+        after.programs_traced - traced_before)
+    result["grouped_batch_sizes"] = {
+        k: v - batches_before.get(k, 0) for k, v in after.batch_sizes.items()}
+    print(f"grouped: batch sizes while timing (requests per execution: "
+          f"executions) {result['grouped_batch_sizes']}; programs traced "
+          f"while timing: {result['grouped_programs_traced_while_timing']}")
+  name = f"serve_{info['platform']}" + ("_quick" if args.quick else "")
+  print(f"saved {_common.save(args.out, name, result)}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -31,58 +30,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workloads import WORKLOADS  # noqa: E402  (after the path is set)
+# (after the path is set)
+from _common import RESULTS, load, machine  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CPU_NOTE = (
     "On CPU, jaxstreams lowers its regions inline (XLA:CPU has one stream), "
     "so the program it runs is the one jax.jit runs and ratios near 1.0 are "
     "what to expect: differences are noise, not scheduling. The GPU-only "
     "baselines (XLA CONCURRENT, compute_on) are marked n/a. The staging "
     "ratios measure a host thread, which does overlap on CPU.")
-
-
-# ---------------------------------------------------------------------------
-# Machine.
-
-def _cpu_model() -> str | None:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or None
-
-
-def machine() -> dict:
-  dev = jax.devices()[0]
-  try:
-    import jaxlib
-    jaxlib_version = jaxlib.__version__
-  except (ImportError, AttributeError):
-    jaxlib_version = None
-  try:
-    usable = len(os.sched_getaffinity(0))
-  except AttributeError:
-    usable = os.cpu_count()
-  return {
-      "platform": dev.platform, "device_kind": dev.device_kind,
-      "device_count": jax.device_count(), "backend": jax.default_backend(),
-      "cpu_model": _cpu_model(), "cpu_cores": os.cpu_count(),
-      "cpu_cores_usable": usable, "os": platform.platform(),
-      "python": platform.python_version(), "jax": jax.__version__,
-      "jaxlib": jaxlib_version, "xla_flags": os.environ.get("XLA_FLAGS"),
-      "load_average_at_start": _load(),
-  }
-
-
-def _load():
-  try:
-    return [round(x, 2) for x in os.getloadavg()]
-  except (AttributeError, OSError):
-    return None
 
 
 # ---------------------------------------------------------------------------
@@ -403,7 +360,7 @@ def main(argv=None):
       "results": results, "files": files,
   }
   report["total_seconds"] = time.perf_counter() - started
-  info["load_average_at_end"] = _load()
+  info["load_average_at_end"] = load()
   with open(files["json"], "w") as f:
     json.dump(report, f, indent=1, default=str)
   with open(files["md"], "w") as f:

@@ -1,7 +1,9 @@
 """Small programs the tests run through jaxstreams and jax.jit alike."""
 
+import contextlib
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -110,6 +112,21 @@ def wait_until(predicate, seconds=10.0):
       return False
     time.sleep(0.005)
   return True
+
+
+@contextlib.contextmanager
+def keyboard_interrupt_after(seconds):
+  """Raises KeyboardInterrupt in the main thread after ``seconds``, as Ctrl-C
+  would; the timer is cancelled and the handler restored on the way out."""
+  def handler(signum, frame):
+    raise KeyboardInterrupt("test interrupt")
+  old = signal.signal(signal.SIGALRM, handler)
+  signal.setitimer(signal.ITIMER_REAL, seconds)
+  try:
+    yield
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
 
 
 def three_chains(x, w):

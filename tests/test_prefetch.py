@@ -1,7 +1,10 @@
 """jaxstreams.prefetch: order, bounded lookahead, exceptions, timeouts,
 placement, argument checks, and that no worker thread outlives its iterator;
 for both transfer paths (jax.device_put and the runtime's StageArea), which
-must hand out the same items bit for bit and leave no stage area behind.
+must hand out the same items bit for bit and leave no stage area behind;
+for both ways of producing items (worker threads, the consumer's own thread)
+and across switches between them; and how ``mode="auto"`` chooses, from
+made-up measurements and a fake clock.
 
 Structure and values only: no assertion depends on how fast anything runs.
 Waits are bounded (``_wait_until``, ``timeout=``), so a bug fails instead of
@@ -9,6 +12,7 @@ hanging.
 """
 
 import gc
+import importlib
 import warnings
 import random
 import threading
@@ -21,15 +25,56 @@ import pytest
 import jaxstreams
 import jaxstreams.runtime as rt
 from jaxstreams.stage.prefetch import AUTO_TRANSFER, Prefetcher
-from programs import jaxstreams_threads, wait_until
+from programs import jaxstreams_threads, keyboard_interrupt_after, wait_until
+
+# The module, not the function jaxstreams.stage re-exports under its name.
+prefetch_module = importlib.import_module("jaxstreams.stage.prefetch")
 
 PATHS = ["device_put", "stage_area"]
 
 
-def test_items_in_order_on_device():
+class _Flipper:
+  """A stand-in for mode="auto"'s chooser that switches between inline and
+  workers every ``EVERY`` items it is shown, so that every promise is
+  checked across switches (items workers made before a switch to inline are
+  handed out first; workers resume where the numbering is)."""
+
+  EVERY = 2
+
+  def __init__(self, size):
+    del size
+    self.mode, self.inline = "inline", True
+    self.reason, self.news = "switching (test)", None
+    self.switches, self.trials, self.seen = 0, [], 0
+
+  def observe(self, cycle, produce, inline_made, waited):
+    self.seen += 1
+    if self.seen % self.EVERY:
+      return False
+    self.inline = not self.inline
+    self.mode = "inline" if self.inline else "workers"
+    self.switches += 1
+    return True
+
+
+# The ways items are produced: always by workers, always inline, and
+# mode="auto" switching every two items.
+WAYS = ["workers", "inline", "switching"]
+
+
+@pytest.fixture(params=WAYS)
+def way(request, monkeypatch):
+  """The ``mode=`` to pass for one way of producing items."""
+  if request.param == "switching":
+    monkeypatch.setattr(prefetch_module, "_Chooser", _Flipper)
+    return "auto"
+  return request.param
+
+
+def test_items_in_order_on_device(way):
   batches = [{"x": np.full((2, 3), i, np.float32), "y": np.int32(i)}
              for i in range(7)]
-  with jaxstreams.prefetch(batches, size=3) as it:
+  with jaxstreams.prefetch(batches, size=3, mode=way) as it:
     out = list(it)
   assert len(out) == 7
   for i, item in enumerate(out):
@@ -39,8 +84,8 @@ def test_items_in_order_on_device():
     assert int(item["y"]) == i
 
 
-def test_end_stops_workers_without_close():
-  it = jaxstreams.prefetch(iter(range(3)), size=2, num_threads=2)
+def test_end_stops_workers_without_close(way):
+  it = jaxstreams.prefetch(iter(range(3)), size=2, num_threads=2, mode=way)
   assert [int(x) for x in it] == [0, 1, 2]
   assert not any(t.is_alive() for t in it.threads)  # joined at the end
   with pytest.raises(StopIteration):
@@ -59,13 +104,16 @@ def test_lookahead_is_bounded_by_size():
       ahead.append(len(pulled) - delivered[0])
       yield np.full(1000, i, np.float32)
 
-  with jaxstreams.prefetch(source(), size=size) as it:
+  with jaxstreams.prefetch(source(), size=size, mode="workers") as it:
     for i in range(40):
-      if i in (0, 10):
-        # Give the worker every chance to run ahead: it must stop at `size`.
-        assert wait_until(lambda: len(pulled) == min(40, i + size))
+      if i in (0, 10, 11, 25):
+        # Give the worker every chance to run ahead: it must stop at `size`
+        # (it fills the lookahead at the start; later it is woken to refill
+        # once the lookahead is half empty, so it may be short of full).
+        assert wait_until(lambda: len(pulled) > i)
         time.sleep(0.05)
-        assert len(pulled) == i + size
+        assert (len(pulled) == size) if i == 0 else (
+            i < len(pulled) <= i + size)
       item = next(it)
       delivered[0] += 1
       assert int(item[0]) == i
@@ -113,13 +161,13 @@ def test_threads_place_in_parallel():
   assert both.is_set()
 
 
-def test_exception_at_item_k_after_earlier_items():
+def test_exception_at_item_k_after_earlier_items(way):
   def source():
     yield np.int32(0)
     yield np.int32(1)
     raise ValueError("bad record 2")
 
-  it = jaxstreams.prefetch(source(), size=4, timeout=10)
+  it = jaxstreams.prefetch(source(), size=4, mode=way)
   assert int(next(it)) == 0
   assert int(next(it)) == 1
   with pytest.raises(ValueError, match="bad record 2"):
@@ -147,25 +195,25 @@ class _Records:
     return np.int32(i)
 
 
-def test_ignored_exception_types_skip_items():
-  source = _Records(8, {2: KeyError("x"), 5: KeyError("y")})
-  with jaxstreams.prefetch(source, size=2, timeout=10,
+def test_ignored_exception_types_skip_items(way):
+  source = _Records(12, {2: KeyError("x"), 5: KeyError("y"), 6: KeyError()})
+  with jaxstreams.prefetch(source, size=2, mode=way,
                            ignored_exception_types=(KeyError,)) as it:
-    assert [int(x) for x in it] == [0, 1, 3, 4, 6, 7]
+    assert [int(x) for x in it] == [0, 1, 3, 4, 7, 8, 9, 10, 11]
 
 
-def test_closed_exception_types_end_cleanly():
-  source = _Records(8, {3: EOFError("done")})
-  with jaxstreams.prefetch(source, size=2, timeout=10,
+def test_closed_exception_types_end_cleanly(way):
+  source = _Records(8, {5: EOFError("done")})
+  with jaxstreams.prefetch(source, size=2, mode=way,
                            closed_exception_types=(EOFError,)) as it:
-    assert [int(x) for x in it] == [0, 1, 2]
-  assert source.i == 4   # nothing pulled past the end
+    assert [int(x) for x in it] == [0, 1, 2, 3, 4]
+  assert source.i == 6   # nothing pulled past the end
 
 
-def test_placement_error_is_delivered_at_its_item():
-  items = [np.int32(0), np.int32(1), object(), np.int32(3)]
-  it = jaxstreams.prefetch(items, size=2, timeout=10)
-  assert int(next(it)) == 0 and int(next(it)) == 1
+def test_placement_error_is_delivered_at_its_item(way):
+  items = [np.int32(0), np.int32(1), np.int32(2), object(), np.int32(4)]
+  it = jaxstreams.prefetch(items, size=2, mode=way)
+  assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
   with pytest.raises(TypeError):
     next(it)
   with pytest.raises(StopIteration):
@@ -189,7 +237,7 @@ def test_timeout_names_what_was_waited_for():
     assert int(next(it)) == 1   # still usable after a timeout
 
 
-def test_close_stops_infinite_source_and_runs_generator_finally():
+def test_close_stops_infinite_source_and_runs_generator_finally(way):
   finished = threading.Event()
 
   def forever():
@@ -201,9 +249,9 @@ def test_close_stops_infinite_source_and_runs_generator_finally():
     finally:
       finished.set()
 
-  it = jaxstreams.prefetch(forever(), size=2, num_threads=3)
+  it = jaxstreams.prefetch(forever(), size=2, num_threads=3, mode=way)
   assert [int(next(it)) for _ in range(5)] == [0, 1, 2, 3, 4]
-  assert len(it.threads) == 3
+  assert len(it.threads) == (0 if way == "inline" else 3)
   it.close()
   assert not any(t.is_alive() for t in it.threads)
   assert finished.is_set()
@@ -228,7 +276,7 @@ def test_close_with_timeout_gives_up_on_a_blocked_source_and_cleans_up_later():
     finally:
       finished.set()
 
-  it = jaxstreams.prefetch(blocked_after_one(), size=2)
+  it = jaxstreams.prefetch(blocked_after_one(), size=2, mode="workers")
   assert int(next(it)) == 0
   assert entered.wait(10)
   t0 = time.monotonic()
@@ -245,6 +293,43 @@ def test_close_with_timeout_gives_up_on_a_blocked_source_and_cleans_up_later():
     next(it)
 
 
+def test_close_from_another_thread_while_the_consumer_produces_inline():
+  """Inline, the consumer's own thread is inside the iterable: close(timeout)
+  from elsewhere returns False; when the iterable returns, that next()
+  hands out nothing (StopIteration) and closes the generator."""
+  entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+  def blocked_after_one():
+    try:
+      yield np.int32(0)
+      entered.set()
+      release.wait(10)
+      yield np.int32(1)
+    finally:
+      finished.set()
+
+  it = jaxstreams.prefetch(blocked_after_one(), mode="inline")
+  assert int(next(it)) == 0
+  outcome = []
+
+  def consume():
+    try:
+      outcome.append(next(it))
+    except BaseException as e:  # noqa: BLE001
+      outcome.append(e)
+
+  consumer = threading.Thread(target=consume)
+  consumer.start()
+  assert entered.wait(10)
+  assert it.close(timeout=0.05) is False
+  assert not finished.is_set()
+  release.set()
+  consumer.join(10)
+  assert len(outcome) == 1 and isinstance(outcome[0], StopIteration)
+  assert wait_until(finished.is_set)
+  assert it.close(timeout=1) is True
+
+
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), "1", True])
 def test_close_timeout_must_be_a_positive_number(timeout):
   with jaxstreams.prefetch([np.zeros(2)]) as it:
@@ -252,27 +337,30 @@ def test_close_timeout_must_be_a_positive_number(timeout):
       it.close(timeout=timeout)
 
 
-def test_context_manager_stops_workers_on_error():
+def test_context_manager_stops_workers_on_error(way):
   def forever():
     while True:
       yield np.zeros(4)
 
   with pytest.raises(RuntimeError, match="user code"):
-    with jaxstreams.prefetch(forever(), size=2, num_threads=2) as it:
-      next(it)
+    with jaxstreams.prefetch(forever(), size=2, num_threads=2, mode=way) as it:
+      for _ in range(5):
+        next(it)
       raise RuntimeError("user code")
   assert not any(t.is_alive() for t in it.threads)
 
 
-def test_abandoned_iterator_stops_when_collected():
+def test_abandoned_iterator_stops_when_collected(way):
   def forever():
     while True:
       yield np.zeros(4)
 
   before = len(jaxstreams_threads("jaxstreams-prefetch"))
-  it = jaxstreams.prefetch(forever(), size=2, num_threads=2)
-  next(it)
-  assert len(jaxstreams_threads("jaxstreams-prefetch")) == before + 2
+  it = jaxstreams.prefetch(forever(), size=2, num_threads=2, mode=way)
+  for _ in range(5):
+    next(it)
+  started = 0 if way == "inline" else 2
+  assert len(jaxstreams_threads("jaxstreams-prefetch")) == before + started
   del it
   gc.collect()
   assert wait_until(lambda: len(jaxstreams_threads("jaxstreams-prefetch")) == before, 10.0)
@@ -318,6 +406,24 @@ def test_argument_errors(kwargs, error, match):
 def test_not_iterable():
   with pytest.raises(TypeError, match="iterable must be iterable, got 3"):
     jaxstreams.prefetch(3)
+
+
+def test_mode_argument():
+  with pytest.raises(ValueError, match=r"mode must be one of \('auto', "
+                                       r"'workers', 'inline'\), got 'threads'"):
+    jaxstreams.prefetch([1], mode="threads")
+  with pytest.raises(ValueError, match="mode='inline' cannot honour "
+                                       "timeout=1.0"):
+    jaxstreams.prefetch([1], mode="inline", timeout=1)
+  # auto with a timeout: workers, since only a wait for one can time out.
+  with jaxstreams.prefetch([np.ones(2)], timeout=5) as it:
+    stats = it.stats()
+    assert stats["mode"] == "workers" and "timeout=5" in stats["mode_reason"]
+    assert it.mode == "auto" and "mode='auto' (workers)" in repr(it)
+  with jaxstreams.prefetch([np.ones(2)]) as it:
+    assert it.stats()["mode"] == "inline" and it.threads == []
+  with jaxstreams.prefetch([np.ones(2)], mode="workers") as it:
+    assert it.stats()["mode_reason"] == "mode='workers' was asked for"
 
 
 def test_single_exception_class_accepted():
@@ -409,12 +515,13 @@ def test_stage_area_lookahead_is_bounded_by_size():
 
   allocations = []
   with jaxstreams.prefetch(source(), size=size, transfer="stage_area",
-                           timeout=30) as it:
+                           mode="workers") as it:
     for i in range(30):
       if i in (0, 10):
-        assert wait_until(lambda: len(pulled) == min(30, i + size))
-        time.sleep(0.05)
-        assert len(pulled) == i + size
+        assert wait_until(lambda: len(pulled) > i)
+        time.sleep(0.05)       # (refilled once half empty: see above)
+        assert (len(pulled) == size) if i == 0 else (
+            i < len(pulled) <= i + size)
         stats = it.stage.stats()
         # The area holds at most size items, in memory allocated once.
         assert stats.capacity == size and stats.queued <= size
@@ -511,7 +618,7 @@ def test_stage_area_destroyed_at_the_end_on_close_and_on_collection():
   # close() with workers blocked: size=1 and 3 threads, so two of them wait
   # for a slot or their turn while the area is full.
   it = jaxstreams.prefetch(forever(), size=1, num_threads=3,
-                           transfer="stage_area")
+                           transfer="stage_area", mode="workers")
   assert [int(next(it)[0]) for _ in range(5)] == [0, 1, 2, 3, 4]
   area = it.stage
   assert wait_until(lambda: area.stats().queued == 1)
@@ -522,7 +629,7 @@ def test_stage_area_destroyed_at_the_end_on_close_and_on_collection():
   # Abandoned: collected while the worker waits on a full pipeline.
   before = len(jaxstreams_threads("jaxstreams-prefetch"))
   it = jaxstreams.prefetch(forever(), size=2, num_threads=2,
-                           transfer="stage_area")
+                           transfer="stage_area", mode="workers")
   next(it)
   area = it.stage
   del it
@@ -594,89 +701,424 @@ def test_describing_the_iterable_prints_no_item():
       return "Item"
 
   items = [np.zeros(4, np.float32).view(Item) for _ in range(200)]
-  with jaxstreams.prefetch(items, size=2) as it:
+  with jaxstreams.prefetch(items, size=2, mode="workers") as it:
     assert len(list(it)) == 200
     assert "list of 200 item(s)" in repr(it)
   assert not printed
 
 
-# Whether prefetching pays: the decision on given counters, and the warning.
-
-import importlib  # noqa: E402
-
-# The module, not the function jaxstreams.stage re-exports under its name.
-prefetch_module = importlib.import_module("jaxstreams.stage.prefetch")
 
 
-def test_judge_waits_for_enough_items():
-  pays, reason = prefetch_module.judge(99, 0, 0.0, 1.0, 0.0, 0.0)
-  assert pays is None and "100" in reason and "99" in reason
+def test_stage_area_across_switches(way):
+  """Items that fit the area and items that do not, in order, bit for bit,
+  whoever places them; the area is gone at the end."""
+  items = [{"x": np.full((4,), i, np.float32), "n": np.int32(i)}
+           if i % 3 else {"x": np.full((4,), i, np.float32), "n": i}
+           for i in range(14)]
+  with jaxstreams.prefetch(items, size=2, transfer="stage_area",
+                           mode=way) as it:
+    out = list(it)
+    area = it.stage
+  assert [int(o["x"][0]) for o in out] == list(range(14))
+  for got, item in zip(out, items):
+    ref = jax.device_put(item)
+    for g, r in zip(jax.tree_util.tree_leaves(got),
+                    jax.tree_util.tree_leaves(ref)):
+      assert _bits(g) == _bits(r) and g.weak_type == r.weak_type
+  assert it.placed == {"stage_area": 9, "device_put": 5}
+  _assert_destroyed(area)
 
 
-def test_judge_says_no_when_items_were_ready_and_production_is_cheap():
-  # 1000 items, never waited for; producing one 20 us, handing it over
-  # 15 us, a step 100 us: at most 5 us of a 115 us cycle to save.
-  pays, reason = prefetch_module.judge(
-      items=1000, waited=3, wait_s=0.0003, handoff_s=0.015, produce_s=0.020,
-      step_s=0.100)
-  assert pays is False
-  assert "3 of 1000" in reason and "20 us" in reason and "15 us" in reason
+# Every promise, whoever produces the items -----------------------------------
 
 
-def test_judge_says_no_when_the_hand_off_costs_more_than_production():
-  pays, _ = prefetch_module.judge(1000, 0, 0.0, 0.050, 0.010, 10.0)
-  assert pays is False
+def test_lookahead_bound_holds_across_switches(way):
+  size = 2
+  lock = threading.Lock()
+  pulled, delivered, ahead = [0], [0], []
+
+  def source():
+    for i in range(30):
+      with lock:
+        pulled[0] += 1
+        ahead.append(pulled[0] - delivered[0])
+      yield np.full(3, i, np.float32)
+
+  with jaxstreams.prefetch(source(), size=size, mode=way) as it:
+    for i, item in enumerate(it):
+      assert int(item[0]) == i
+      with lock:
+        delivered[0] += 1
+  assert max(ahead) <= size + 1   # counted outside the lock: see above
+  assert it.max_in_flight <= size
 
 
-def test_judge_says_yes_when_the_consumer_waits():
-  pays, reason = prefetch_module.judge(1000, 400, 2.0, 0.015, 3.0, 1.0)
-  assert pays is True and "400 of 1000" in reason
+@pytest.mark.parametrize("error", [ValueError("bad record 6"),
+                                   KeyboardInterrupt("producer interrupted")])
+def test_error_at_item_k_is_raised_once_earlier_items_arrive(way, error):
+  closed = threading.Event()
+  pulled = []
+
+  def source():
+    try:
+      for i in range(20):
+        pulled.append(i)
+        if i == 6:
+          raise error
+        yield np.int32(i)
+    finally:
+      closed.set()
+
+  it = jaxstreams.prefetch(source(), size=3, num_threads=2, mode=way)
+  got = []
+  with pytest.raises(type(error), match=str(error)):
+    for item in it:
+      got.append(int(item))
+  assert got == list(range(6))
+  assert pulled == list(range(7))       # nothing pulled past the failure
+  assert not any(t.is_alive() for t in it.threads)
+  assert closed.is_set()
+  with pytest.raises(StopIteration):
+    next(it)
 
 
-def test_judge_says_yes_when_production_is_a_large_share_of_a_step():
-  # Never waited, but producing an item (2 ms) is hidden behind 3 ms steps.
-  pays, reason = prefetch_module.judge(1000, 0, 0.0, 0.015, 2.0, 3.0)
-  assert pays is True and "saves up to" in reason
+def test_keyboard_interrupt_in_the_consumer_while_an_item_is_produced(way):
+  """Ctrl-C while next() is busy with item 5 (waiting for a worker, or
+  inside the iterable in the consumer's own thread): it propagates, the
+  workers are gone, the generator is closed, later calls end."""
+  release, closed = threading.Event(), threading.Event()
+
+  def source():
+    try:
+      for i in range(20):
+        if i == 5:
+          release.wait(10)
+        yield np.int32(i)
+    finally:
+      closed.set()
+
+  it = jaxstreams.prefetch(source(), size=2, mode=way)
+  got = [int(next(it)) for _ in range(5)]
+  threading.Timer(0.3, release.set).start()   # a blocked worker gets out
+  with pytest.raises(KeyboardInterrupt):
+    with keyboard_interrupt_after(0.05):
+      got.append(int(next(it)))
+  assert got == [0, 1, 2, 3, 4]
+  assert not any(t.is_alive() for t in it.threads)
+  assert wait_until(closed.is_set)
+  with pytest.raises(StopIteration):
+    next(it)
 
 
-def test_stats_counts_items_and_reports_a_verdict():
-  batches = [np.full(3, i, np.float32) for i in range(150)]
-  with jaxstreams.prefetch(batches, size=2) as it:
-    assert it.stats()["items"] == 0 and it.stats()["pays"] is None
-    with warnings.catch_warnings():   # the verdict depends on this machine
-      warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
-      got = [int(b[0]) for b in it]
+def test_two_consumers_share_one_iterator(way):
+  """Each item goes to exactly one of two threads calling next()."""
+  items = [np.int32(i) for i in range(200)]
+  out = [[], []]
+
+  def consume(mine):
+    for item in it:
+      mine.append(int(item))
+
+  with jaxstreams.prefetch(items, size=3, mode=way) as it:
+    threads = [threading.Thread(target=consume, args=(out[k],))
+               for k in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(30)
+  assert not any(t.is_alive() for t in threads)
+  assert sorted(out[0] + out[1]) == list(range(200))
+  assert out[0] == sorted(out[0]) and out[1] == sorted(out[1])
+
+
+def test_stats_say_which_way_it_runs(way):
+  batches = [np.full(3, i, np.float32) for i in range(40)]
+  with jaxstreams.prefetch(batches, size=2, mode=way) as it:
+    assert it.stats()["items"] == 0
+    got = [int(b[0]) for b in it]
     stats = it.stats()
-  assert got == list(range(150))
-  assert stats["items"] == 150 and 0 <= stats["waited"] <= 150
-  assert stats["pays"] in (True, False) and stats["reason"]
-  for key in ("wait_us", "handoff_us", "produce_us", "step_us"):
-    assert stats[key] >= 0
+  assert got == list(range(40))
+  assert stats["items"] == 40
+  assert stats["workers"]["items"] + stats["inline"]["items"] == 40
+  if way == "workers":
+    assert stats["mode"] == "workers" and stats["inline"]["items"] == 0
+  elif way == "inline":
+    assert stats["mode"] == "inline" and stats["workers"]["items"] == 0
+    assert it.threads == []
+  else:
+    assert stats["switches"] == 19      # every second of 39 cycles
+    assert stats["mode_reason"] == "switching (test)"
+    assert stats["workers"]["items"] > 0 and stats["inline"]["items"] > 0
+  for per in (stats["workers"], stats["inline"]):
+    for key in ("wait_us", "handoff_us", "produce_us", "cycle_us"):
+      assert per[key] >= 0
 
 
-def test_warns_once_per_prefetcher_when_it_does_not_pay(monkeypatch):
-  calls = []
+# How mode="auto" chooses: the chooser fed made-up times ----------------------
 
-  def never_pays(*counts):
-    calls.append(counts[0])
-    return False, "judged not to pay (test)"
+Chooser = prefetch_module._Chooser
+WINDOW = prefetch_module.WINDOW
+US = 1e-6
 
-  monkeypatch.setattr(prefetch_module, "judge", never_pays)
-  assert issubclass(jaxstreams.PerformanceWarning, UserWarning)
-  batches = [np.zeros(2, np.float32)] * 350
+
+def _feed(chooser, n, cycle_us, produce_us, inline_made=None, waited=False):
+  """Shows ``chooser`` n items; returns the modes it switched to."""
+  switched = []
+  for _ in range(n):
+    made = chooser.inline if inline_made is None else inline_made
+    if chooser.observe(cycle_us * US, produce_us * US, made, waited):
+      switched.append(chooser.mode)
+  return switched
+
+
+def test_chooser_stays_inline_where_production_is_cheap():
+  chooser = Chooser(size=2)
+  assert chooser.mode == "inline" and "judging" in chooser.reason
+  # A small share of the cycle ...
+  assert _feed(chooser, 2 + 10 * WINDOW, cycle_us=1000, produce_us=50) == []
+  assert chooser.mode == "inline" and not chooser.trials
+  assert "5.0% of a cycle (50 us of 1000 us" in chooser.reason
+  assert chooser.news == chooser.reason     # told once ...
+  chooser.news = None
+  # ... or a large share, but less than a worker costs (a consumer that
+  # does not wait for its results has short cycles).
+  assert _feed(chooser, 3 * WINDOW, cycle_us=20, produce_us=15) == []
+  assert chooser.mode == "inline"
+  assert "takes 15 us (15 us of 20 us" in chooser.reason
+  assert chooser.news is None               # ... and only once
+
+
+def test_chooser_ignores_the_first_items():
+  chooser = Chooser(size=2)
+  # Two slow first items (compiling) do not count.
+  assert _feed(chooser, 2, cycle_us=10_000, produce_us=9_000) == []
+  assert chooser.mode == "inline"
+
+
+def test_chooser_moves_to_workers_at_once_when_production_dominates():
+  chooser = Chooser(size=2)
+  assert _feed(chooser, 4, cycle_us=1000, produce_us=600) == ["workers"]
+  assert chooser.mode == "workers" and "60% of a cycle" in chooser.reason
+  assert chooser.news is None               # nothing to warn about
+  # Workers keep it while production is hidden (the consumer still waits).
+  assert _feed(chooser, 10 * WINDOW, cycle_us=700, produce_us=600,
+               waited=True) == []
+  # A share that large is not enough when an item is cheap, nor is an
+  # expensive item that is a small share of a long step.
+  for cycle, produce in ((100, 60), (10_000, 300)):
+    chooser = Chooser(size=2)
+    assert _feed(chooser, 4, cycle_us=cycle, produce_us=produce) == []
+
+
+def test_chooser_steps_aside_when_production_turns_cheap():
+  chooser = Chooser(size=2)
+  _feed(chooser, 4, cycle_us=1000, produce_us=600)
+  assert chooser.mode == "workers"
+  # The first size + 1 items after the switch (the lookahead filling) do
+  # not count; then a window of cheap production.
+  assert _feed(chooser, 3 + WINDOW, cycle_us=1000, produce_us=10) == ["inline"]
+  assert "fell to 1.0% of a cycle" in chooser.reason
+  assert chooser.news == chooser.reason
+  # Also when an item turns cheaper than a worker costs.
+  chooser = Chooser(size=2)
+  _feed(chooser, 4, cycle_us=1000, produce_us=600)
+  assert _feed(chooser, 3 + WINDOW, cycle_us=50, produce_us=10) == ["inline"]
+
+
+def test_chooser_keeps_workers_while_the_consumer_waits_for_them():
+  chooser = Chooser(size=2)
+  _feed(chooser, 4, cycle_us=1000, produce_us=600)
+  _feed(chooser, 3 + 4 * WINDOW, cycle_us=1000, produce_us=10, waited=True)
+  assert chooser.mode == "workers"
+
+
+def _trial(chooser, workers_cycle_us, inline_cycle_us, produce_us):
+  """Runs a trial that has just started, window by window."""
+  modes = []
+  while chooser.trial is not None:
+    cycle = workers_cycle_us if chooser.mode == "workers" else inline_cycle_us
+    modes.append(chooser.mode)
+    _feed(chooser, 1, cycle_us=cycle, produce_us=produce_us)
+  return modes
+
+
+def test_chooser_trial_keeps_workers_when_they_are_faster():
+  chooser = Chooser(size=2)
+  # 30% of a cycle: worth a trial, not sure enough to skip one.
+  assert _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300) == [
+      "workers"]
+  assert chooser.reason.startswith("trial")
+  modes = _trial(chooser, workers_cycle_us=750, inline_cycle_us=1000,
+                 produce_us=300)
+  # Three rounds of a worker window then an inline window; the worker
+  # windows also skip the size + 1 items that refill the lookahead.
+  assert modes.count("workers") == 3 * (WINDOW + 3)
+  assert modes.count("inline") == 3 * WINDOW
+  assert chooser.mode == "workers"
+  assert chooser.trials == [{"workers_cycle_us": pytest.approx(750),
+                             "inline_cycle_us": pytest.approx(1000),
+                             "workers_won": 3, "rounds": 3,
+                             "chose": "workers"}]
+  assert "a trial found them faster" in chooser.reason
+  assert chooser.news is None
+
+
+def test_chooser_trial_steps_aside_when_workers_are_no_faster():
+  chooser = Chooser(size=2)
+  _feed(chooser, 2 + WINDOW, cycle_us=200, produce_us=44)
+  _trial(chooser, workers_cycle_us=280, inline_cycle_us=200, produce_us=44)
+  assert chooser.mode == "inline"
+  assert chooser.trials[-1]["chose"] == "inline"
+  assert chooser.news and "a trial found workers no faster" in chooser.news
+  # The same production share does not start another trial ...
+  assert _feed(chooser, 50 * WINDOW, cycle_us=200, produce_us=44) == []
+  assert "a trial found workers no faster at 22%" in chooser.reason
+  assert _feed(chooser, WINDOW, cycle_us=200, produce_us=80) == []
+  # ... doubled, it does (once enough items have passed since the last).
+  assert _feed(chooser, WINDOW, cycle_us=200, produce_us=90) == ["workers"]
+  assert chooser.trial is not None and chooser.reason.startswith("trial")
+
+
+def test_chooser_counts_only_inline_items_when_inline():
+  chooser = Chooser(size=2)
+  _feed(chooser, 4, cycle_us=1000, produce_us=600)
+  _feed(chooser, 3 + WINDOW, cycle_us=1000, produce_us=10)
+  assert chooser.mode == "inline"
+  # Items workers made before the switch say nothing about inline's cost.
+  assert _feed(chooser, 5, cycle_us=10, produce_us=9, inline_made=False) == []
+  assert chooser.n == 0
+
+
+def test_chooser_trial_gap_doubles():
+  chooser = Chooser(size=1)
+  gaps = []
+  for _ in range(3):
+    _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300)
+    before = chooser.next_trial
+    _trial(chooser, workers_cycle_us=750, inline_cycle_us=1000,
+           produce_us=300)
+    gaps.append(chooser.next_trial - chooser.judged)
+    # Back to inline: production turns cheap under workers.
+    _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=1)
+    assert chooser.mode == "inline", before
+    _feed(chooser, chooser.next_trial, cycle_us=100, produce_us=1)
+  assert gaps[1] > gaps[0] and gaps[2] > gaps[1]
+
+
+# mode="auto" in an iterator: a fake clock ------------------------------------
+
+
+class _FakeClock:
+  """Stands in for the pipeline's clock: time moves only when a test says
+  so (the source when it produces an item, the loop when it steps)."""
+
+  def __init__(self):
+    self.now = 1000.0
+    self.lock = threading.Lock()
+
+  def __call__(self):
+    return self.now
+
+  def advance(self, us):
+    with self.lock:
+      self.now += us * US
+
+
+def _timed_source(clock, n, produce_us):
+  for i in range(n):
+    clock.advance(produce_us)
+    yield np.full(2, i, np.float32)
+
+
+def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
+    monkeypatch):
+  clock = _FakeClock()
+  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  got = []
   with pytest.warns(jaxstreams.PerformanceWarning,
-                    match="judged not to pay") as record:
-    with jaxstreams.prefetch(batches) as it:
-      assert len(list(it)) == 350
+                    match="stepped aside: producing an item takes 5 us "
+                          r"\(5 us of 105 us") as record:
+    with jaxstreams.prefetch(_timed_source(clock, 300, 5)) as it:
+      for item in it:
+        got.append(int(item[0]))
+        clock.advance(100)             # the step
+      stats = it.stats()
   assert len(record) == 1
-  assert calls == [100]           # judged at the 100th item, then no more
+  assert got == list(range(300))
+  assert stats["mode"] == "inline" and stats["switches"] == 0
+  assert stats["inline"]["items"] == 300 and it.threads == []
+  assert stats["inline"]["produce_us"] == pytest.approx(5)
+
+
+def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
+  clock = _FakeClock()
+  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  got = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxstreams.PerformanceWarning)
+    with jaxstreams.prefetch(_timed_source(clock, 200, 1000)) as it:
+      for item in it:
+        got.append(int(item[0]))
+        clock.advance(100)
+      stats = it.stats()
+  assert got == list(range(200))
+  assert stats["mode"] == "workers" and stats["switches"] == 1
+  assert len(it.threads) == 1 and not it.threads[0].is_alive()
+  # Inline: the first item (no cycle yet), two not judged, two judged.
+  assert stats["inline"]["items"] == 5
 
 
 def test_only_the_public_prefetch_warns(monkeypatch):
-  monkeypatch.setattr(prefetch_module, "judge",
-                      lambda *counts: (False, "judged not to pay (test)"))
-  batches = [np.zeros(2, np.float32)] * 150
-  with Prefetcher(batches, 2, transform=lambda b: b, num_threads=1,
-                  timeout=None, closed_exception_types=(StopIteration,),
-                  ignored_exception_types=()) as it:
-    assert len(list(it)) == 150   # filterwarnings=error: a warning fails
+  clock = _FakeClock()
+  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  with Prefetcher(_timed_source(clock, 150, 5), 2, transform=lambda b: b,
+                  num_threads=1, timeout=None,
+                  closed_exception_types=(StopIteration,),
+                  ignored_exception_types=(), mode="auto") as it:
+    for _ in it:
+      clock.advance(100)       # filterwarnings=error: a warning fails
+    assert it.stats()["mode"] == "inline"
+
+
+# Placement: jax.device_put's arrays, placed cheaply ---------------------------
+
+
+def test_place_on_device_gives_what_device_put_gives():
+  place = prefetch_module.place_on_device
+  base = np.arange(24, dtype=np.float32).reshape(4, 6)
+  items = [
+      base, base[:, ::2], base.T, np.float32(3.5), np.int64(7),
+      np.arange(5, dtype=np.float64), np.array([True, False]),
+      np.asarray([1.5, 2.5], jax.numpy.bfloat16), np.zeros((0, 3), np.int8),
+      np.arange(4, dtype=np.complex64),
+      {"a": base, "b": [np.uint8(3), 2.0, 7]}, jax.numpy.ones(3), (),
+  ]
+  for item in items:
+    for wait in (True, False):
+      got, want = place(item, None, wait), jax.device_put(item)
+      assert (jax.tree_util.tree_structure(got)
+              == jax.tree_util.tree_structure(want))
+      for g, w in zip(jax.tree_util.tree_leaves(got),
+                      jax.tree_util.tree_leaves(want)):
+        assert isinstance(g, jax.Array)
+        assert _bits(g) == _bits(w) and g.weak_type == w.weak_type
+        assert g.sharding == w.sharding and g.committed == w.committed
+  # What device_put refuses, it refuses too (a big-endian array's bytes
+  # are not read as little-endian ones).
+  for bad in (np.arange(3, dtype=">f4"), np.array(["text"]), object()):
+    with pytest.raises(TypeError):
+      jax.device_put(bad)
+    with pytest.raises(TypeError):
+      place(bad, None, True)
+    with pytest.raises(TypeError):
+      with jaxstreams.prefetch([bad], transfer="stage_area") as it:
+        next(it)
+  # Copied: the producer may reuse its buffer.
+  buffer = np.zeros(16, np.float32)
+  placed = place(buffer, None, True)
+  buffer[:] = 7
+  assert float(placed[0]) == 0.0
+  # jax's default device is honoured.
+  devices = jax.devices()
+  with jax.default_device(devices[-1]):
+    assert place(base, None, True).devices() == {devices[-1]}

@@ -14,10 +14,8 @@ only; no assertion depends on how fast anything runs.
 """
 
 import concurrent.futures
-import contextlib
 import gc
 import os
-import signal
 import threading
 import time
 
@@ -31,7 +29,8 @@ import jaxstreams.runtime as rt
 from jaxstreams import config
 from jaxstreams.runtime import _ops
 from jaxstreams.stage import staged_plan
-from programs import assert_bitwise_equal, jaxstreams_threads, wait_until
+from programs import (assert_bitwise_equal, jaxstreams_threads,
+                      keyboard_interrupt_after, wait_until)
 
 TIMEOUT = 30.0
 HANDLER_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
@@ -43,21 +42,6 @@ def clean_config():
   config.reset()
   yield
   config.reset()
-
-
-@contextlib.contextmanager
-def keyboard_interrupt_after(seconds):
-  """Raises KeyboardInterrupt in the main thread after ``seconds``, as Ctrl-C
-  would; the timer is cancelled and the handler restored on the way out."""
-  def handler(signum, frame):
-    raise KeyboardInterrupt("test interrupt")
-  old = signal.signal(signal.SIGALRM, handler)
-  signal.setitimer(signal.ITIMER_REAL, seconds)
-  try:
-    yield
-  finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
 
 
 def _in_thread(fn, timeout=TIMEOUT):

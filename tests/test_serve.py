@@ -544,6 +544,125 @@ def test_direct_mode_back_pressure_and_close_drains():
     server.submit(jnp.ones(2))
 
 
+def test_direct_mode_counts_exactly_under_many_threads():
+  """The direct path takes no lock for a request admitted at once: its
+  counts must still be exact with many callers at once."""
+  def f(x):
+    if x.shape == (3,):
+      raise ValueError("no threes")
+    return x + 1.0
+
+  with jaxstreams.serve(f, mode="direct") as server:
+    errors = []
+
+    def client(k):
+      for i in range(40):
+        shape = (3,) if (k + i) % 10 == 0 else (2,)
+        try:
+          np.testing.assert_array_equal(server(jnp.ones(shape)), [2.0, 2.0])
+        except ValueError as e:
+          errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(16)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(TIMEOUT)
+    stats = server.stats()
+  assert len(errors) == 64
+  assert (stats.requests, stats.completed, stats.failed) == (640, 576, 64)
+  assert stats.direct == 640
+
+
+def test_direct_mode_waits_for_room_and_never_runs_more_than_queue_size():
+  lock = threading.Lock()
+  now, most = [0], [0]
+
+  def inside(v):
+    with lock:
+      now[0] += 1
+      most[0] = max(most[0], now[0])
+    time.sleep(0.002)
+    with lock:
+      now[0] -= 1
+    return v
+
+  def f(x):
+    return jax.pure_callback(inside, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+  with jaxstreams.serve(f, mode="direct", queue_size=2, block=True) as server:
+    def client(k):
+      for i in range(10):
+        np.testing.assert_array_equal(server(jnp.full(2, k + i)), k + i)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(TIMEOUT)
+    stats = server.stats()
+  assert not any(t.is_alive() for t in threads)
+  assert 1 <= most[0] <= 2
+  assert (stats.requests, stats.completed, stats.failed) == (80, 80, 0)
+
+
+def test_direct_mode_wait_for_room_times_out_or_ends_with_close():
+  gate, entered = threading.Event(), threading.Event()
+
+  def hold(v):
+    entered.set()
+    assert gate.wait(TIMEOUT)
+    return v
+
+  def f(x):
+    return jax.pure_callback(hold, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+  server = jaxstreams.serve(f, mode="direct", queue_size=1, block=0.05)
+  pool = concurrent.futures.ThreadPoolExecutor(3)
+  first = pool.submit(server, jnp.ones(2))
+  assert entered.wait(TIMEOUT)
+  with pytest.raises(jaxstreams.QueueFullError,
+                     match="stayed at its limit of 1 request running at "
+                           "once.*for block=0.05 seconds"):
+    server(jnp.ones(2))
+  server._core.block = True          # now wait as long as it takes ...
+  waiting = pool.submit(server, jnp.ones(2))
+  assert wait_until(lambda: server._core.space_waiters == 1, TIMEOUT)
+  closer = pool.submit(server.close, TIMEOUT)
+  # ... until the close: the waiter is refused, the running one finishes.
+  with pytest.raises(jaxstreams.ServerClosedError):
+    waiting.result(TIMEOUT)
+  gate.set()
+  np.testing.assert_array_equal(first.result(TIMEOUT), jnp.ones(2))
+  assert closer.result(TIMEOUT) is True
+  pool.shutdown()
+  stats = server.stats()
+  assert (stats.requests, stats.completed, stats.failed) == (1, 1, 0)
+
+
+def test_tally_counts_every_add_from_many_threads():
+  from jaxstreams.serve._server import _Tally
+  tally = _Tally()
+  reads = []
+
+  def add():
+    for _ in range(10_000):
+      tally.add()
+
+  threads = [threading.Thread(target=add) for _ in range(8)]
+  for t in threads:
+    t.start()
+  lock = threading.Lock()
+  while any(t.is_alive() for t in threads):
+    with lock:
+      reads.append(tally.read())
+  for t in threads:
+    t.join()
+  with lock:
+    assert tally.read() == 80_000
+  assert reads == sorted(reads)
+
+
 def test_auto_with_streams_runs_a_lone_request_without_the_batch_program(
     monkeypatch):
   from jaxstreams.serve import _server

@@ -55,6 +55,7 @@ import functools
 import itertools
 import numbers
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -65,7 +66,7 @@ import jax.extend.core as jcore
 from jax import tree_util
 from jax.interpreters import mlir
 
-from jaxstreams import _checks
+from jaxstreams import _checks, _compat, _workers
 from jaxstreams._jit import jit as _streams_jit, spec_of
 from jaxstreams._signature import signature as _leaf_signatures, traced_signature
 from jaxstreams._trace import trace
@@ -232,6 +233,24 @@ def _resolve_mode(mode: str, groups: int) -> tuple[str, str]:
 # ---------------------------------------------------------------------------
 # The server's state, shared by the server object and its threads.
 
+class _Tally:
+  """A count that many threads add to without a lock: ``next()`` on an
+  ``itertools.count`` is one C call, atomic under the GIL, where ``+= 1``
+  on an attribute is three steps another thread can come between. Reading
+  it takes a number too, so reads are counted and taken off; ``read()``
+  must be called under a lock (its own count is not atomic)."""
+
+  def __init__(self):
+    self._count = itertools.count()
+    self.add = self._count.__next__
+    self._reads = 0
+
+  def read(self) -> int:
+    value = next(self._count) - self._reads
+    self._reads += 1
+    return value
+
+
 _MAX_IN_FLIGHT = 2      # batches dispatched and not yet handed back
 _server_ids = itertools.count(1)
 THREAD_PREFIX = "jaxstreams-serve"
@@ -258,13 +277,22 @@ class _Core:
     self.work = threading.Condition(self.lock)     # queue grew / batch done
     self.space = threading.Condition(self.lock)    # queue shrank / closing
     self.pending: collections.deque[_Request] = collections.deque()
-    self.in_flight = 0
+    self.in_flight = 0           # grouped: batches (and lone requests) running
     self.space_waiters = 0       # callers blocked in _wait_for_space
-    self.direct_completed = 0    # direct requests (plain ints: no Counter on
-    self.direct_failed = 0       # the direct path, which must stay lean)
-    self.requests_direct_lone = 0
+    # Direct mode takes no lock on the way of a request admitted at once:
+    # one token per request running (deque.append / pop are atomic under
+    # the GIL) and a tally of those finished; the lock only on the way of a
+    # refusal, a wait for room, a failure or a close.
+    self.running: collections.deque = collections.deque()
+    self.limit = sys.maxsize if queue_size is None else queue_size
+    self.finished = _Tally()
+    self.finished_add = self.finished.add
+    self.direct = self.mode == "direct"
+    self.direct_failed = 0       # under self.lock
+    self.lone_completed = 0      # grouped mode: lone requests run as jax.jit
+    self.lone_failed = 0         # in their caller's thread (under self.lock)
     self.closing = False
-    self.threads: list[threading.Thread] = []
+    self.workers = _workers.Workers(name)
     self.done: queue.SimpleQueue = queue.SimpleQueue()
     # Caches, guarded by their own lock (tracing happens under it).
     self.cache_lock = threading.RLock()
@@ -285,8 +313,9 @@ class _Core:
         self._wait_for_space(lambda: len(self.pending) >= self.queue_size)
       self.pending.append(_Request(payload, future))
       self.counts["requests"] += 1
-      if not self.threads:
-        self._start_threads()
+      if not self.workers.threads:
+        self.workers.start("dispatch", self._dispatch_loop)
+        self.workers.start("complete", self._complete_loop)
       self.work.notify_all()
     return future
 
@@ -331,68 +360,69 @@ class _Core:
 
   # -- direct mode: the caller's thread runs jax.jit(f) --------------------
 
-  def _enter_direct(self) -> None:
-    """Admit one direct request: refused once closing; at most
-    ``queue_size`` run at once (the back-pressure of a queue that, here,
-    is the callers themselves). Kept lean: it runs on every request."""
+  def _admit_slowly(self) -> None:
+    """A direct request that found the server closing or full: refuse it,
+    or wait for room as ``block`` says; on return it holds its token."""
     with self.lock:
-      if self.closing:
-        self._check_open()
-      if self.queue_size is not None and self.in_flight >= self.queue_size:
-        self._wait_for_space(lambda: self.in_flight >= self.queue_size)
-      self.in_flight += 1
+      self._check_open()
+      taken = self._take_token()
+      if taken:
+        return
 
-  def _leave_direct(self, ok: bool) -> None:
+      def full() -> bool:
+        nonlocal taken
+        taken = self._take_token()
+        return not taken
+
+      try:
+        self._wait_for_space(full)
+      except BaseException:
+        if taken:               # room came, and so did a close
+          self.running.pop()
+        raise
+
+  def _take_token(self) -> bool:
+    """Takes a direct request's token if there is room (under self.lock;
+    requests on the lock-free way take theirs alongside)."""
+    self.running.append(None)
+    if len(self.running) <= self.limit:
+      return True
+    self.running.pop()
+    return False
+
+  def _direct_failure(self) -> None:
     with self.lock:
-      self.in_flight -= 1
-      if ok:
-        self.direct_completed += 1
-      else:
-        self.direct_failed += 1
-      if self.closing or self.space_waiters:
-        self.space.notify_all()
-        self.work.notify_all()
+      self.direct_failed += 1
 
-  def call_direct(self, args: tuple, kwargs: dict):
-    """``jax.jit(f)(*args, **kwargs)``, waited for (so a run-time error
-    reaches this caller, as it would a plain caller reading the result)."""
-    self._enter_direct()
-    ok = False
-    try:
-      out = self.jitted(*args, **kwargs)
-      if isinstance(out, jax.Array):     # the common case, without a tree walk
-        out.block_until_ready()
-      else:
-        jax.block_until_ready(out)
-      ok = True
-      return out
-    finally:
-      self._leave_direct(ok)
+  def _wake(self) -> None:
+    """A direct request ended while callers wait for room or close() waits
+    for the running ones."""
+    with self.lock:
+      self.space.notify_all()
+      self.work.notify_all()
 
   def _submit_direct(self, payload: tuple) -> concurrent.futures.Future:
     # Dispatched in the caller's thread as jax.jit would be; the future is
     # settled on return and holds jax.jit's (asynchronously computed)
     # result or the caller's own error.
     args, kwargs = payload
-    self._enter_direct()
+    running = self.running
+    running.append(None)
+    if self.closing or len(running) > self.limit:
+      running.pop()
+      self._admit_slowly()
     future: concurrent.futures.Future = concurrent.futures.Future()
-    ok = False
     try:
       future.set_result(self.jitted(*args, **kwargs))
-      ok = True
     except Exception as e:  # noqa: BLE001 -- this caller's own error
+      self._direct_failure()
       future.set_exception(e)
     finally:
-      self._leave_direct(ok)
+      running.pop()
+      self.finished_add()
+      if self.space_waiters or self.closing:
+        self._wake()
     return future
-
-  def _start_threads(self) -> None:
-    for role, target in (("dispatch", self._dispatch_loop),
-                         ("complete", self._complete_loop)):
-      thread = threading.Thread(target=target, name=f"{self.name}-{role}",
-                                daemon=True)
-      self.threads.append(thread)
-      thread.start()
 
   # -- closing ---------------------------------------------------------------
 
@@ -401,25 +431,18 @@ class _Core:
       self.closing = True
       self.work.notify_all()
       self.space.notify_all()
-      threads = list(self.threads)
     if not join:
       return True
     deadline = None if timeout is None else time.monotonic() + timeout
     if self.mode == "direct":
       with self.lock:   # drain: wait for the requests running in callers
-        while self.in_flight:
+        while self.running:
           remaining = None if deadline is None else deadline - time.monotonic()
           if remaining is not None and remaining <= 0:
             return False
           self.work.wait(remaining)
       return True
-    me = threading.current_thread()
-    for thread in threads:
-      if thread is me:
-        continue
-      thread.join(None if deadline is None
-                  else max(0.0, deadline - time.monotonic()))
-    return not any(t.is_alive() for t in threads if t is not me)
+    return self.workers.join(timeout)
 
   # -- the dispatch thread ---------------------------------------------------
 
@@ -457,13 +480,12 @@ class _Core:
             self._fail(request, e)
         self.done.put(([], None))
 
-  def call(self, payload: tuple):
+  def call_grouped(self, *args, **kwargs):
     """A synchronous request. When nothing is running or queued, the caller's
     own thread runs it (a batch of one), skipping two thread hand-offs that
     would cost a lone request more than its execution; otherwise it queues
     and joins the next batch like any other."""
-    if self.mode == "direct":
-      return self.call_direct(*payload)
+    payload = (args, kwargs)
     with self.lock:
       inline = (not self.closing and not self.pending
                 and self.in_flight == 0)
@@ -476,16 +498,15 @@ class _Core:
       # A lone request would run alone anyway: as a plain thread runs it.
       ok = False
       try:
-        out = self.jitted(*payload[0], **payload[1])
-        jax.block_until_ready(out)
+        out = self.jitted(*args, **kwargs)
+        _wait(out)
         ok = True
         return out
       finally:
         with self.lock:
           self.in_flight -= 1
-          self.direct_completed += ok
-          self.direct_failed += not ok
-          self.requests_direct_lone += 1
+          self.lone_completed += ok
+          self.lone_failed += not ok
           self.work.notify_all()
     request = _Request(payload, concurrent.futures.Future())
     request.future.set_running_or_notify_cancel()
@@ -543,12 +564,14 @@ class _Core:
         jax.block_until_ready(outputs)
       except Exception as e:  # noqa: BLE001
         outputs = e
-    with self.lock:
+    with self.lock:                 # one lock for the batch's counts
       self.counts["batches"] += 1
       self.batch_sizes[len(batch)] += 1
+      if not isinstance(outputs, Exception):
+        self.counts["completed"] += len(batch)
     if not isinstance(outputs, Exception):
       for request, output in zip(batch, outputs):
-        self._succeed(request, output)
+        request.future.set_result(output)
       return
     if len(batch) == 1:
       self._fail(batch[0], outputs)
@@ -631,20 +654,34 @@ class _Core:
   def stats(self) -> ServeStats:
     with self.lock, self.cache_lock:
       c = self.counts
-      direct_done = self.direct_completed + self.direct_failed
-      direct = (direct_done + self.in_flight if self.mode == "direct"
-                else self.requests_direct_lone)
+      finished = self.finished.read()
+      direct = finished + len(self.running)     # direct mode's requests
+      lone = self.lone_completed + self.lone_failed
       return ServeStats(
           requests=c["requests"] + (direct if self.mode == "direct" else 0),
-          completed=c["completed"] + self.direct_completed,
-          failed=c["failed"] + self.direct_failed,
+          completed=(c["completed"] + finished - self.direct_failed
+                     + self.lone_completed),
+          failed=c["failed"] + self.direct_failed + self.lone_failed,
           batches=c["batches"], batch_sizes=dict(sorted(self.batch_sizes.items())),
           signatures_traced=c["signatures_traced"],
           programs_traced=c["programs_traced"],
           programs_cached=len(self.programs.items),
           program_evictions=self.programs.evictions,
           fallbacks=c["fallbacks"], mode=self.mode,
-          mode_reason=self.mode_reason, direct=direct)
+          mode_reason=self.mode_reason,
+          direct=direct if self.mode == "direct" else lone)
+
+
+_ARRAY_TYPE = _compat.ARRAY_TYPE
+
+
+def _wait(out) -> None:
+  """Waits for a request's result: one array without walking it as a tree
+  (``jax.block_until_ready`` costs about a microsecond more)."""
+  if type(out) is _ARRAY_TYPE:
+    out.block_until_ready()
+  else:
+    jax.block_until_ready(out)
 
 
 def _signature_of_traced(request) -> tuple:
@@ -688,9 +725,34 @@ class Server:
     """``f(*args, **kwargs)``, run with whatever requests arrive with it
     (with none running or queued, it runs at once in the calling thread)."""
     core = self._core
-    if core.mode == "direct":
-      return core.call_direct(args, kwargs)
-    return core.call((args, kwargs))
+    if not core.direct:
+      return core.call_grouped(*args, **kwargs)
+    # Direct mode: jax.jit(f) in this thread, waited for (so a run-time
+    # error reaches this caller, as it would a plain caller reading the
+    # result). Written out here rather than called: with many threads a
+    # request costs the time it holds the GIL (about 5 us for jax.jit's
+    # dispatch), and each call frame more is a share of that. No lock for
+    # a request admitted at once (see _Core).
+    running = core.running
+    running.append(None)
+    if core.closing or len(running) > core.limit:
+      running.pop()
+      core._admit_slowly()        # refused, or waits for room
+    try:
+      out = core.jitted(*args, **kwargs)
+      if type(out) is _ARRAY_TYPE:
+        out.block_until_ready()   # one array: no tree walk
+      else:
+        jax.block_until_ready(out)
+    except BaseException:
+      core._direct_failure()
+      raise
+    finally:
+      running.pop()
+      core.finished_add()
+      if core.space_waiters or core.closing:
+        core._wake()
+    return out
 
   def close(self, timeout: float | None = None) -> bool:
     """Refuse new requests, finish the queued ones, and stop the threads.

@@ -51,7 +51,8 @@ from jax import tree_util
 from jaxstreams._jit import jit as streams_jit
 from jaxstreams.stage._analysis import FUNC, Split
 from jaxstreams.stage._splits import Splits
-from jaxstreams.stage.prefetch import NOT_READY, Prefetcher, next_if_ready
+from jaxstreams.stage.prefetch import (NOT_READY, Prefetcher, next_if_ready,
+                                      place_on_device)
 from jaxstreams.tag import stream as stream_scope
 
 _SCHEDULE = 64        # programs the fused runner remembers for ``schedule``
@@ -95,7 +96,7 @@ def _place(batch: Any) -> Any:
   if isinstance(batch, _DataError):
     return batch
   try:
-    return jax.block_until_ready(jax.device_put(batch))
+    return place_on_device(batch)
   except Exception as exc:  # noqa: BLE001 - raised at its batch
     return _DataError(exc)
 
