@@ -199,6 +199,9 @@ class _Sequencer:
     for r, packing in self.packings.items():
       if packing is not None:
         self.packed.update((v, ("buffer", r)) for v in graph.outputs[r])
+    # Each main-stream region's equations in the order they are emitted:
+    # those that need no result still in flight first.
+    self.order = self._main_orders()
     # Steps: one per call, one per main-stream equation, in emission order.
     self.last_use: dict[Any, int] = {}
     self.fused_reads: list[list] = []   # per step: what a fusible equation reads
@@ -211,7 +214,7 @@ class _Sequencer:
         self.fused_reads.append(None)
         step += 1
         continue
-      for i in graph.members[index]:
+      for i in self.order[index]:
         eqn = plan.program.jaxpr.eqns[i]
         self._use(eqn.invars, step)
         self.fused_reads.append(
@@ -230,6 +233,36 @@ class _Sequencer:
     self.pending: list[Any] = []    # inputs of pinned calls since the last barrier
     self.flying: set[Any] = set()   # results no main-stream equation read yet
     self.buffers: dict[Any, Any] = {}   # key -> the packed buffer, as of now
+
+  def _main_orders(self) -> dict[int, list[int]]:
+    """Per main-stream region, its equations with those that need no result
+    of a pinned call still in flight moved ahead (in program order each):
+    they run inside the calls' windows instead of after them. A region with
+    side effects keeps its order."""
+    graph, eqns = self.plan.graph, self.plan.program.jaxpr.eqns
+    flying: set = set()
+    orders = {}
+    for index, stream in enumerate(graph.streams):
+      if stream != 0:
+        if index in self.calls:
+          flying.update(graph.outputs[index])
+        continue
+      members = graph.members[index]
+      if any(eqns[i].effects for i in members):
+        orders[index] = list(members)
+      else:
+        waiting, needs = set(), []
+        for i in members:
+          if any(not isinstance(v, jcore.Literal) and (v in flying or v in waiting)
+                 for v in eqns[i].invars):
+            waiting.update(eqns[i].outvars)
+            needs.append(i)
+        later = set(needs)
+        orders[index] = [i for i in members if i not in later] + needs
+      for i in orders[index]:
+        flying.difference_update(v for v in eqns[i].invars
+                                 if not isinstance(v, jcore.Literal))
+    return orders
 
   def _use(self, vars_, step: int) -> None:
     for v in vars_:
@@ -295,7 +328,8 @@ class _Sequencer:
       for var, value in zip(graph.inputs[index], inputs):
         if var not in self.packed:
           self.env[var] = value
-      for eqn in self.plan.region_equations(index):
+      for i in self.order[index]:
+        eqn = self.plan.program.jaxpr.eqns[i]
         reads = list(dict.fromkeys(v for v in eqn.invars
                                    if not isinstance(v, jcore.Literal)))
         self._before(reads)
