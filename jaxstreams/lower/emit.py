@@ -20,7 +20,8 @@ order into the GPU program (``order_barrier``; nothing on CPU):
   before all the work emitted after them;
 * before a main-stream equation that reads such a call's results, one barrier
   over those results and every value still to be used: the call-done comes
-  after all the work emitted before it;
+  after all the work emitted before it; within a main-stream region, the
+  equations that need no result in flight are emitted first;
 * such a call returns its outputs packed in one buffer, unpacked after that
   barrier. A done lands right before its first user; a multi-output done's
   users are tuple elements, which the memory scheduler places wherever it
