@@ -13,6 +13,9 @@ What lives here, and why it cannot use a public API:
   in 0.10, ``jax.experimental.xla_metadata`` from 0.11), a primitive with the
   full set of jvp / linearize / transpose / batching / DCE rules, so regions
   stay regions under ``jax.grad`` and ``jax.vmap`` applied outside.
+  ``order_barrier`` is the same primitive around ``optimization_barrier``.
+* ``XLA_SCHEDULES_STREAM_CALLS``: whether the XLA inside this jaxlib
+  schedules work between a stream call's start and done by itself.
 * name stacks and source locations of equations (``eqn.source_info``): the
   carrier of ``jaxstreams.stream`` tags.
 * making fresh ``Var`` s and ``Jaxpr`` s when regions are cut out of a jaxpr
@@ -30,11 +33,12 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.extend.core as jcore
 import jax.interpreters.mlir
+import jaxlib
 from jax.extend import source_info_util
 
 # The name jax gives the nested-jit primitive: "pjit" before 0.8, "jit" since.
@@ -61,14 +65,50 @@ _xla_metadata_call = _find_xla_metadata_call()
 
 STREAM_ANNOTATION = "_xla_stream_annotation"
 # Marks the calls jaxstreams emits, so the CPU lowering below touches no others.
+# Its value is the index of the plan region the call was emitted for; XLA
+# copies it onto the call-start / call-done pair (jaxstreams.xla_schedule).
 REGION_ATTRIBUTE = "jaxstreams_region"
+# Marks jaxstreams' ordering barriers (``order_barrier``).
+ORDER_ATTRIBUTE = "jaxstreams_order"
 
 
-def stream_call(fn: Callable[..., Any], stream_id: int) -> Callable[..., Any]:
-  """``fn`` as one non-inlineable call that XLA:GPU runs on stream ``stream_id``."""
+def stream_call(fn: Callable[..., Any], stream_id: int,
+                region: int) -> Callable[..., Any]:
+  """``fn`` as one non-inlineable call that XLA:GPU runs on stream
+  ``stream_id``, tagged with the index of the plan ``region`` it is."""
   return _xla_metadata_call(fn, **{STREAM_ANNOTATION: str(stream_id),
                                    "inlineable": "false",
-                                   REGION_ATTRIBUTE: str(stream_id)})
+                                   REGION_ATTRIBUTE: str(region)})
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+  parts = []
+  for part in text.split(".")[:2]:
+    digits = "".join(ch for ch in part if ch.isdigit())
+    parts.append(int(digits or 0))
+  return tuple(parts)
+
+
+# Whether XLA's latency-hiding scheduler sees the calls stream_call makes.
+# Measured in deviceless H100 compiles (README "What XLA will run"): from
+# jaxlib 0.12 XLA wraps an annotated call as an async pair on the "parallel"
+# execution thread, which its GPU async tracker counts as async compute, and
+# it schedules work between call-start and call-done. In jaxlib 0.10 and 0.11
+# the pair stays on the main thread, the tracker does not count it, the
+# latency-hiding scheduler leaves the computation as the memory scheduler
+# ordered it, and only the order jaxstreams emits can open a window
+# (lower/emit.py, sequence points).
+XLA_SCHEDULES_STREAM_CALLS = _version_tuple(jaxlib.__version__) >= (0, 12)
+
+
+def order_barrier(values: Sequence[Any]) -> list[Any]:
+  """``values`` through one optimization barrier in the GPU program: XLA
+  computes every value before any result is read. On CPU the call lowers to
+  nothing (the values pass through), so CPU programs stay those jax.jit
+  builds. Differentiable, batchable and splittable like a region call."""
+  def barrier(*xs):
+    return list(jax.lax.optimization_barrier(xs))
+  return list(_xla_metadata_call(barrier, **{ORDER_ATTRIBUTE: "1"})(*values))
 
 
 def _metadata_of(params: dict) -> dict[str, str]:
@@ -86,23 +126,50 @@ def _install_cpu_inline_lowering() -> None:
   boundary that XLA may not inline blocks algebraic rewrites across it
   (``(x * 2) * y`` reassociated, say), which changes the last bits of some
   results. Inline, the CPU program is the one ``jax.jit`` would build, and
-  its results are bitwise the same. GPU lowering is untouched, and lowering
-  for a GPU from a CPU-only machine (``lowering_platforms=("cuda",)``) still
-  shows the annotated calls.
+  its results are bitwise the same. ``order_barrier`` calls lower to
+  nothing on CPU, for the same reason. GPU lowering is untouched, and
+  lowering for a GPU from a CPU-only machine (``lowering_platforms=("cuda",)``)
+  still shows the annotated calls and the barriers.
   """
-  probe = jax.make_jaxpr(stream_call(lambda x: x, 1))(1.0)
+  probe = jax.make_jaxpr(stream_call(lambda x: x, 1, 0))(1.0)
   primitive = probe.jaxpr.eqns[0].primitive
   from jax._src.interpreters import mlir as mlir_internal  # the default rule
   entry = mlir_internal._lowerings[primitive]
   default_rule = getattr(entry, "rule", entry)   # a LoweringRuleEntry since 0.9
 
   def cpu_rule(ctx, *args, jaxpr, **params):
-    if REGION_ATTRIBUTE in _metadata_of(params):
+    metadata = _metadata_of(params)
+    if ORDER_ATTRIBUTE in metadata:   # a barrier orders nothing on one stream
+      return jax.interpreters.mlir.lower_fun(
+          _without_barriers(jaxpr), multiple_results=True)(ctx, *args)
+    if REGION_ATTRIBUTE in metadata:
       return jax.interpreters.mlir.lower_fun(
           jcore.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
     return default_rule(ctx, *args, jaxpr=jaxpr, **params)
 
   jax.interpreters.mlir.register_lowering(primitive, cpu_rule, platform="cpu")
+
+
+def _without_barriers(closed) -> Callable[..., list]:
+  """``closed`` (an order_barrier's body, outputs perhaps pruned by jax's
+  dead-code elimination) as a function whose optimization barriers pass
+  their operands through."""
+  jaxpr = closed.jaxpr
+
+  def run(*args):
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      if eqn.primitive is jax.lax.optimization_barrier_p:
+        outs = ins
+      else:
+        outs = eqn.primitive.bind(*ins, **eqn.params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+      env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+  return run
 
 
 # ---------------------------------------------------------------------------
@@ -284,8 +351,8 @@ def _install_region_partial_eval() -> None:
   a later product of two primals then fails to transpose (``AssertionError:
   (ValAccum, ValAccum)``), the crash of issue 16. This rule splits the
   region into a known region call and an unknown one, both on the region's
-  stream, as jax does for its own call primitives. Calls that are not
-  jaxstreams regions keep jax's behaviour.
+  stream, as jax does for its own call primitives (an ``order_barrier`` into
+  two barriers). Calls that are not jaxstreams' keep jax's behaviour.
   """
   from jax._src.interpreters import partial_eval as pe
   primitive = _region_primitive()
@@ -294,7 +361,7 @@ def _install_region_partial_eval() -> None:
 
   def partial_eval(trace, *tracers, jaxpr, **params):
     metadata = _metadata_of(params)
-    if REGION_ATTRIBUTE not in metadata:
+    if REGION_ATTRIBUTE not in metadata and ORDER_ATTRIBUTE not in metadata:
       return trace.default_process_primitive(
           primitive, tracers, dict(params, jaxpr=jaxpr))
     unknown_in = [not t.pval.is_known() for t in tracers]

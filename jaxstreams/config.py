@@ -90,6 +90,16 @@ REDUCE_STREAM_WAIT = _define(Option(
     "(TF_REDUCE_STREAM_WAIT); off keeps every cross-stream edge."))
 
 
+SEQUENCE_POINTS = _define(Option(
+    "jaxstreams_sequence_points", bool, True,
+    "Where XLA does not schedule stream regions itself (jax < 0.12), pin the "
+    "plan's order in the GPU program with optimization barriers and return "
+    "each region that can overlap other work as one buffer, so that XLA puts "
+    "that work inside the region's start..done window. Off: XLA's memory "
+    "scheduler orders the regions, which on jax 0.10 and 0.11 often runs them "
+    "one at a time. Changes nothing on CPU or on jax >= 0.12."))
+
+
 def options() -> dict[str, Option]:
   """All options by name."""
   return dict(_OPTIONS)

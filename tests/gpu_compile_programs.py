@@ -56,31 +56,43 @@ def two_towers():
 
 def one_chain():
   """Negative control: each region needs the previous one; nothing can overlap."""
-  def step(x, w):
-    with jaxstreams.stream(1):
-      x = jnp.tanh(x @ w)
-    x = jnp.sin(x @ w)
-    with jaxstreams.stream(1):
-      x = jnp.tanh(x @ w)
-    return x.sum()
-  return step, (jnp.ones((128, 128)), jnp.ones((128, 128))), 2
+  from programs import one_chain
+  return one_chain, (jnp.ones((128, 128)), jnp.ones((128, 128))), 2
 
 
 PROGRAMS = {"two_towers": two_towers, "two_tower_demo": two_tower_demo, "four_branches": four_branches,
             "dlrm_towers": dlrm_towers, "one_chain": one_chain}
 
 
-def schedule_of(name, target, compiler_options=None):
+# Variants: a program compiled another way, named "<program>/<variant>".
+VARIANTS = {
+    # The compiler option that lifts XLA's limit of async regions in flight
+    # (jax 0.12; earlier versions do not read it for stream regions).
+    "limit4": dict(compiler_options={
+        "xla_gpu_experimental_parallel_async_compute_limit": 4}),
+    # jaxstreams' sequence points off: what XLA makes of the regions alone.
+    "unpinned": dict(sequence_points=False),
+}
+
+
+def schedule_of(name, target, compiler_options=None, sequence_points=True):
   fn, args, streams = PROGRAMS[name]()
   options = {"compiler_options": compiler_options} if compiler_options else {}
   jitted = jaxstreams.jit(fn, streams=streams, **options)
-  plan = jitted.plan(*args)
-  compiled = jitted.lower(*target.abstract(*args)).compile()
-  return plan, jaxstreams.xla_schedule(compiled, plan=plan)
+  jaxstreams.config.update("jaxstreams_sequence_points", sequence_points)
+  try:
+    plan = jitted.plan(*args)
+    lowered = jitted.lower(*target.abstract(*args))
+  finally:
+    jaxstreams.config.reset("jaxstreams_sequence_points")
+  barriers = lowered.as_text().count('jaxstreams_order = "1"')
+  return plan, jaxstreams.xla_schedule(lowered.compile(), plan=plan), barriers
 
 
-def report(name, target, compiler_options=None):
-  plan, schedule = schedule_of(name, target, compiler_options)
+def report(name, target):
+  program, _, variant = name.partition("/")
+  plan, schedule, barriers = schedule_of(program, target,
+                                         **VARIANTS.get(variant, {}))
   return {
       "plan_calls": [[r.index, r.stream] for r in plan.regions if r.is_call],
       "regions": [{"plan_region": r.plan_region, "stream": r.stream,
@@ -90,13 +102,19 @@ def report(name, target, compiler_options=None):
       "peak_in_flight": schedule.peak_in_flight,
       "pairs": [[p.first, p.second, p.scheduled_together]
                 for p in schedule.compare(plan)],
+      "barriers": barriers,
       "summary": schedule.summary(),
+      "notes": list(schedule.notes),
   }
+
+
+DEFAULT = [*PROGRAMS, "four_branches/limit4", "dlrm_towers/limit4",
+           "four_branches/unpinned"]
 
 
 def main(names):
   target = jaxstreams.gpu_target("h100")
-  print(json.dumps({name: report(name, target) for name in names or PROGRAMS}))
+  print(json.dumps({name: report(name, target) for name in names or DEFAULT}))
 
 
 if __name__ == "__main__":

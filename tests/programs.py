@@ -31,6 +31,16 @@ def two_towers(x, w1, w2):
   return (a * b).sum() + jnp.cos(x).mean()
 
 
+def one_chain(x, w):
+  """Each region needs the one before it: nothing can overlap."""
+  with jaxstreams.stream(1):
+    x = jnp.tanh(x @ w)
+  x = jnp.sin(x @ w)
+  with jaxstreams.stream(1):
+    x = jnp.tanh(x @ w)
+  return x.sum()
+
+
 def training_step(params, x, y):
   """A two-tower regression loss; its gradient is the usual test subject."""
   def loss(params):

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from jaxstreams._compat import XLA_SCHEDULES_STREAM_CALLS
 from jaxstreams.xla.target import install_command
 from programs import gpu_target_problem
 
@@ -38,6 +39,8 @@ def schedules():
 
 
 PROGRAMS = ["two_towers", "two_tower_demo", "four_branches", "dlrm_towers", "one_chain"]
+# The programs whose plans let regions run together.
+OVERLAPPING = ["two_towers", "two_tower_demo", "four_branches", "dlrm_towers"]
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
@@ -57,11 +60,59 @@ def test_every_pair_the_plan_allows_is_found_in_the_schedule(schedules, name):
   assert all(together is not None for _, _, together in pairs)
 
 
+@pytest.mark.parametrize("name", OVERLAPPING)
+def test_regions_the_plan_lets_overlap_have_work_in_their_windows(schedules, name):
+  regions = [r for r in schedules[name]["regions"] if not r["fragment"]]
+  assert regions
+  assert all(r["main_work"] or r["overlapping"] for r in regions), \
+      schedules[name]["summary"]
+
+
+@pytest.mark.parametrize("name", OVERLAPPING)
+def test_every_pair_the_plan_allows_is_scheduled_together(schedules, name):
+  """Where jaxstreams pins the order (XLA that does not schedule stream
+  regions), every pair; where XLA schedules them itself, every pair its
+  limit of regions in flight allows, and the notes name the limit."""
+  report = schedules[name]
+  together = [t for _, _, t in report["pairs"]]
+  if not XLA_SCHEDULES_STREAM_CALLS:
+    assert all(together), report["summary"]
+    assert report["barriers"] > 0
+  else:
+    assert report["barriers"] == 0   # nothing changes where XLA schedules
+    assert all(together) or (
+        report["peak_in_flight"] == 2
+        and any("parallel_async_compute_limit" in n for n in report["notes"]))
+
+
+@pytest.mark.parametrize("name", ["four_branches/limit4", "dlrm_towers/limit4"])
+def test_with_the_in_flight_limit_raised_every_pair_is_together(schedules, name):
+  report = schedules[name]
+  assert all(t for _, _, t in report["pairs"]), report["summary"]
+  assert report["peak_in_flight"] == 3
+
+
+def test_without_sequence_points_old_xla_runs_the_regions_one_at_a_time(schedules):
+  """The mechanism, kept in view: with the option off, XLA before jax 0.12
+  places each call-done right after its call-start, and the notes say why."""
+  report = schedules["four_branches/unpinned"]
+  assert report["barriers"] == 0
+  if XLA_SCHEDULES_STREAM_CALLS:
+    assert report["peak_in_flight"] >= 2
+  else:
+    assert report["peak_in_flight"] == 1
+    assert not any(t for _, _, t in report["pairs"])
+    assert any("jaxstreams_sequence_points" in n for n in report["notes"])
+
+
 def test_independent_towers_overlap(schedules):
-  """Two towers on streams 1 and 2: XLA runs one inside the other's window."""
+  """Two towers on streams 1 and 2: XLA runs one inside the other's window,
+  and the main-stream work neither needs (cos(x).mean(), written after the
+  towers' product) inside both."""
   report = schedules["two_towers"]
   assert report["pairs"] == [[0, 1, True]]
   assert report["peak_in_flight"] == 2
+  assert all(r["main_work"] for r in report["regions"])
 
 
 def test_one_chain_has_nothing_in_its_windows(schedules):
@@ -69,3 +120,4 @@ def test_one_chain_has_nothing_in_its_windows(schedules):
   assert report["pairs"] == []
   assert all(r["main_work"] == 0 and r["overlapping"] == [] for r in report["regions"])
   assert report["peak_in_flight"] == 1
+  assert report["barriers"] == 0   # nothing to overlap: the program is left alone

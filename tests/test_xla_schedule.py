@@ -9,7 +9,8 @@ import jaxstreams
 from jaxstreams.xla.schedule import HloParseError, xla_schedule
 from programs import random_inputs, two_towers
 
-_ATTRS = 'frontend_attributes={{_xla_stream_annotation="{s}",inlineable="false",jaxstreams_region="{s}"}}'
+# A region call as XLA prints it: its stream, and the plan region it is.
+_ATTRS = 'frontend_attributes={{_xla_stream_annotation="{s}",inlineable="false",jaxstreams_region="{r}"}}'
 
 # Two regions on streams 1 and 2; region 2 starts inside region 1's window,
 # and a main-stream fusion runs inside both.
@@ -35,14 +36,14 @@ FileNames
 
 ENTRY %main.1 (x: f32[8]) -> f32[8] {{
   %x = f32[8]{{0}} parameter(0)
-  %call-start = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_a, {_ATTRS.format(s=1)}
-  %call-start.1 = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_b, {_ATTRS.format(s=2)}
+  %call-start = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_a, {_ATTRS.format(s=1, r=0)}
+  %call-start.1 = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_b, {_ATTRS.format(s=2, r=1)}
   %cos = f32[8]{{0}} fusion(%x), kind=kLoop, calls=%fused_cos
-  %call-done.1 = f32[8]{{0}} call-done(%call-start.1), {_ATTRS.format(s=2)}
-  %call-done = f32[8]{{0}} call-done(%call-start), {_ATTRS.format(s=1)}
-  %call-start.2 = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%call-done), to_apply=%split, {_ATTRS.format(s=1)}
-  %call-done.2 = f32[8]{{0}} call-done(%call-start.2), {_ATTRS.format(s=1)}
-  %sync = f32[8]{{0}} call(%cos), to_apply=%region_b, {_ATTRS.format(s=3)}
+  %call-done.1 = f32[8]{{0}} call-done(%call-start.1), {_ATTRS.format(s=2, r=1)}
+  %call-done = f32[8]{{0}} call-done(%call-start), {_ATTRS.format(s=1, r=0)}
+  %call-start.2 = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%call-done), to_apply=%split, {_ATTRS.format(s=1, r=0)}
+  %call-done.2 = f32[8]{{0}} call-done(%call-start.2), {_ATTRS.format(s=1, r=0)}
+  %sync = f32[8]{{0}} call(%cos), to_apply=%region_b, {_ATTRS.format(s=3, r=2)}
   ROOT %add = f32[8]{{0}} fusion(%call-done.2, %call-done.1, %sync), kind=kLoop, calls=%fused_add
 }}
 """
@@ -57,8 +58,8 @@ ONE_CHAIN = f"""HloModule jit_g, is_scheduled=true
 
 ENTRY %main (x: f32[8]) -> f32[8] {{
   %x = f32[8]{{0}} parameter(0)
-  %call-start = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_a, {_ATTRS.format(s=1)}
-  %call-done = f32[8]{{0}} call-done(%call-start), {_ATTRS.format(s=1)}
+  %call-start = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_a, {_ATTRS.format(s=1, r=0)}
+  %call-done = f32[8]{{0}} call-done(%call-start), {_ATTRS.format(s=1, r=0)}
   ROOT %y = f32[8]{{0}} fusion(%call-done), kind=kLoop, calls=%fused_cos
 }}
 """
@@ -115,6 +116,63 @@ def test_comparison_with_the_plan():
   serial_schedule = xla_schedule(serial, plan=plan)
   (pair,) = serial_schedule.compare(plan)
   assert pair.scheduled_together is False
+
+
+def _two_calls_on_one_stream(first, second):
+  """Two region calls on stream 1, started in this order, tagged with the
+  plan regions ``first`` and ``second``."""
+  return f"""HloModule jit_h, is_scheduled=true
+
+%region_a (p0: f32[8]) -> f32[8] {{
+  %p0 = f32[8]{{0}} parameter(0)
+  ROOT %t = f32[8]{{0}} fusion(%p0), kind=kLoop, calls=%fused_tanh
+}}
+
+ENTRY %main (x: f32[8]) -> f32[8] {{
+  %x = f32[8]{{0}} parameter(0)
+  %call-start = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_a, {_ATTRS.format(s=1, r=first)}
+  %call-done = f32[8]{{0}} call-done(%call-start), {_ATTRS.format(s=1, r=first)}
+  %call-start.1 = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_a, {_ATTRS.format(s=1, r=second)}
+  %call-done.1 = f32[8]{{0}} call-done(%call-start.1), {_ATTRS.format(s=1, r=second)}
+  ROOT %y = f32[8]{{0}} fusion(%call-done, %call-done.1), kind=kLoop, calls=%fused_add
+}}
+"""
+
+
+def _two_regions_on_stream_1(x, w):
+  with jaxstreams.stream(1):
+    x = jnp.tanh(x @ w)
+  x = jnp.sin(x @ w)     # main-stream work between: two regions on stream 1
+  with jaxstreams.stream(1):
+    x = jnp.cos(x @ w)
+  return x
+
+
+def test_regions_are_matched_to_the_plan_by_the_region_they_name():
+  x = jnp.ones((8, 8))
+  plan = jaxstreams.plan(_two_regions_on_stream_1, streams=2)(x, x)
+  on_one = [r.index for r in plan.regions if r.stream == 1]
+  assert len(on_one) == 2
+  # Whatever order the schedule has them in (XLA may start independent
+  # regions of one stream in either order), the attribute says which is which.
+  for order in (on_one, on_one[::-1]):
+    schedule = xla_schedule(_two_calls_on_one_stream(*order), plan=plan)
+    assert [r.plan_region for r in schedule.main_regions] == order
+
+
+def test_notes_say_what_xla_serialized():
+  xs = random_inputs((8, 8), (8, 8), (8, 8))
+  plan = jaxstreams.plan(two_towers, streams=3)(*xs)
+  assert xla_schedule(TWO_REGIONS, plan=plan).notes == ()
+  assert xla_schedule(TWO_REGIONS).notes == ()   # no plan, nothing to compare
+  lines = TWO_REGIONS.splitlines(keepends=True)
+  b_lines = [line for line in lines if "%call-start.1 =" in line or "%call-done.1 =" in line]
+  rest = [line for line in lines if line not in b_lines]
+  after_a = next(i for i, line in enumerate(rest) if "%call-done = " in line) + 1
+  serial = xla_schedule("".join(rest[:after_a] + b_lines + rest[after_a:]), plan=plan)
+  assert serial.notes[0] == ("R0 and R1 may run together; XLA scheduled them "
+                             "one after the other")
+  assert f"note: {serial.notes[0]}" in str(serial)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -16,7 +16,8 @@ import json
 import re
 from typing import Any, Sequence
 
-from jaxstreams._compat import REGION_ATTRIBUTE, STREAM_ANNOTATION
+from jaxstreams._compat import (REGION_ATTRIBUTE, STREAM_ANNOTATION,
+                                XLA_SCHEDULES_STREAM_CALLS)
 
 # Instructions that launch no kernel: they name, slice or group buffers.
 _NO_KERNEL = frozenset({
@@ -82,10 +83,39 @@ class XlaSchedule:
 
   def __init__(self, instructions: Sequence[Instruction],
                regions: Sequence[AsyncRegion],
-               synchronous: Sequence[Instruction]):
+               synchronous: Sequence[Instruction], plan=None):
     self.instructions = tuple(instructions)
     self.regions = tuple(regions)
     self.synchronous = tuple(synchronous)   # annotated calls left synchronous
+    self.plan = plan                        # the StreamPlan matched, if given
+
+  @property
+  def notes(self) -> tuple[str, ...]:
+    """What XLA serialized that the plan lets run together (needs the plan),
+    and the likely reason, one line each."""
+    if self.plan is None:
+      return ()
+    notes = []
+    for check in self.compare(self.plan):
+      if check.scheduled_together is not False:
+        continue
+      if check.second == -1:
+        notes.append(f"R{check.first}: no main-stream work it does not depend "
+                     "on is scheduled inside its window")
+      else:
+        notes.append(f"R{check.first} and R{check.second} may run together; "
+                     "XLA scheduled them one after the other")
+    if not notes:
+      return ()
+    if not XLA_SCHEDULES_STREAM_CALLS:
+      notes.append("this XLA (jax < 0.12) does not schedule stream regions "
+                   "itself: only the order jaxstreams emits opens a window "
+                   "(option jaxstreams_sequence_points)")
+    elif self.peak_in_flight == 2:
+      notes.append("XLA keeps at most xla_gpu_experimental_parallel_async_"
+                   "compute_limit regions in flight (2 unless raised: pass it in "
+                   "compiler_options of the outermost jit)")
+    return tuple(notes)
 
   @property
   def main_regions(self) -> tuple[AsyncRegion, ...]:
@@ -149,7 +179,8 @@ class XlaSchedule:
     widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
              for row in [header] + rows]
-    return self.summary() + "\n" + "\n".join(lines)
+    notes = [f"note: {note}" for note in self.notes]
+    return "\n".join([self.summary()] + lines + notes)
 
   def to_perfetto(self, path) -> None:
     """A Chrome/Perfetto trace of the schedule: one lane per stream, one unit
@@ -175,7 +206,8 @@ class XlaSchedule:
     """For each pair the plan lets run together (two off-main regions on
     different streams, neither depending on the other; or an off-main region
     and main-stream work it does not depend on), whether XLA scheduled them
-    together. Plan regions map to XLA regions by order on each stream."""
+    together. Plan regions map to XLA regions as ``xla_schedule`` matched
+    them (by the ``jaxstreams_region`` attribute)."""
     by_plan = {r.plan_region: r for r in self.main_regions if r.plan_region is not None}
     reach = _reachability(plan)
     calls = [r for r in plan.regions if r.is_call]
@@ -294,11 +326,38 @@ def _computations(text: str) -> tuple[str, dict[str, list[Instruction]]]:
   return entry, computations
 
 
+def _match_plan(windows, plan) -> dict[int, int]:
+  """Plan region of each (non-fragment) window: the one its
+  ``jaxstreams_region`` attribute names, when that is a region on the same
+  stream; else the next unmatched one on its stream, in order."""
+  calls = {r.index: r.stream for r in plan.regions if r.is_call}
+  matched: dict[int, int] = {}
+  rest = []
+  for k, (ins, _, _, fragment) in enumerate(windows):
+    if fragment:
+      continue
+    stream = int(ins.frontend_attribute(STREAM_ANNOTATION))
+    named = ins.frontend_attribute(REGION_ATTRIBUTE)
+    if named is not None and named.isdigit() and calls.get(int(named)) == stream:
+      matched[k] = int(named)
+    else:
+      rest.append((k, stream))
+  queues: dict[int, list[int]] = {}
+  for index, stream in calls.items():
+    if index not in matched.values():
+      queues.setdefault(stream, []).append(index)
+  for k, stream in rest:
+    if queues.get(stream):
+      matched[k] = queues[stream].pop(0)
+  return matched
+
+
 def xla_schedule(compiled: Any, plan=None) -> XlaSchedule:
   """The schedule XLA chose for ``compiled`` (a compiled executable, e.g.
   ``jaxstreams.jit(f).lower(...).compile()``, or its ``as_text()``). With the
-  ``plan`` of the same function, regions are matched to plan regions by their
-  order on each stream."""
+  ``plan`` of the same function, each region is matched to the plan region
+  its ``jaxstreams_region`` attribute names (by order on its stream where
+  the attribute is missing, e.g. in hand-written ``compute_on`` programs)."""
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   if not isinstance(text, str) or not text.strip():
     raise HloParseError(f"expected HLO text or a compiled executable, got {type(compiled).__name__}")
@@ -317,16 +376,7 @@ def xla_schedule(compiled: Any, plan=None) -> XlaSchedule:
     body = computations.get(ins.called or "", [])
     fragment = bool(body) and all(b.opcode in _NO_KERNEL for b in body)
     windows.append((ins, start, done, fragment))
-  plan_index: dict[int, int] = {}
-  if plan is not None:
-    queues: dict[int, list[int]] = {}
-    for region in plan.regions:
-      if region.is_call:
-        queues.setdefault(region.stream, []).append(region.index)
-    for k, (ins, _, _, fragment) in enumerate(windows):
-      stream = int(ins.frontend_attribute(STREAM_ANNOTATION))
-      if not fragment and queues.get(stream):
-        plan_index[k] = queues[stream].pop(0)
+  plan_index = _match_plan(windows, plan) if plan is not None else {}
   regions = []
   for k, (ins, start, done, fragment) in enumerate(windows):
     main_work = tuple(instructions[p].name for p in range(start + 1, done)
@@ -340,4 +390,4 @@ def xla_schedule(compiled: Any, plan=None) -> XlaSchedule:
         main_work=main_work, overlapping=overlapping, fragment=fragment))
   synchronous = [ins for ins in instructions
                  if ins.opcode == "call" and ins.frontend_attribute(STREAM_ANNOTATION) is not None]
-  return XlaSchedule(instructions, regions, synchronous)
+  return XlaSchedule(instructions, regions, synchronous, plan)
