@@ -11,8 +11,8 @@ Waits are bounded (``_wait_until``, ``timeout=``), so a bug fails instead of
 hanging.
 """
 
+import functools
 import gc
-import importlib
 import warnings
 import random
 import threading
@@ -24,11 +24,9 @@ import pytest
 
 import jaxstreams
 import jaxstreams.runtime as rt
+from jaxstreams.stage import _chooser, _clock, _lookahead, _transfer
 from jaxstreams.stage.prefetch import AUTO_TRANSFER, Prefetcher
 from programs import jaxstreams_threads, keyboard_interrupt_after, wait_until
-
-# The module, not the function jaxstreams.stage re-exports under its name.
-prefetch_module = importlib.import_module("jaxstreams.stage.prefetch")
 
 PATHS = ["device_put", "stage_area"]
 
@@ -41,8 +39,8 @@ class _Flipper:
 
   EVERY = 2
 
-  def __init__(self, size):
-    del size
+  def __init__(self, size, words, unseen_gain=False):
+    del size, words, unseen_gain
     self.mode, self.inline = "inline", True
     self.reason, self.news = "switching (test)", None
     self.switches, self.trials, self.seen = 0, [], 0
@@ -66,7 +64,7 @@ WAYS = ["workers", "inline", "switching"]
 def way(request, monkeypatch):
   """The ``mode=`` to pass for one way of producing items."""
   if request.param == "switching":
-    monkeypatch.setattr(prefetch_module, "_Chooser", _Flipper)
+    monkeypatch.setattr(_lookahead, "Chooser", _Flipper)
     return "auto"
   return request.param
 
@@ -856,8 +854,9 @@ def test_stats_say_which_way_it_runs(way):
 
 # How mode="auto" chooses: the chooser fed made-up times ----------------------
 
-Chooser = prefetch_module._Chooser
-WINDOW = prefetch_module.WINDOW
+# The chooser as prefetch words it.
+Chooser = functools.partial(_chooser.Chooser, words=_lookahead.WORDS)
+WINDOW = _chooser.WINDOW
 US = 1e-6
 
 
@@ -1033,7 +1032,7 @@ def _timed_source(clock, n, produce_us):
 def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
     monkeypatch):
   clock = _FakeClock()
-  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  monkeypatch.setattr(_clock, "now", clock)
   got = []
   with pytest.warns(jaxstreams.PerformanceWarning,
                     match="stepped aside: producing an item takes 5 us "
@@ -1052,7 +1051,7 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
 
 def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
   clock = _FakeClock()
-  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  monkeypatch.setattr(_clock, "now", clock)
   got = []
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxstreams.PerformanceWarning)
@@ -1070,7 +1069,7 @@ def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
 
 def test_only_the_public_prefetch_warns(monkeypatch):
   clock = _FakeClock()
-  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  monkeypatch.setattr(_clock, "now", clock)
   with Prefetcher(_timed_source(clock, 150, 5), 2, transform=lambda b: b,
                   num_threads=1, timeout=None,
                   closed_exception_types=(StopIteration,),
@@ -1084,7 +1083,7 @@ def test_only_the_public_prefetch_warns(monkeypatch):
 
 
 def test_place_on_device_gives_what_device_put_gives():
-  place = prefetch_module.place_on_device
+  place = _transfer.place_on_device
   base = np.arange(24, dtype=np.float32).reshape(4, 6)
   items = [
       base, base[:, ::2], base.T, np.float32(3.5), np.int64(7),

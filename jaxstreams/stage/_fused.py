@@ -51,8 +51,9 @@ from jax import tree_util
 from jaxstreams._jit import jit as streams_jit
 from jaxstreams.stage._analysis import FUNC, Split
 from jaxstreams.stage._splits import Splits
-from jaxstreams.stage.prefetch import (NOT_READY, Prefetcher, next_if_ready,
-                                      place_on_device)
+from jaxstreams.stage._lookahead import NOT_READY
+from jaxstreams.stage._prefetcher import Prefetcher, next_if_ready
+from jaxstreams.stage._transfer import place_on_device
 from jaxstreams.tag import stream as stream_scope
 
 _SCHEDULE = 64        # programs the fused runner remembers for ``schedule``

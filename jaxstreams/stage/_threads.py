@@ -25,7 +25,7 @@ from jax import tree_util
 from jaxstreams._jit import jit as streams_jit
 from jaxstreams.stage._analysis import FUNC, Split
 from jaxstreams.stage._splits import Splits
-from jaxstreams.stage.prefetch import Prefetcher
+from jaxstreams.stage._prefetcher import Prefetcher
 from jaxstreams.tag import stream as stream_scope
 
 
