@@ -38,6 +38,7 @@ SURE_US = 200.0        # the step by a third to lose, and an item takes
 LEAVE_SHARE = 0.05     # overlap steps aside under this share,
 LEAVE_US = 15.0        # ... or when an item takes less than this,
 MOSTLY_READY = 0.05    # ... if the consumer waited for this share at most
+                       # (or waited as long as producing takes)
 FIRST_TRIAL_GAP = 256  # judged items between trials (doubling each time)
 
 
@@ -92,7 +93,12 @@ class Chooser:
     since the last: a trial costs items in the worse way.
   * In overlap it steps aside when production falls under ``LEAVE_SHARE``
     of a cycle or ``LEAVE_US`` per item and the consumer almost never
-    waits.
+    waits, or waits as long as producing the items takes (overlap is then
+    slower than producing them inline could be: its hand-off is late).
+  * ``verify``: overlap's own cost is not bounded by a known hand-off
+    (``staged``: its fused program can run slower than the step itself), so
+    while it runs, trials check it whenever the gap allows (taken at once,
+    it runs ``FIRST_TRIAL_GAP`` judged items before the first).
   * ``unseen_gain``: overlap may also hide work these measurements cannot
     see (``staged`` on a platform that runs streams: the producer's device
     work beside the consumer's). A cheap production then decides nothing:
@@ -100,9 +106,11 @@ class Chooser:
     stepping aside, runs one.
   """
 
-  def __init__(self, size: int, words: Words, unseen_gain: bool = False):
+  def __init__(self, size: int, words: Words, verify: bool = False,
+               unseen_gain: bool = False):
     self.size = size
     self.words = words
+    self.verify = verify
     self.unseen_gain = unseen_gain
     self.mode = words.inline
     self.inline = True
@@ -126,13 +134,14 @@ class Chooser:
     second item, so a producer that clearly needs hiding gets overlap soon;
     otherwise once full."""
     self.judged += self.n
-    self.n, self.cycle, self.produce, self.waited = 0, 0.0, 0.0, 0
+    self.n, self.cycle, self.produce, self.waited, self.wait = (
+        0, 0.0, 0.0, 0, 0.0)
     self.check_at = 2 if self.inline and self.trial is None else WINDOW
 
   def observe(self, cycle: float, produce: float, inline_made: bool,
-              waited: bool) -> bool:
-    """One item received: its cycle and production time (seconds), whether
-    it was made inline and whether the consumer waited for it. Returns
+              wait: float) -> bool:
+    """One item received: its cycle and production time, whether it was
+    made inline and how long the consumer waited for it (seconds). Returns
     whether ``mode`` changed. (Runs for every item: lean.)"""
     if self.skip:
       self.skip -= 1
@@ -142,8 +151,9 @@ class Chooser:
     self.n += 1
     self.cycle += cycle
     self.produce += produce
-    if waited:
+    if wait:
       self.waited += 1
+      self.wait += wait
     if self.n < self.check_at:
       return False
     return self._judge()
@@ -157,8 +167,12 @@ class Chooser:
     trial_due = self.judged + self.n >= self.next_trial
     if self.inline:
       if share >= SURE_SHARE and produce_us >= SURE_US:
-        return self._switch(words.overlap, words.sure.format(
+        changed = self._switch(words.overlap, words.sure.format(
             share=share, figures=self._figures()))
+        if self.verify:              # a trial checks it, one gap later
+          self.next_trial = self.judged + self.gap
+          self.gap *= 2
+        return changed
       if self.n < WINDOW:
         self.check_at = WINDOW
         return False
@@ -174,17 +188,18 @@ class Chooser:
       self._step_aside_news()
       self._reset()
       return False
-    if ((share < LEAVE_SHARE or produce_us < LEAVE_US)
-        and self.waited <= MOSTLY_READY * self.n):
-      if not self.unseen_gain:
-        self.tried_share = 0.0
-        changed = self._switch(words.inline, words.leave.format(
-            share=share, figures=self._figures(), waited=self.waited,
-            n=self.n))
-        self._step_aside_news()
-        return changed
-      if trial_due:
-        return self._start_trial(share, unseen=True)
+    cheap = ((share < LEAVE_SHARE or produce_us < LEAVE_US)
+             and (self.waited <= MOSTLY_READY * self.n
+                  or self.wait >= self.produce))
+    if cheap and not self.unseen_gain:
+      self.tried_share = 0.0
+      changed = self._switch(words.inline, words.leave.format(
+          share=share, figures=self._figures(), waited=self.waited,
+          n=self.n))
+      self._step_aside_news()
+      return changed
+    if (self.verify or self.unseen_gain) and trial_due:
+      return self._start_trial(share, unseen=cheap)
     if not self.won_trial:
       self.reason = words.steady.format(share=share, figures=self._figures())
     self._reset()
@@ -250,3 +265,80 @@ class Chooser:
     if not self._told:
       self._told = True
       self.news = self.reason
+
+
+class Tally:
+  """What a consumer counts of one way (seconds, summed over its items)."""
+
+  __slots__ = ("items", "waited", "wait_s", "own_s", "produce_s", "cycle_s",
+               "cycles")
+
+  def __init__(self):
+    self.items = 0          # items delivered to the consumer
+    self.waited = 0         # of them, how many the consumer waited for
+    self.wait_s = 0.0       # the consumer's time waiting for them
+    self.own_s = 0.0        # its own time besides waiting and producing
+    self.produce_s = 0.0    # producing them (wherever that ran)
+    self.cycle_s = 0.0      # from one delivery to the next
+    self.cycles = 0         # cycles measured (not before the first item)
+
+
+class Meter:
+  """What a consumer measures of itself: per way, a ``Tally``; from one
+  delivery to the next, the cycle; and the ``Chooser`` they are shown
+  (None where the way is fixed). ``names`` are the keys ``report`` gives the
+  count of items, the own time and the production time per item."""
+
+  def __init__(self, ways: tuple[str, ...], chooser: Chooser | None,
+               names: tuple[str, str, str]):
+    self.tallies = {way: Tally() for way in ways}
+    self.chooser = chooser
+    self.names = names
+    self.last: float | None = None    # when the last item was delivered
+    self.news: str | None = None      # the chooser stepped aside: to tell
+
+  def count(self, way: str, took: float, wait: float, produce: float,
+            inline_made: bool, now: float, judged: bool = True) -> bool:
+    """One item delivered ``now`` the ``way`` it was made: the consumer
+    spent ``took`` on it, ``wait`` of that waiting, and producing it took
+    ``produce`` (in ``took`` when ``inline_made``); shown to the chooser
+    when ``judged``. Returns whether the chooser's mode changed."""
+    tally = self.tallies[way]
+    tally.items += 1
+    if wait > 0:
+      tally.waited += 1
+      tally.wait_s += wait
+    tally.own_s += took - wait - (produce if inline_made else 0.0)
+    tally.produce_s += produce
+    last, self.last = self.last, now
+    if last is None:
+      return False
+    cycle = now - last
+    tally.cycle_s += cycle
+    tally.cycles += 1
+    chooser = self.chooser
+    if chooser is None or not judged:
+      return False
+    changed = chooser.observe(cycle, produce, inline_made, wait)
+    if chooser.news is not None:
+      self.news, chooser.news = chooser.news, None
+    return changed
+
+  def report(self, mode: str, reason: str) -> dict[str, Any]:
+    """``stats()``: the way it runs now and why (the chooser's reason, or
+    ``reason`` where there is none), the items, switches and trials, and
+    per way its items and per-item times."""
+    chooser = self.chooser
+    items, own, produce = self.names
+    report = {"mode": mode,
+              "mode_reason": chooser.reason if chooser else reason,
+              items: sum(t.items for t in self.tallies.values()),
+              "switches": chooser.switches if chooser else 0,
+              "trials": list(chooser.trials) if chooser else []}
+    for way, t in self.tallies.items():
+      us = 1e6 / max(t.items, 1)
+      report[way] = {items: t.items, "waited": t.waited,
+                     "wait_us": t.wait_s * us, own: t.own_s * us,
+                     produce: t.produce_s * us,
+                     "cycle_us": t.cycle_s * 1e6 / max(t.cycles, 1)}
+    return report

@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 from jaxstreams import _workers
 from jaxstreams.stage import _clock
-from jaxstreams.stage._chooser import Chooser, Words
+from jaxstreams.stage._chooser import Chooser, Meter, Words
 from jaxstreams.stage._transfer import Transfer
 
 # What next_if_ready returns when the next item is not ready.
@@ -75,35 +75,12 @@ WORDS = Words(
             "cycle ({figures})"),
     trial=("trial: producing an item is {share:.0%} of a cycle ({figures}); "
            "comparing cycles with and without workers"),
-    trial_unseen="",      # prefetch's workers hide nothing unmeasured
+    trial_unseen="",      # never: prefetch's workers hide nothing unmeasured
     result=("median cycle {overlap_us:.0f} us with workers, {inline_us:.0f} "
             "us without; workers faster in {wins} of {rounds} rounds"),
     won="workers produce the items: a trial found them faster ({result})",
     lost=("items are produced in the consumer's thread at next(), a trial "
           "found workers no faster ({result})"))
-
-
-class Counters:
-  """What the pipeline counts for ``Prefetcher.stats()``, per way of
-  producing (seconds, summed over the items delivered)."""
-  __slots__ = ("items", "waited", "wait_s", "handoff_s", "produce_s",
-               "cycle_s", "cycles")
-
-  def __init__(self):
-    self.items = 0          # values delivered to the consumer
-    self.waited = 0         # of them, how many the consumer had to wait for
-    self.wait_s = 0.0       # the consumer's time waiting for items
-    self.handoff_s = 0.0    # its time in next() besides waiting and producing
-    self.produce_s = 0.0    # pulling and placing the items
-    self.cycle_s = 0.0      # from one next() returning to the next returning
-    self.cycles = 0         # cycles measured (not before the first item)
-
-  def per_item(self) -> dict[str, Any]:
-    us = 1e6 / max(self.items, 1)
-    return {"items": self.items, "waited": self.waited,
-            "wait_us": self.wait_s * us, "handoff_us": self.handoff_s * us,
-            "produce_us": self.produce_s * us,
-            "cycle_us": self.cycle_s * 1e6 / max(self.cycles, 1)}
 
 
 class Pipeline:
@@ -155,10 +132,10 @@ class Pipeline:
     self.inline_thread = None   # the consumer thread producing an item
     self.released = False       # the transfer's resources were freed
     self.close_owned_on_exit = False   # close() stopped waiting for workers
-    self.counters = {False: Counters(), True: Counters()}  # by inline_made
-    self.last_delivery = None          # perf_counter() when an item went out
-    self.news: str | None = None       # the chooser stepped aside: to tell
-    self.chooser = Chooser(size, WORDS) if mode == "auto" else None
+    # What it measures of itself, per way, and mode="auto"'s chooser.
+    self.meter = Meter(("workers", "inline"),
+                       Chooser(size, WORDS) if mode == "auto" else None,
+                       ("items", "handoff_us", "produce_us"))
     self.mode = "workers" if mode == "workers" else "inline"
     self.reason = reason          # when there is no chooser
     self.inline = self.mode == "inline"
@@ -402,38 +379,20 @@ class Pipeline:
 
   def _count(self, entered: float, waited_s: float, produced_s: float,
              inline_made: bool, now: float) -> None:
-    """Adds one delivered item to the counters, and lets ``mode="auto"``
-    judge (under self.lock)."""
-    c = self.counters[inline_made]
-    c.items += 1
-    if waited_s > 0:
-      c.waited += 1
-      c.wait_s += waited_s
-    c.handoff_s += now - entered - waited_s - (produced_s if inline_made
-                                               else 0.0)
-    c.produce_s += produced_s
-    last, self.last_delivery = self.last_delivery, now
-    if last is None:
-      return
-    cycle = now - last
-    c.cycle_s += cycle
-    c.cycles += 1
-    chooser = self.chooser
-    if chooser is None:
-      return
-    if chooser.observe(cycle, produced_s, inline_made, waited_s > 0):
-      self._set_mode(chooser.mode)
-    if chooser.news is not None:
-      self.news, chooser.news = chooser.news, None
+    """Counts one delivered item, and lets ``mode="auto"`` judge (under
+    self.lock)."""
+    if self.meter.count("inline" if inline_made else "workers",
+                        now - entered, waited_s, produced_s, inline_made, now):
+      self.set_mode(self.meter.chooser.mode)
 
-  def _set_mode(self, mode: str) -> None:
+  def set_mode(self, mode: str) -> None:
     """Switches between workers and inline production (under self.lock):
     workers park while inline, and resume where the numbering is."""
     if mode == "workers" and len(self.workers.threads) < self.num_threads:
       try:
         self._start_workers()
       except RuntimeError as e:   # no thread to be had: stay inline for good
-        self.chooser = None
+        self.meter.chooser = None
         mode = "inline"
         self.reason = (f"items are produced in the consumer's thread: no "
                        f"worker thread could be started ({e})")
@@ -443,14 +402,7 @@ class Pipeline:
 
   def stats(self) -> dict[str, Any]:
     with self.lock:
-      chooser = self.chooser
-      reason = self.reason if chooser is None else chooser.reason
-      return {"mode": self.mode, "mode_reason": reason,
-              "items": sum(c.items for c in self.counters.values()),
-              "switches": chooser.switches if chooser else 0,
-              "trials": list(chooser.trials) if chooser else [],
-              "workers": self.counters[False].per_item(),
-              "inline": self.counters[True].per_item()}
+      return self.meter.report(self.mode, self.reason)
 
   def stop(self, join: bool, timeout: float | None = None) -> bool:
     """Ends the workers; with ``join``, waits for them (and for an inline

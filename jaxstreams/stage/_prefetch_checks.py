@@ -26,8 +26,9 @@ class Arguments(NamedTuple):
   ignored: tuple[type[BaseException], ...]
 
 
-def check(size: Any, num_threads: Any, timeout: Any, closed_exception_types: Any,
-          ignored_exception_types: Any, sharding: Any, mode: Any) -> Arguments:
+def check(size: Any, num_threads: Any, timeout: Any,
+          closed_exception_types: Any, ignored_exception_types: Any,
+          sharding: Any, mode: Any) -> Arguments:
   """Every option of ``prefetch`` but ``transfer`` (resolved with the
   transfers, ``_transfer.resolve``)."""
   size = _checks.integer(size, name="size", context=FUNC, minimum=1)

@@ -70,6 +70,27 @@ def next_if_ready(prefetcher: Prefetcher) -> Any:
   return prefetcher._get(wait=False)
 
 
+def set_way(prefetcher: Prefetcher, way: str) -> None:
+  """Who produces the prefetcher's items from now on: ``"workers"``, or
+  ``"inline"`` (its workers park). Package-internal, for ``staged``'s
+  reader, whose runner decides (``mode="auto"``) and reads the iterable in
+  its own thread while the reader's workers are parked and
+  ``holds_items`` is false."""
+  pipeline = prefetcher._pipeline
+  with pipeline.lock:
+    if not pipeline.stopped:
+      pipeline.set_mode(way)
+
+
+def holds_items(prefetcher: Prefetcher) -> bool:
+  """Whether the prefetcher has pulled (or is pulling) an item it has not
+  delivered yet: ``next()`` delivers that one, in order, before any other
+  pull. Package-internal, with ``set_way``."""
+  pipeline = prefetcher._pipeline
+  with pipeline.lock:
+    return not pipeline.stopped and pipeline.next_out < pipeline.next_pull
+
+
 def _stop_unjoined(pipeline: Pipeline) -> None:
   # Run by weakref.finalize at collection time: it may run on any thread,
   # even a worker, so it only signals.
@@ -143,14 +164,14 @@ class Prefetcher:
       if not self._closed:   # after close(timeout) gave up: do not wait now
         self.close()    # the end, or item k's exception: nothing follows
       raise
-    if pipeline.news is not None:
+    if pipeline.meter.news is not None:
       self._tell()
     return item
 
   def _tell(self) -> None:
     """The one ``PerformanceWarning``: prefetching stepped aside."""
-    pipeline = self._pipeline
-    news, pipeline.news = pipeline.news, None
+    meter = self._pipeline.meter
+    news, meter.news = meter.news, None
     if self._warn and news:
       warnings.warn(
           f"jaxstreams.prefetch does not pay here and stepped aside: {news} "
