@@ -106,9 +106,12 @@ def _until_trial(chooser, cycle_us, read_us):
 
 def test_chooser_stages_at_once_where_reading_dominates_then_checks():
   chooser = _chooser_for()
-  assert _feed(chooser, 4, cycle_us=1500, read_us=1000) == ["fused"]
+  # Judged on a full window (staged's choice is checked against it).
+  assert _feed(chooser, 1 + WINDOW, cycle_us=1500, read_us=1000) == []
+  assert _feed(chooser, 1, cycle_us=1500, read_us=1000) == ["fused"]
   assert chooser.reason.startswith("reading a batch is 67% of a cycle")
-  assert "a trial will check" in chooser.reason and chooser.news is None
+  assert "staged calls must come out faster" in chooser.reason
+  assert chooser.news is None
   # Staging's own cost is not known: a trial checks it, a gap later.
   due = chooser.next_trial
   assert due - chooser.judged == _chooser.FIRST_TRIAL_GAP
@@ -124,9 +127,20 @@ def test_chooser_stages_at_once_where_reading_dominates_then_checks():
   assert chooser.news == chooser.reason
 
 
+def test_chooser_tries_at_once_when_staging_did_not_shorten_the_cycle():
+  chooser = _chooser_for()
+  assert _feed(chooser, 2 + WINDOW, cycle_us=1500, read_us=1000) == ["fused"]
+  # Its first window (after the refill) is no faster than the plain one
+  # that chose it: a trial at once, not a gap later.
+  assert _feed(chooser, 2 + WINDOW - 1, cycle_us=1500, read_us=1000) == []
+  assert chooser.trial is None
+  assert _feed(chooser, 1, cycle_us=1500, read_us=1000) == []
+  assert chooser.trial is not None and chooser.mode == "fused"
+
+
 def test_chooser_keeps_the_plain_step_when_staging_loses_its_trial():
   chooser = _chooser_for()
-  _feed(chooser, 4, cycle_us=1500, read_us=1000)       # staged at once ...
+  _feed(chooser, 2 + WINDOW, cycle_us=1500, read_us=1000)  # staged at once
   _until_trial(chooser, cycle_us=1700, read_us=1000)   # ... then a trial
   _trial(chooser, fused_cycle_us=1700, plain_cycle_us=1500, read_us=1000)
   assert chooser.mode == "plain" and chooser.trials[-1]["fused_won"] == 0
@@ -138,7 +152,7 @@ def test_chooser_keeps_the_plain_step_when_staging_loses_its_trial():
 
 def test_chooser_checks_staging_again_while_it_runs():
   chooser = _chooser_for()
-  _feed(chooser, 4, cycle_us=1500, read_us=1000)
+  _feed(chooser, 2 + WINDOW, cycle_us=1500, read_us=1000)
   _until_trial(chooser, cycle_us=600, read_us=1000)
   _trial(chooser, fused_cycle_us=600, plain_cycle_us=1500, read_us=1000)
   assert chooser.mode == "fused" and chooser.trial is None
@@ -272,8 +286,8 @@ def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
 
 
 def test_auto_steps_aside_when_reading_turns_cheap(clock):
-  params, data, pulled = _params(), _batches(520), []
-  source = _source(clock, data, lambda i: 1000 if i < 400 else 5, pulled)
+  params, data, pulled = _params(), _batches(560), []
+  source = _source(clock, data, lambda i: 1000 if i < 450 else 5, pulled)
   with pytest.warns(jaxstreams.PerformanceWarning,
                     match="stepped aside: reading a batch fell to") as w:
     with jaxstreams.staged(step1, data=source) as runner:
@@ -283,7 +297,7 @@ def test_auto_steps_aside_when_reading_turns_cheap(clock):
       stats = runner.stats()
   assert len(w) == 1
   assert_bitwise_equal(got, [jax.jit(step1)(params, b) for b in data])
-  assert pulled == list(range(520))                  # each batch read once
+  assert pulled == list(range(560))                  # each batch read once
   assert stats["mode"] == "plain" and stats["switches"] == 8
   assert [t["chose"] for t in stats["trials"]] == ["fused"]
   assert jaxstreams_threads("jaxstreams-prefetch") == []

@@ -18,9 +18,10 @@ third of a cycle and at least 200 us, after a trial that times calls both
 ways where it takes a fifth and 30 us), it stages (*fused*). Staging's own
 cost is not a known hand-off (on the shared 2-core machine, calls of a
 DLRM-style step took 2.5 ms fused where the plain step took 2.05 ms, its
-batches already on the device), so while staged, trials check that staged
-calls are the faster, at doubling intervals (the first after 256 staged
-calls). On a platform that runs streams, with the producer on a stream
+batches already on the device), so it checks itself: staged at once, its
+first 16 calls must have a shorter cycle than the plain ones that chose
+it, or a trial runs at once; and while staged, trials check it at doubling
+intervals (the first after 256 staged calls). On a platform that runs streams, with the producer on a stream
 of its own, staging may also hide device work no clock here sees, so there
 a trial decides even when reading is cheap. It steps aside when a trial
 finds the plain step faster or reading turns cheap, and says so once (a
@@ -74,7 +75,8 @@ WORDS = Words(
              "thread until staging is worth its own cost (judged every "
              "{window} calls)"),
     sure=("reading a batch is {share:.0%} of a cycle ({figures}): staging "
-          "hides it behind the step (a trial will check)"),
+          "hides it behind the step (checked: staged calls must come out "
+          "faster)"),
     cheap_us=("reading a batch takes {us:.0f} us ({figures}), less than "
               "staging's own work per call (the fused program's "
               "bookkeeping, the reader's hand-off) costs"),

@@ -96,9 +96,12 @@ class Chooser:
     waits, or waits as long as producing the items takes (overlap is then
     slower than producing them inline could be: its hand-off is late).
   * ``verify``: overlap's own cost is not bounded by a known hand-off
-    (``staged``: its fused program can run slower than the step itself), so
-    while it runs, trials check it whenever the gap allows (taken at once,
-    it runs ``FIRST_TRIAL_GAP`` judged items before the first).
+    (``staged``: its fused program can run slower than the step itself).
+    Production is then judged on full windows only, and overlap taken at
+    once must beat the inline window that chose it in its first window,
+    or a trial runs at once; after that, while it runs, trials check it
+    whenever the gap allows (the first ``FIRST_TRIAL_GAP`` judged items
+    later).
   * ``unseen_gain``: overlap may also hide work these measurements cannot
     see (``staged`` on a platform that runs streams: the producer's device
     work beside the consumer's). A cheap production then decides nothing:
@@ -124,6 +127,7 @@ class Chooser:
     self.judged = 0            # items of the finished windows
     self.switches = 0
     self.won_trial = False     # overlap runs because it won a trial
+    self.baseline: float | None = None   # verify: the inline cycle to beat
     self.news: str | None = None   # the first step aside, for the warning
     self._told = False
     self.n = 0
@@ -136,7 +140,8 @@ class Chooser:
     self.judged += self.n
     self.n, self.cycle, self.produce, self.waited, self.wait = (
         0, 0.0, 0.0, 0, 0.0)
-    self.check_at = 2 if self.inline and self.trial is None else WINDOW
+    quick = self.inline and self.trial is None and not self.verify
+    self.check_at = 2 if quick else WINDOW
 
   def observe(self, cycle: float, produce: float, inline_made: bool,
               wait: float) -> bool:
@@ -167,9 +172,11 @@ class Chooser:
     trial_due = self.judged + self.n >= self.next_trial
     if self.inline:
       if share >= SURE_SHARE and produce_us >= SURE_US:
+        baseline = self.cycle / self.n
         changed = self._switch(words.overlap, words.sure.format(
             share=share, figures=self._figures()))
-        if self.verify:              # a trial checks it, one gap later
+        if self.verify:     # checked against this window, then a gap later
+          self.baseline = baseline
           self.next_trial = self.judged + self.gap
           self.gap *= 2
         return changed
@@ -188,6 +195,11 @@ class Chooser:
       self._step_aside_news()
       self._reset()
       return False
+    if self.baseline is not None:
+      slower = self.cycle / self.n >= self.baseline
+      self.baseline = None
+      if slower:                # taking overlap did not shorten the cycle
+        return self._start_trial(share, unseen=False)
     cheap = ((share < LEAVE_SHARE or produce_us < LEAVE_US)
              and (self.waited <= MOSTLY_READY * self.n
                   or self.wait >= self.produce))
