@@ -106,9 +106,7 @@ def _until_trial(chooser, cycle_us, read_us):
 
 def test_chooser_stages_at_once_where_reading_dominates_then_checks():
   chooser = _chooser_for()
-  # Judged on a full window (staged's choice is checked against it).
-  assert _feed(chooser, 1 + WINDOW, cycle_us=1500, read_us=1000) == []
-  assert _feed(chooser, 1, cycle_us=1500, read_us=1000) == ["fused"]
+  assert _feed(chooser, 4, cycle_us=1500, read_us=1000) == ["fused"]
   assert chooser.reason.startswith("reading a batch is 67% of a cycle")
   assert "staged calls must come out faster" in chooser.reason
   assert chooser.news is None
@@ -129,8 +127,8 @@ def test_chooser_stages_at_once_where_reading_dominates_then_checks():
 
 def test_chooser_tries_at_once_when_staging_did_not_shorten_the_cycle():
   chooser = _chooser_for()
-  assert _feed(chooser, 2 + WINDOW, cycle_us=1500, read_us=1000) == ["fused"]
-  # Its first window (after the refill) is no faster than the plain one
+  assert _feed(chooser, 4, cycle_us=1500, read_us=1000) == ["fused"]
+  # Its first window (after the refill) is no faster than the plain calls
   # that chose it: a trial at once, not a gap later.
   assert _feed(chooser, 2 + WINDOW - 1, cycle_us=1500, read_us=1000) == []
   assert chooser.trial is None
@@ -140,7 +138,7 @@ def test_chooser_tries_at_once_when_staging_did_not_shorten_the_cycle():
 
 def test_chooser_keeps_the_plain_step_when_staging_loses_its_trial():
   chooser = _chooser_for()
-  _feed(chooser, 2 + WINDOW, cycle_us=1500, read_us=1000)  # staged at once
+  _feed(chooser, 4, cycle_us=1500, read_us=1000)       # staged at once
   _until_trial(chooser, cycle_us=1700, read_us=1000)   # ... then a trial
   _trial(chooser, fused_cycle_us=1700, plain_cycle_us=1500, read_us=1000)
   assert chooser.mode == "plain" and chooser.trials[-1]["fused_won"] == 0
@@ -152,7 +150,7 @@ def test_chooser_keeps_the_plain_step_when_staging_loses_its_trial():
 
 def test_chooser_checks_staging_again_while_it_runs():
   chooser = _chooser_for()
-  _feed(chooser, 2 + WINDOW, cycle_us=1500, read_us=1000)
+  _feed(chooser, 4, cycle_us=1500, read_us=1000)
   _until_trial(chooser, cycle_us=600, read_us=1000)
   _trial(chooser, fused_cycle_us=600, plain_cycle_us=1500, read_us=1000)
   assert chooser.mode == "fused" and chooser.trial is None

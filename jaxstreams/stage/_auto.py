@@ -19,9 +19,9 @@ ways where it takes a fifth and 30 us), it stages (*fused*). Staging's own
 cost is not a known hand-off (on the shared 2-core machine, calls of a
 DLRM-style step took 2.5 ms fused where the plain step took 2.05 ms, its
 batches already on the device), so it checks itself: staged at once, its
-first 16 calls must have a shorter cycle than the plain ones that chose
-it, or a trial runs at once; and while staged, trials check it at doubling
-intervals (the first after 256 staged calls). On a platform that runs streams, with the producer on a stream
+first 16 staged calls must have a shorter cycle than the plain calls that
+chose it, or a trial runs at once; and while staged, trials check it at
+doubling intervals (the first after 256 staged calls). On a platform that runs streams, with the producer on a stream
 of its own, staging may also hide device work no clock here sees, so there
 a trial decides even when reading is cheap. It steps aside when a trial
 finds the plain step faster or reading turns cheap, and says so once (a

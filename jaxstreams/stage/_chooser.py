@@ -97,11 +97,10 @@ class Chooser:
     slower than producing them inline could be: its hand-off is late).
   * ``verify``: overlap's own cost is not bounded by a known hand-off
     (``staged``: its fused program can run slower than the step itself).
-    Production is then judged on full windows only, and overlap taken at
-    once must beat the inline window that chose it in its first window,
-    or a trial runs at once; after that, while it runs, trials check it
-    whenever the gap allows (the first ``FIRST_TRIAL_GAP`` judged items
-    later).
+    Overlap taken at once must beat, in its first window, the cycle of the
+    inline items that chose it, or a trial runs at once; after that, while
+    it runs, trials check it whenever the gap allows (the first
+    ``FIRST_TRIAL_GAP`` judged items later).
   * ``unseen_gain``: overlap may also hide work these measurements cannot
     see (``staged`` on a platform that runs streams: the producer's device
     work beside the consumer's). A cheap production then decides nothing:
@@ -140,8 +139,7 @@ class Chooser:
     self.judged += self.n
     self.n, self.cycle, self.produce, self.waited, self.wait = (
         0, 0.0, 0.0, 0, 0.0)
-    quick = self.inline and self.trial is None and not self.verify
-    self.check_at = 2 if quick else WINDOW
+    self.check_at = 2 if self.inline and self.trial is None else WINDOW
 
   def observe(self, cycle: float, produce: float, inline_made: bool,
               wait: float) -> bool:

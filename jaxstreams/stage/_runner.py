@@ -260,12 +260,11 @@ def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
   millisecond whose result is read every step can run slower staged than
   plain. The runner starts *plain*: each call reads the next batch in the
   caller's thread and runs the plain step on it (the step jitted whole, as
-  the unstaged loop runs it). It measures its calls (16 at a time) and
-  moves to the fused way at once when reading a batch takes a third of a
-  call's cycle and at least 200 us (then its first 16 staged calls must
-  come out faster than those plain ones, or a trial runs at once), or after
-  a trial that times calls both ways when it takes a fifth and at least
-  30 us. On a platform that runs streams (not XLA:CPU), with the producer
+  the unstaged loop runs it). It measures its calls and moves to the fused
+  way at once when reading a batch takes a third of a call's cycle and at
+  least 200 us (then its first 16 staged calls must come out faster than
+  the plain ones that chose it, or a trial runs at once), or after a trial
+  that times calls both ways when it takes a fifth and at least 30 us. On a platform that runs streams (not XLA:CPU), with the producer
   on a stream of its own, a trial runs even when reading is cheap (staging
   may hide device work no clock sees). While staged, trials check that
   staged calls are faster (at doubling intervals, the first after 256
