@@ -448,7 +448,7 @@ def main():
   auto = AUTO_TRANSFER.get(backend, "device_put")
   verdict = ("agrees" if auto == measured else
              f"no path wins most sizes, so {auto!r} stays" if measured is None
-             else "DISAGREES: update AUTO_TRANSFER in jaxstreams/stage/prefetch.py")
+             else "DISAGREES: update AUTO_TRANSFER in jaxstreams/stage/_transfer.py")
   print(f"\nfaster prefetch transfer on {backend}, by item size: {wins}; "
         f"transfer='auto' picks {auto!r}: {verdict}")
 

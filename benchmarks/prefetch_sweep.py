@@ -7,7 +7,7 @@ Producers:
 
 * ``free`` (every step size): host numpy batches made in advance, so there
   is nothing to hide and what is measured is each path's own cost (the
-  case ``prefetch(mode="auto")`` must not lose in: goal within 3%);
+  case ``prefetch`` and ``staged`` must not lose in: goal within 3%);
 * ``io`` (1, 3 and 10 ms steps; ``--producers`` to choose): each batch
   waits as long as a step before it is handed over (``time.sleep``: a
   storage read), the case prefetching is for.
@@ -20,7 +20,11 @@ Loops, in the same run:
 * ``workers``: over ``jaxstreams.prefetch(data, mode="workers")``, worker
   threads always (what ``auto`` steps aside from, for reference);
 * ``staged``: ``jaxstreams.staged(step, data=data)`` with the batch's
-  preprocessing in ``jaxstreams.stage(...)``, called once per batch.
+  preprocessing in ``jaxstreams.stage(...)``, called once per batch: the
+  default ``mode="auto"`` (the JSON records the way it chose, and its
+  trials);
+* ``fused``: the same with ``mode="fused"``, staged always (what ``auto``
+  steps aside from, for reference).
 
 "read" means the loop reads each step's result (``float(loss)``), so the
 host waits for the device every step (the usual loop that logs its loss);
@@ -54,7 +58,7 @@ import _common  # noqa: E402
 
 STEP_MS = (0.1, 0.3, 1.0, 3.0, 10.0)
 IO_STEP_MS = (1.0, 3.0, 10.0)      # steps the io producer is run with
-GOAL = 0.97                        # free producer: prefetch / plain at least
+GOAL = 0.97                        # free producer: prefetch, staged / plain
 
 
 def make_step(iters):
@@ -106,14 +110,16 @@ def run_prefetch(step, w, data, read, mode="auto"):
     return run_plain(step, w, it, read), it.stats()
 
 
-def run_staged(step, w, data, read, steps):
+def run_staged(step, w, data, read, steps, mode="auto"):
+  """The loop over ``jaxstreams.staged``; returns its result and the
+  runner's stats."""
   out = None
-  with jaxstreams.staged(step, data=data) as runner:
+  with jaxstreams.staged(step, data=data, mode=mode) as runner:
     for _ in range(steps):
       out = runner(w)
       if read:
         float(out)
-  return float(out)
+    return float(out), runner.stats()
 
 
 def source(batches, io_ms):
@@ -128,12 +134,18 @@ def source(batches, io_ms):
   return read()
 
 
-LOOPS = ("plain", "prefetch", "workers", "staged")
+LOOPS = ("plain", "prefetch", "workers", "staged", "fused")
+
+
+def _choice(stats):
+  """What a default (auto) mode chose, from its stats."""
+  return {"mode": stats["mode"], "switches": stats["switches"],
+          "trials": stats["trials"], "reason": stats["mode_reason"]}
 
 
 def measure(step, w, batches, read, io_ms, rounds):
   """One case: the loops' samples (seconds per step) and what prefetch's
-  default mode chose."""
+  and staged's default modes chose (in the last round)."""
   steps = len(batches)
   results, chose = {}, {}
 
@@ -147,10 +159,12 @@ def measure(step, w, batches, read, io_ms, rounds):
         mode = "auto" if name == "prefetch" else "workers"
         results[name], stats = run_prefetch(step, w, data, read, mode)
         if name == "prefetch":
-          chose.update(mode=stats["mode"], switches=stats["switches"],
-                       trials=stats["trials"], reason=stats["mode_reason"])
+          chose["prefetch"] = _choice(stats)
       else:
-        results[name] = run_staged(step, w, data, read, steps)
+        mode = "auto" if name == "staged" else "fused"
+        results[name], stats = run_staged(step, w, data, read, steps, mode)
+        if name == "staged":
+          chose["staged"] = _choice(stats)
       return (time.perf_counter() - t0) / steps
     return run
 
@@ -181,7 +195,7 @@ def main():
         f"ratio = plain / loop, paired per round (> 1: faster)")
   header = (f"{'step':>7} {'producer':>8} {'read':>4} {'plain us':>9} "
             + " ".join(f"{name:>9}" for name in LOOPS[1:])
-            + "   auto chose")
+            + "   prefetch chose, staged chose")
   print(header)
   rows, lines = [], [header]
   for target in STEP_MS:
@@ -208,16 +222,22 @@ def main():
                "read_every_step": read, "steps": steps,
                "seconds_per_step_median": median,
                "seconds_per_step_samples": samples,
-               "paired_ratio_to_plain": ratios, "prefetch_auto": chose,
+               "paired_ratio_to_plain": ratios,
+               "prefetch_auto": chose["prefetch"],
+               "staged_auto": chose["staged"],
                "load_average_before": load_before,
                "load_average_after": _common.load()}
         if producer == "free":
           row["prefetch_meets_goal"] = ratios["prefetch"] >= GOAL
+          row["staged_meets_goal"] = ratios["staged"] >= GOAL
         rows.append(row)
         line = (f"{target:>5.1f}ms {producer:>8} {'yes' if read else 'no':>4} "
                 f"{median['plain'] * 1e6:>9.0f} "
                 + " ".join(f"{ratios[name]:>8.3f}x" for name in LOOPS[1:])
-                + f"   {chose['mode']} ({chose['switches']} switches)")
+                + "   " + ", ".join(
+                    f"{c['mode']} ({c['switches']} switches, "
+                    f"{len(c['trials'])} trials)"
+                    for c in (chose["prefetch"], chose["staged"])))
         print(line, flush=True)
         lines.append(line)
 
@@ -225,7 +245,7 @@ def main():
             "load_average_at_end": _common.load(),
             "quiet_machine": args.quiet, "quick": args.quick,
             "steps": args.steps, "rounds": args.rounds,
-            "goal_free_producer_prefetch_over_plain": GOAL, "rows": rows,
+            "goal_free_producer_over_plain": GOAL, "rows": rows,
             "note": ("paired_ratio_to_plain: median over rounds of plain's "
                      "time per step over the loop's in the same round; "
                      "noisy unless the machine was quiet (see quiet_machine "

@@ -29,7 +29,10 @@ Three loops over the same batches, from the same parameters:
   thread; each call is one program that runs the consumer (lookups, MLPs,
   towers, update; its stream plan kept) for this batch and, on a stream of
   its own, the data-only part of the step (the count transform, the
-  per-feature id offsets, the labels) for the next batch.
+  per-feature id offsets, the labels) for the next batch. By default
+  (`mode="auto"`) the runner does so only where its own measurements say
+  staging pays, and otherwise runs the plain step on batches read in the
+  caller's thread; the example prints which way it ran.
 * prefetch: `for batch in jaxstreams.prefetch(prepared_batches):` the same
   step, with the preparation and copy in a worker thread.
 
@@ -267,8 +270,8 @@ def run_staged(step, params, data_args, fetch_every, capacity):
       except StopIteration:
         break
       loop.after_step(loss)
-    plan = runner.staged_plan()
-  return (*loop.finish(params), plan)
+    plan, way = runner.staged_plan(), runner.stats()
+  return (*loop.finish(params), plan, way)
 
 
 def run_prefetch(step, params, data_args, fetch_every, capacity):
@@ -364,7 +367,7 @@ def main(argv):
       results.setdefault(name, out)      # every repeat computes the same
       seconds[name].append(out[2])
   u_params, u_losses, _ = results["unstaged"]
-  s_params, s_losses, _, staged_plan = results["staged"]
+  s_params, s_losses, _, staged_plan, way = results["staged"]
   p_params, p_losses, _ = results["prefetch"]
   u_s, s_s, p_s = (float(np.median(seconds[n])) for n in loops)
 
@@ -380,6 +383,8 @@ def main(argv):
   prefetch_verdict = compare((p_params, p_losses), (u_params, u_losses))
   print(f"staged results identical to unstaged: {staged_verdict}")
   print(f"prefetch results identical to unstaged: {prefetch_verdict}")
+  print(f"the staged runner ran {way['mode']} at the end ({way['switches']} "
+        f"switch(es)): {way['mode_reason']}")
 
   timed = _STEPS.value - 1
   u_rate, s_rate, p_rate = timed / u_s, timed / s_s, timed / p_s

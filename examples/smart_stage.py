@@ -37,9 +37,12 @@ The reader waits `--read_ms` per batch (default 1 ms), a stand-in for
 storage latency; the staged runner reads in a thread of its own, so it hides
 that wait and the parsing behind the previous step. On a CPU the producer and
 the consumer share the cores: with `--read_ms=0` on a small, busy machine
-(two cores, others' work on them) the staged loop is slower than the plain
-one, since there is no free core to overlap on and each hand-off between the
-pipeline's threads costs some tenths of a millisecond per step.
+(two cores, others' work on them) staging costs more than it hides, since
+there is no free core to overlap on and each hand-off between the
+pipeline's threads costs some tenths of a millisecond per step. The runner
+(default `mode="auto"`) measures that itself: it stages where reading a
+batch is worth hiding and otherwise runs the plain step on batches read in
+the caller's thread, and says so; the example prints which way it ran.
 
 Run from the repository root:
 
@@ -256,8 +259,8 @@ def run_staged(step, params, batches, fetch_every, capacity):
       except StopIteration:
         break
       loop.after_step(loss)
-    plan = runner.staged_plan()
-  return (*loop.finish(params), plan)
+    plan, way = runner.staged_plan(), runner.stats()
+  return (*loop.finish(params), plan, way)
 
 
 def main(argv):
@@ -295,7 +298,7 @@ def main(argv):
         out = loop()
         results.setdefault(name, out)    # every repeat computes the same
         seconds[name].append(out[2])
-    s_params, s_losses, _, plan = results["staged"]
+    s_params, s_losses, _, plan, way = results["staged"]
     u_params, u_losses, _ = results["unstaged"]
     s_seconds = float(np.median(seconds["staged"]))
     u_seconds = float(np.median(seconds["unstaged"]))
@@ -332,6 +335,8 @@ def main(argv):
   print(f"loss: first {u_losses[0]:.6f}, last {u_losses[-1]:.6f}")
   print(f"final loss: staged {s_losses[-1]:.9g}, unstaged {u_losses[-1]:.9g}")
   print(f"losses and parameters identical to the unstaged loop: {verdict}")
+  print(f"the staged runner ran {way['mode']} at the end ({way['switches']} "
+        f"switch(es)): {way['mode_reason']}")
   staged_rate, plain_rate = timed / s_seconds, timed / u_seconds
   fetch = _FETCH_EVERY.value
   fetched = f"loss fetched every {fetch} step(s)" if fetch else "loss never fetched"

@@ -4,6 +4,7 @@ Four CPU devices are requested before JAX starts, so sharding tests have a
 mesh to use on any machine. Every test must leave no jaxstreams worker
 thread behind. ``requires_gpu`` marks tests that need a GPU:
 they skip without one, and fail instead when JAXSTREAMS_REQUIRE_GPU=1.
+``staged_mode`` runs a test once per way a staged runner runs.
 """
 
 import gc
@@ -12,7 +13,8 @@ import os
 import jax
 import pytest
 
-from programs import jaxstreams_threads, wait_until
+from jaxstreams.stage import _auto
+from programs import FlippingChooser, jaxstreams_threads, wait_until
 
 jax.config.update("jax_num_cpu_devices", 4)
 
@@ -26,6 +28,18 @@ def no_leaked_threads():
   gc.collect()
   assert wait_until(lambda: set(jaxstreams_threads()) <= before), \
       jaxstreams_threads()
+
+
+@pytest.fixture(params=["fused", "threads", "plain", "switching"])
+def staged_mode(request, monkeypatch):
+  """The ``mode=`` to pass to ``jaxstreams.staged`` for one way of running:
+  staged (fused, or threads), plain, and ``mode="auto"`` with its chooser
+  replaced by one that switches between plain and fused every two calls,
+  so that every promise is checked across switches."""
+  if request.param == "switching":
+    monkeypatch.setattr(_auto, "Chooser", FlippingChooser)
+    return "auto"
+  return request.param
 
 
 def _has_gpu() -> bool:

@@ -139,6 +139,31 @@ def keyboard_interrupt_after(seconds):
     signal.signal(signal.SIGALRM, old)
 
 
+class FlippingChooser:
+  """Stands in for ``mode="auto"``'s chooser (``jaxstreams.stage._chooser
+  .Chooser``, shared by prefetch and staged) and switches between its two
+  ways every ``every`` items (prefetch) or calls (staged) it is shown, so
+  that every promise is checked across switches: ``monkeypatch.setattr(
+  module, "Chooser", FlippingChooser)``, or a ``functools.partial`` of it
+  with another ``every``."""
+
+  def __init__(self, size, words, verify=False, unseen_gain=False, every=2):
+    del size, verify, unseen_gain
+    self.words, self.every = words, every
+    self.mode, self.inline = words.inline, True
+    self.reason, self.news = "switching (test)", None
+    self.switches, self.trials, self.seen = 0, [], 0
+
+  def observe(self, cycle, produce, inline_made, wait):
+    self.seen += 1
+    if self.seen % self.every:
+      return False
+    self.inline = not self.inline
+    self.mode = self.words.inline if self.inline else self.words.overlap
+    self.switches += 1
+    return True
+
+
 def three_chains(x, w):
   """Three independent matmul chains joined at the end: parallel work."""
   outs = []

@@ -11,8 +11,8 @@ Waits are bounded (``_wait_until``, ``timeout=``), so a bug fails instead of
 hanging.
 """
 
+import functools
 import gc
-import importlib
 import warnings
 import random
 import threading
@@ -24,37 +24,12 @@ import pytest
 
 import jaxstreams
 import jaxstreams.runtime as rt
+from jaxstreams.stage import _chooser, _clock, _lookahead, _transfer
 from jaxstreams.stage.prefetch import AUTO_TRANSFER, Prefetcher
-from programs import jaxstreams_threads, keyboard_interrupt_after, wait_until
-
-# The module, not the function jaxstreams.stage re-exports under its name.
-prefetch_module = importlib.import_module("jaxstreams.stage.prefetch")
+from programs import (FlippingChooser, jaxstreams_threads,
+                      keyboard_interrupt_after, wait_until)
 
 PATHS = ["device_put", "stage_area"]
-
-
-class _Flipper:
-  """A stand-in for mode="auto"'s chooser that switches between inline and
-  workers every ``EVERY`` items it is shown, so that every promise is
-  checked across switches (items workers made before a switch to inline are
-  handed out first; workers resume where the numbering is)."""
-
-  EVERY = 2
-
-  def __init__(self, size):
-    del size
-    self.mode, self.inline = "inline", True
-    self.reason, self.news = "switching (test)", None
-    self.switches, self.trials, self.seen = 0, [], 0
-
-  def observe(self, cycle, produce, inline_made, waited):
-    self.seen += 1
-    if self.seen % self.EVERY:
-      return False
-    self.inline = not self.inline
-    self.mode = "inline" if self.inline else "workers"
-    self.switches += 1
-    return True
 
 
 # The ways items are produced: always by workers, always inline, and
@@ -66,7 +41,7 @@ WAYS = ["workers", "inline", "switching"]
 def way(request, monkeypatch):
   """The ``mode=`` to pass for one way of producing items."""
   if request.param == "switching":
-    monkeypatch.setattr(prefetch_module, "_Chooser", _Flipper)
+    monkeypatch.setattr(_lookahead, "Chooser", FlippingChooser)
     return "auto"
   return request.param
 
@@ -856,17 +831,18 @@ def test_stats_say_which_way_it_runs(way):
 
 # How mode="auto" chooses: the chooser fed made-up times ----------------------
 
-Chooser = prefetch_module._Chooser
-WINDOW = prefetch_module.WINDOW
+# The chooser as prefetch words it.
+Chooser = functools.partial(_chooser.Chooser, words=_lookahead.WORDS)
+WINDOW = _chooser.WINDOW
 US = 1e-6
 
 
-def _feed(chooser, n, cycle_us, produce_us, inline_made=None, waited=False):
+def _feed(chooser, n, cycle_us, produce_us, inline_made=None, wait_us=0.0):
   """Shows ``chooser`` n items; returns the modes it switched to."""
   switched = []
   for _ in range(n):
     made = chooser.inline if inline_made is None else inline_made
-    if chooser.observe(cycle_us * US, produce_us * US, made, waited):
+    if chooser.observe(cycle_us * US, produce_us * US, made, wait_us * US):
       switched.append(chooser.mode)
   return switched
 
@@ -902,7 +878,7 @@ def test_chooser_moves_to_workers_at_once_when_production_dominates():
   assert chooser.news is None               # nothing to warn about
   # Workers keep it while production is hidden (the consumer still waits).
   assert _feed(chooser, 10 * WINDOW, cycle_us=700, produce_us=600,
-               waited=True) == []
+               wait_us=100) == []
   # A share that large is not enough when an item is cheap, nor is an
   # expensive item that is a small share of a long step.
   for cycle, produce in ((100, 60), (10_000, 300)):
@@ -928,8 +904,12 @@ def test_chooser_steps_aside_when_production_turns_cheap():
 def test_chooser_keeps_workers_while_the_consumer_waits_for_them():
   chooser = Chooser(size=2)
   _feed(chooser, 4, cycle_us=1000, produce_us=600)
-  _feed(chooser, 3 + 4 * WINDOW, cycle_us=1000, produce_us=10, waited=True)
+  _feed(chooser, 3 + 4 * WINDOW, cycle_us=1000, produce_us=10, wait_us=2)
   assert chooser.mode == "workers"
+  # Unless it waits as long as producing takes: inline would cost no more.
+  assert _feed(chooser, WINDOW, cycle_us=1000, produce_us=10,
+               wait_us=10) == ["inline"]
+  assert "the consumer waited for 16 of 16 items" in chooser.reason
 
 
 def _trial(chooser, workers_cycle_us, inline_cycle_us, produce_us):
@@ -1033,7 +1013,7 @@ def _timed_source(clock, n, produce_us):
 def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
     monkeypatch):
   clock = _FakeClock()
-  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  monkeypatch.setattr(_clock, "now", clock)
   got = []
   with pytest.warns(jaxstreams.PerformanceWarning,
                     match="stepped aside: producing an item takes 5 us "
@@ -1052,7 +1032,7 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
 
 def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
   clock = _FakeClock()
-  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  monkeypatch.setattr(_clock, "now", clock)
   got = []
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxstreams.PerformanceWarning)
@@ -1070,7 +1050,7 @@ def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
 
 def test_only_the_public_prefetch_warns(monkeypatch):
   clock = _FakeClock()
-  monkeypatch.setattr(prefetch_module, "_clock", clock)
+  monkeypatch.setattr(_clock, "now", clock)
   with Prefetcher(_timed_source(clock, 150, 5), 2, transform=lambda b: b,
                   num_threads=1, timeout=None,
                   closed_exception_types=(StopIteration,),
@@ -1084,7 +1064,7 @@ def test_only_the_public_prefetch_warns(monkeypatch):
 
 
 def test_place_on_device_gives_what_device_put_gives():
-  place = prefetch_module.place_on_device
+  place = _transfer.place_on_device
   base = np.arange(24, dtype=np.float32).reshape(4, 6)
   items = [
       base, base[:, ::2], base.T, np.float32(3.5), np.int64(7),

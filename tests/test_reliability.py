@@ -415,10 +415,12 @@ def _staged_step(params, batch):
   return batch["i"], jnp.sum(g * params)
 
 
-STAGED_MODES = ["fused", "threads"]
+@pytest.fixture
+def mode(staged_mode):
+  """Each way a staged runner runs (conftest's ``staged_mode``)."""
+  return staged_mode
 
 
-@pytest.mark.parametrize("mode", STAGED_MODES)
 @pytest.mark.parametrize("error", [OSError("unreadable shard"),
                                    KeyboardInterrupt("producer interrupted")])
 def test_staged_error_at_batch_k(error, mode):
@@ -442,7 +444,6 @@ def test_staged_error_at_batch_k(error, mode):
     runner(params)
 
 
-@pytest.mark.parametrize("mode", STAGED_MODES)
 def test_staged_producer_stage_failing_at_batch_k(mode):
   """A producer stage's own computation fails for batch k (in a worker)."""
   def check(i):
@@ -466,7 +467,6 @@ def test_staged_producer_stage_failing_at_batch_k(mode):
   assert source.closed.is_set()
 
 
-@pytest.mark.parametrize("mode", STAGED_MODES)
 def test_staged_keyboard_interrupt_while_waiting_for_a_hung_batch(mode):
   # Fused: the calls for batches 0-2 do not wait for batch 3 (which their
   # programs would have started producing); the call for batch 3 does.
@@ -486,7 +486,6 @@ def test_staged_keyboard_interrupt_while_waiting_for_a_hung_batch(mode):
     runner(params)
 
 
-@pytest.mark.parametrize("mode", STAGED_MODES)
 def test_staged_abandoned_halfway_closes_the_data(mode):
   source = _Source(1000)
   params = jnp.float32(0.5)
@@ -698,7 +697,7 @@ def test_long_staged_training_loop_keeps_memory_flat_and_results_exact():
   w, pending = w0, []
   got_losses = np.empty(LONG_STEPS, np.float32)
   rss = {}
-  with jaxstreams.staged(step, data=data(), capacity=2) as runner:
+  with jaxstreams.staged(step, data=data(), capacity=2, mode="fused") as runner:
     for i in range(LONG_STEPS):
       w, loss = runner(w)
       pending.append(loss)

@@ -4,13 +4,17 @@ for 1, 2 and 3 stages and several capacities; smart staging picks the
 data-only subgraph; misuse gives errors that name the offending value; no
 worker thread outlives the runner.
 
-Both modes are checked: ``mode="fused"`` (the default: one jaxstreams.jit
-program per call runs the consumer of batch k and the producer stages of the
-following batches, seed 004's ``A0; A1 B0; A2 B1 C0; ...``) and
-``mode="threads"`` (a worker thread and a program per producer stage). For
-the fused mode the device-overlap claim is checked structurally: the program
-lowered for CUDA has the producer inside calls annotated with its stream and
-the consumer outside them.
+Every way is checked: ``mode="fused"`` (one jaxstreams.jit program per call
+runs the consumer of batch k and the producer stages of the following
+batches, seed 004's ``A0; A1 B0; A2 B1 C0; ...``), ``mode="threads"`` (a
+worker thread and a program per producer stage), ``mode="plain"`` (the
+plain step on batches read in the caller's thread) and ``mode="auto"`` (the
+default) with its chooser replaced by one that switches between plain and
+fused every few calls, so that every promise is checked across switches.
+How ``mode="auto"`` chooses, with made-up measurements and a fake clock, is
+in test_staged_auto.py. For the fused way the device-overlap claim is
+checked structurally: the program lowered for CUDA has the producer inside
+calls annotated with its stream and the consumer outside them.
 
 The reference is the step as one jitted program (how steps run): the staged
 outputs are bitwise equal to it. Op-by-op eager execution of the same Python
@@ -91,10 +95,12 @@ def _assert_same(got, want):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-MODES = ["fused", "threads"]
+@pytest.fixture
+def mode(staged_mode):
+  """Each way a staged runner runs (conftest's ``staged_mode``)."""
+  return staged_mode
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("step, n_stages", [(step1, 1), (step2, 2), (step3, 3)])
 @pytest.mark.parametrize("capacity", [1, 2, 3])
 def test_outputs_identical_to_plain_loop(step, n_stages, capacity, mode):
@@ -113,7 +119,6 @@ def test_outputs_identical_to_plain_loop(step, n_stages, capacity, mode):
     assert spec.equations and all(e.level is not None for e in spec.equations)
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_stop_iteration_after_drain_and_threads_gone(mode):
   params, data = _params(), _batches(3)
   runner = jaxstreams.staged(step2, data=iter(data), capacity=2, mode=mode)
@@ -123,14 +128,12 @@ def test_stop_iteration_after_drain_and_threads_gone(mode):
     runner(params)
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_empty_data(mode):
   runner = jaxstreams.staged(step1, data=[], mode=mode)
   with pytest.raises(StopIteration):
     runner(_params())
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_lookahead_bounded_by_capacity_per_stage(mode):
   params, data = _params(), _batches(30)
   pulled, calls, ahead = [0], [0], []
@@ -152,6 +155,8 @@ def test_lookahead_bounded_by_capacity_per_stage(mode):
     # one in hand between stages; +1 for the item the consumer counts after
     # the call returns.
     assert max(ahead) <= 4 * (capacity + 1) + 1
+  elif mode == "plain":
+    assert max(ahead) == 1      # each call reads its own batch, as a loop
   else:
     # At most K + 1 = 4 batches in the pipeline (the one consumed and one
     # per stage), `capacity` read ahead and one in the reader's hand; +1 as
@@ -160,7 +165,6 @@ def test_lookahead_bounded_by_capacity_per_stage(mode):
   assert pulled[0] == 30
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("data_argnum", [0, 1, -2])
 def test_data_argnum(data_argnum, mode):
   params, data = _params(), _batches(4)
@@ -184,7 +188,6 @@ def test_data_argnum(data_argnum, mode):
     _assert_same(_run(runner, params, scale), want)
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_step_returning_constants(mode):
   """Outputs that are constants of the step (literals in its jaxpr, or an
   argument passed straight through) come back as the plain step's."""
@@ -201,7 +204,6 @@ def test_step_returning_constants(mode):
              for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_jaxstreams_jit_and_jax_jit_steps(mode):
   params, data = _params(), _batches(4)
   want = [jax.jit(step1)(params, b) for b in data]
@@ -213,7 +215,6 @@ def test_jaxstreams_jit_and_jax_jit_steps(mode):
       assert len(runner.staged_plan().producers) == 1
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_training_step_with_grad(mode):
   data = _batches(5)
 
@@ -257,7 +258,7 @@ def test_smart_stages_the_data_only_subgraph():
   assert "stage 0 (producer)" in str(plan) and "smart" in str(plan)
 
   want = [jax.jit(step)(params, b) for b in data]
-  for mode in MODES:
+  for mode in ("fused", "threads", "plain"):
     with jaxstreams.staged(step, data=data, smart=True, capacity=2,
                            mode=mode) as runner:
       _assert_same(_run(runner, params), want)
@@ -278,13 +279,12 @@ def test_smart_widens_beyond_stage_calls():
   assert "sin" in {e.primitive for e in smart.producers[0].equations}
   want = [jax.jit(step)(params, b) for b in data]
   for is_smart in (False, True):
-    for mode in MODES:
+    for mode in ("fused", "threads", "plain"):
       with jaxstreams.staged(step, data=data, smart=is_smart,
                              mode=mode) as runner:
         _assert_same(_run(runner, params), want)
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_producer_reading_parameters_is_an_error_naming_them(mode):
   def step(params, batch):
     f = jaxstreams.stage(batch["x"] @ params["w"][:4])
@@ -333,7 +333,6 @@ def test_stage_outside_a_staged_step_is_the_identity():
   np.testing.assert_array_equal(grad, jnp.cos(jnp.ones(3)))
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_data_exception_raised_at_its_batch(mode):
   params, data = _params(), _batches(3)
 
@@ -351,17 +350,19 @@ def test_data_exception_raised_at_its_batch(mode):
     runner(params)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_other_argument_shape_change_is_an_error(mode):
+@pytest.mark.parametrize("mode", ["fused", "threads", "plain"])
+def test_other_argument_shape_change_is_an_error_while_staging(mode):
   params, data = _params(), _batches(3)
   with jaxstreams.staged(step1, data=data, mode=mode) as runner:
     runner(params)
-    bad = {"w": jnp.ones((6, 5)), "v": jnp.ones(5)}
-    with pytest.raises(ValueError, match="other arguments changed"):
-      runner(bad)
+    other = {"w": jnp.ones((6, 5)), "v": jnp.ones(5)}
+    if mode == "plain":     # the plain step takes what the step takes
+      _assert_same([runner(other)], [jax.jit(step1)(other, data[1])])
+    else:
+      with pytest.raises(ValueError, match="other arguments changed"):
+        runner(other)
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stream", [0, 1, 3])
 def test_stream_option_keeps_results(stream, mode):
   params, data = _params(), _batches(4)
@@ -371,7 +372,8 @@ def test_stream_option_keeps_results(stream, mode):
     _assert_same(_run(runner, params), want)
 
 
-@pytest.mark.parametrize("mode, workers", [("fused", 1), ("threads", 4)])
+@pytest.mark.parametrize("mode, workers", [("fused", 1), ("threads", 4),
+                                           ("plain", 0)])
 def test_abandoned_runner_stops_its_workers(mode, workers):
   def forever():
     b = _batches(1)[0]
@@ -381,6 +383,7 @@ def test_abandoned_runner_stops_its_workers(mode, workers):
   runner = jaxstreams.staged(step3, data=forever(), capacity=1, mode=mode)
   runner(_params())
   # Fused: the reader only. Threads: the reader and one per producer stage.
+  # Plain: none.
   assert len(jaxstreams_threads("jaxstreams-prefetch")) == workers
   del runner
   gc.collect()
@@ -394,8 +397,8 @@ def test_abandoned_runner_stops_its_workers(mode, workers):
     (dict(stream=1.0), TypeError, "stream must be None or an integer >= 0"),
     (dict(data_argnum="x"), TypeError, "data_argnum must be an int"),
     (dict(smart=1), TypeError, "smart must be True or False"),
-    (dict(mode="thread"), ValueError, r"mode must be one of \('fused', "
-     r"'threads'\), got 'thread'"),
+    (dict(mode="thread"), ValueError, r"mode must be one of \('auto', "
+     r"'fused', 'plain', 'threads'\), got 'thread'"),
     (dict(mode=None), ValueError, "mode must be one of"),
 ])
 def test_argument_errors(kwargs, error, match):
@@ -448,10 +451,11 @@ def _seed_004(n_batches, k):
 def test_fused_runs_seed_004_pipeline(step, k, capacity):
   params, data = _params(), _batches(6)
   want = [jax.jit(step)(params, b) for b in data]
-  with jaxstreams.staged(step, data=data, capacity=capacity) as runner:
+  with jaxstreams.staged(step, data=data, capacity=capacity,
+                         mode="fused") as runner:
     got = _run(runner, params)
     schedule, programs = runner.schedule, runner.programs_run
-    assert runner.mode == "fused"
+    assert runner.stats()["mode"] == "fused"
   _assert_same(got, want)
   ideal = _seed_004(len(data), k)
   # The first call warms up exactly as seed 004: A0; A1 B0; ...
@@ -514,7 +518,7 @@ def _stream_calls(module_text):
 def test_fused_program_puts_the_producer_on_its_stream_for_cuda(
     step, producer_ops, consumer_ops):
   params, data = _params(), _batches(3)
-  with jaxstreams.staged(step, data=data) as runner:
+  with jaxstreams.staged(step, data=data, mode="fused") as runner:
     runner(params)
     assert (runner.stream, runner.streams) == (1, 2)
     program, args = runner.step_program()
@@ -542,7 +546,7 @@ def test_fused_producer_stream_beside_a_jaxstreams_jit_step():
     return jnp.sum((a + b) @ params["v"])
 
   want = [towers(params, b) for b in data]
-  with jaxstreams.staged(towers, data=data) as runner:
+  with jaxstreams.staged(towers, data=data, mode="fused") as runner:
     got = _run(runner, params)
     # stream=None: the first stream the step does not use itself.
     assert (runner.stream, runner.streams) == (3, 4)
@@ -559,7 +563,8 @@ def test_fused_producer_stream_beside_a_jaxstreams_jit_step():
 @pytest.mark.parametrize("stream", [0, 2])
 def test_fused_explicit_stream(stream):
   params, data = _params(), _batches(3)
-  with jaxstreams.staged(step2, data=data, stream=stream) as runner:
+  with jaxstreams.staged(step2, data=data, stream=stream,
+                         mode="fused") as runner:
     runner(params)
     assert (runner.stream, runner.streams) == (stream, stream + 1)
     program, args = runner.step_program()
@@ -576,19 +581,19 @@ def test_fused_batches_of_different_shapes():
   data = _batches(5) + [
       {k: v[:3] for k, v in b.items()} for b in _batches(3, seed=7)]
   want = [jax.jit(step2)(params, b) for b in data]
-  with jaxstreams.staged(step2, data=data) as runner:
+  with jaxstreams.staged(step2, data=data, mode="fused") as runner:
     _assert_same(_run(runner, params), want)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_producer_stage_failure_raised_at_its_batch(mode):
-  params, data = _params(), _batches(6)
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_producer_stage_failure_raised_at_its_batch(mode, k):
+  params, data = _params(), _batches(10)
   for i, b in enumerate(data):
     b["ids"][0] = i
 
   def check(ids):
-    if int(ids[0]) == 3:
-      raise ValueError("corrupt batch 3")
+    if int(ids[0]) == k:
+      raise ValueError(f"corrupt batch {k}")
     return ids
 
   def step(params, batch):
@@ -599,21 +604,23 @@ def test_producer_stage_failure_raised_at_its_batch(mode):
     g = jaxstreams.stage(jnp.cos(f) + ids[:, None].astype(jnp.float32))
     return jnp.sum(jnp.tanh(g @ params["w"]) @ params["v"])
 
-  want = [jax.jit(step)(params, b) for b in data[:3]]
+  want = [jax.jit(step)(params, b) for b in data[:k]]
   plan = staged_plan(step, params, data[0])
   assert "pure_callback" in {e.primitive for e in plan.producers[1].equations}
   runner = jaxstreams.staged(step, data=data, capacity=2, mode=mode)
-  got = [runner(params) for _ in range(3)]
+  got = [runner(params) for _ in range(k)]
   _assert_same(got, want)
-  with pytest.raises(Exception, match="corrupt batch 3"):
+  with pytest.raises(Exception, match=f"corrupt batch {k}"):
     runner(params)
   with pytest.raises(StopIteration):
     runner(params)
 
 
-def test_step_program_needs_a_fused_runner_that_ran():
+def test_step_program_needs_a_runner_with_a_fused_way_that_ran():
   runner = jaxstreams.staged(step1, data=_batches(2), mode="threads")
-  with pytest.raises(RuntimeError, match="needs a fused runner"):
+  runner(_params())
+  with pytest.raises(RuntimeError, match="needs a runner in mode 'auto', "
+                     "'fused' or 'plain' that has run a call"):
     runner.step_program()
   assert runner.schedule == [] and runner.programs_run == 0
 
@@ -629,7 +636,7 @@ def test_fused_plain_step_with_its_own_stream_blocks():
 
   w = jnp.ones((4, 4)) * 0.1
   batches = [jnp.full((3, 4), float(i)) for i in range(5)]
-  runner = jaxstreams.staged(step, data=iter(batches))
+  runner = jaxstreams.staged(step, data=iter(batches), mode="fused")
   outs = [runner(w) for _ in batches]
   with pytest.raises(StopIteration):
     runner(w)
@@ -644,7 +651,6 @@ def _scaled_step(params, batch):
   return params["w"] * scale
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_mixed_python_and_numpy_scalars_keep_the_plain_steps_dtypes(mode):
   # A Python float is weakly typed (bf16 * 1.0 stays bfloat16), a numpy
   # scalar is not (bf16 * np.float32(1.0) is float32): batches of each kind,

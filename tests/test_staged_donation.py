@@ -163,7 +163,7 @@ def two_stage(params, batch):
 
 def _staged_values(runner):
   """(batch index, array) of every staged value in flight."""
-  fused = runner._run              # the fused run (None before the first call)
+  fused = runner._fused            # the fused run (None before the first call)
   if fused is None:
     return []
   return [(e.index, x) for e in fused.inflight if e.split is not None
@@ -177,7 +177,8 @@ def test_fused_donates_staged_values_never_the_batch():
   # (no catch-up for a batch not read yet): the schedule is known.
   source, finished = _ready_source(data)
   got, donated = [], 0
-  with jaxstreams.staged(two_stage, data=source, capacity=len(data) + 1) as runner:
+  with jaxstreams.staged(two_stage, data=source, capacity=len(data) + 1,
+                         mode="fused") as runner:
     got.append(runner(params))
     assert wait_until(lambda: finished[0], 10.0)
     for i in range(1, len(data)):
@@ -247,7 +248,8 @@ def test_consumer_error_with_donating_producer():
   assert "pure_callback" in {e.primitive for e in plan.consumer.equations}
   want = [jax.jit(step)(params, b) for b in data[:3]]
   source, finished = _ready_source(data)
-  runner = jaxstreams.staged(step, data=source, capacity=len(data) + 1)
+  runner = jaxstreams.staged(step, data=source, capacity=len(data) + 1,
+                             mode="fused")
   got = [runner(params)]
   assert wait_until(lambda: finished[0], 10.0)
   for i in (1, 2, 3):
@@ -288,7 +290,8 @@ def test_input_gone_after_a_failure_gives_the_original_error(monkeypatch):
     return jnp.sum(g @ params["w"])
 
   source, finished = _ready_source(data)
-  runner = jaxstreams.staged(step, data=source, capacity=len(data) + 1)
+  runner = jaxstreams.staged(step, data=source, capacity=len(data) + 1,
+                             mode="fused")
   runner(params)
   assert wait_until(lambda: finished[0], 10.0)
   runner(params)

@@ -10,7 +10,12 @@
   program per call, the producer on a stream of its own (``mode="fused"``),
   or in worker threads (``mode="threads"``).
 
-Modules: ``prefetch`` (the prefetcher); for ``staged``, ``_marker``
+Modules: for ``prefetch``, ``_prefetcher`` (``Prefetcher``, ``prefetch()``),
+``_prefetch_checks`` (its arguments), ``_lookahead`` (the pipeline of
+workers or the consumer's thread), ``_transfer`` (how items reach the
+device), and ``prefetch`` (its public names, re-exported); ``_chooser``
+(whether overlap pays, for ``prefetch`` and ``staged``) and ``_clock`` (what
+both measure themselves with); for ``staged``, ``_marker``
 (``stage(x)``), ``_analysis`` (how a step is split), ``_plan`` (the
 ``StagedPlan`` report), ``_splits`` (the split a batch uses, cached),
 ``_fused`` and ``_threads`` (the two runs) and ``_runner`` (``staged``, its
@@ -23,7 +28,7 @@ this subpackage's other names with ``from jaxstreams.stage import ...``.
 from jaxstreams.stage._marker import stage
 from jaxstreams.stage._plan import StagedPlan
 from jaxstreams.stage._runner import StagedRunner, staged, staged_plan
-from jaxstreams.stage.prefetch import Prefetcher, prefetch
+from jaxstreams.stage._prefetcher import Prefetcher, prefetch
 
 __all__ = ["Prefetcher", "StagedPlan", "StagedRunner", "prefetch", "stage",
            "staged", "staged_plan"]

@@ -1,4 +1,5 @@
-"""``staged(mode="fused")``, the default: one program per call.
+"""``staged``'s fused pipeline: one program per call (``mode="fused"``, and
+``mode="auto"`` where staging pays).
 
 On a GPU, separate programs on one device do not run their device work at
 the same time, so the producer of batch ``k + 1`` can only overlap the
@@ -11,12 +12,13 @@ the consumer on the main stream; on CPU regions are inlined. The staged
 values stay on the device from call to call (the pipeline holds at most
 ``K + 1`` batches), as in seed 004: the first call warms up with
 ``A0; A1 B0; ...``, steady calls run ``A2 B1 C0``, and the last ones drain
-(``B4 C3``, ``C4``). A reader thread (a ``Prefetcher``) pulls the batches
-from the iterable and places them on the device ``capacity`` ahead. Once
-warm, a call takes a new batch into the pipeline only if the reader has it
-ready (a slow read never delays the consumer of a batch already staged; a
-later program catches up); programs are cached per set of batch shapes in
-flight. ``stream=None`` picks the first stream the step does not use itself
+(``B4 C3``, ``C4``); a pipeline that stops admitting batches drains the
+same way (``mode="auto"`` then runs the plain step). A reader thread (a
+``Prefetcher``, made by the runner) pulls the batches from the iterable and
+places them on the device ``capacity`` ahead. Once warm, a call takes a new
+batch into the pipeline only if the reader has it ready (a slow read never
+delays the consumer of a batch already staged; a later program catches
+up); programs are cached per set of batch shapes in flight. ``stream=None`` picks the first stream the step does not use itself
 (above its own ``stream()`` blocks, and ``N`` for
 ``jaxstreams.jit(streams=N)``), so the producer never queues behind a
 consumer region; the program has ``max(N, stream + 1)`` streams.
@@ -42,8 +44,7 @@ it belongs to.
 from __future__ import annotations
 
 import collections
-import types
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import jax
 from jax import tree_util
@@ -51,54 +52,13 @@ from jax import tree_util
 from jaxstreams._jit import jit as streams_jit
 from jaxstreams.stage._analysis import FUNC, Split
 from jaxstreams.stage._splits import Splits
-from jaxstreams.stage.prefetch import (NOT_READY, Prefetcher, next_if_ready,
-                                      place_on_device)
+from jaxstreams.stage import _clock
+from jaxstreams.stage._lookahead import NOT_READY
+from jaxstreams.stage._prefetcher import Prefetcher, next_if_ready
+from jaxstreams.stage._source import DataError
 from jaxstreams.tag import stream as stream_scope
 
 _SCHEDULE = 64        # programs the fused runner remembers for ``schedule``
-
-
-class _DataError:
-  """What the fused reader hands on for a batch whose reading or placing
-  raised: the exception, delivered in the batch's place (a real
-  ``KeyboardInterrupt`` in the caller's thread stays apart from one the
-  iterable raised for batch ``k``, which is raised by call ``k``)."""
-
-  __slots__ = ("exc",)
-
-  def __init__(self, exc: BaseException):
-    self.exc = exc
-
-
-def _guarded(iterable: Iterable[Any]):
-  """``iterable``'s items; an exception it raises becomes a ``_DataError``
-  item, the last one. Closing this closes ``iterable`` when it is a
-  generator (as the reader does for what it owns)."""
-  iterator = iter(iterable)
-  try:
-    while True:
-      try:
-        item = next(iterator)
-      except StopIteration:
-        return
-      except BaseException as exc:  # noqa: BLE001 - raised at its batch
-        yield _DataError(exc)
-        return
-      yield item
-  finally:
-    if isinstance(iterator, types.GeneratorType):
-      iterator.close()
-
-
-def _place(batch: Any) -> Any:
-  """The reader's transform in fused mode: the batch on the device, complete
-  (the host-to-device copy happens in the reader thread, not in the step)."""
-  if isinstance(batch, _DataError):
-    return batch
-  try:
-    return place_on_device(batch)
-  except Exception as exc:  # noqa: BLE001 - raised at its batch
-    return _DataError(exc)
 
 
 class _InFlight:
@@ -203,61 +163,86 @@ def _fused_program(cache: dict, consumer: Split | None,
   return program
 
 
-class FusedRun:
-  """One runner's fused pipeline: its reader, the batches in flight and the
-  programs run. Made with the first batch, read in the caller's thread so a
-  planning error is raised by the first call; used from the caller's thread
-  only (the reader thread holds none of it)."""
+def producer_stream(first: Split, stream: int | None,
+                    streams_now: Callable[[], int]) -> tuple[int, int]:
+  """``(stream, streams)``: the producer's stream, the first one the step
+  does not use itself unless one was asked for, and the streams the
+  program has (every stream either uses)."""
+  consumer_streams = max(streams_now(), first.streams_used)
+  stream = consumer_streams if stream is None else stream
+  return stream, max(consumer_streams, stream + 1)
 
-  def __init__(self, splits: Splits, data: Iterable[Any], capacity: int,
-               stream: int | None, streams_now: Callable[[], int]):
+
+class FusedRun:
+  """One runner's fused pipeline: the batches in flight and the programs
+  run. Used from the caller's thread only (the reader thread holds none of
+  it). Batches come from a reader (a ``Prefetcher`` of ``(batch, seconds)``
+  pairs, ``_source.place``'s) given by ``resume``, first the one ``hold``
+  gave; ``stop_admitting`` lets the pipeline drain (each call still consumes
+  one batch, no new one enters) so that the runner can run the plain step
+  without a batch staged twice or skipped. ``read_s`` and ``wait_s`` add up
+  what reading and placing the admitted batches took (in the reader) and
+  how long calls waited for the reader; ``first_calls`` counts the programs
+  called for the first time (each may have compiled then)."""
+
+  def __init__(self, splits: Splits, stream: int, streams: int):
     self.splits = splits
-    # The reader thread pulls and places batches ``capacity`` ahead; the
-    # first one is taken here, in the caller, to trace (a planning error is
-    # raised by the first call).
-    self.reader = Prefetcher(_guarded(data), capacity, transform=_place,
-                             num_threads=1, timeout=None,
-                             closed_exception_types=(StopIteration,),
-                             ignored_exception_types=(), func=FUNC)
-    try:
-      first = next(self.reader)     # StopIteration: no data
-      if isinstance(first, _DataError):
-        raise first.exc
-      self.first_split = splits.split_for(first)
-    except BaseException:
-      self.reader.close()
-      raise
     self.k = splits.n_producers
-    # The producer's stream: the first one the step does not use itself,
-    # unless one was asked for; the program has every stream either uses.
-    consumer_streams = max(streams_now(), self.first_split.streams_used)
-    self.stream = consumer_streams if stream is None else stream
-    self.streams = max(consumer_streams, self.stream + 1)
+    self.stream, self.streams = stream, streams
+    self.reader: Prefetcher | None = None
     self.inflight: collections.deque[_InFlight] = collections.deque()
     self.next_index = 0
     self.ended = False            # nothing more comes from the reader
-    self.first = first            # the batch read to trace, not yet admitted
-    self.warm = False             # the first call (warm-up) is over
+    self.admitting = False        # new batches enter (from resume() on)
+    self.held = None              # a batch read elsewhere, admitted first
+    self.warm = False             # the warm-up call is over
     self.schedule: collections.deque[tuple] = collections.deque(maxlen=_SCHEDULE)
     self.programs = 0
+    self.read_s = 0.0
+    self.wait_s = 0.0
+    self.called: set[int] = set()   # the programs (ids) this run has called
+    self.first_calls = 0            # ... how many (a compile, maybe)
+
+  def hold(self, batch: Any) -> None:
+    """``batch`` (on the device) is the next one to enter."""
+    self.held = batch
+
+  def resume(self, reader: Prefetcher, next_index: int) -> None:
+    """Admits batches again, from ``reader``; ``next_index`` is the number
+    of the next batch (for ``schedule``) when the pipeline is empty. An
+    empty pipeline warms up again: its next call waits for its batch."""
+    self.reader = reader
+    self.admitting = True
+    if not self.inflight:
+      self.warm = False
+      self.next_index = next_index
+
+  def stop_admitting(self) -> None:
+    self.admitting = False
 
   # Reading -------------------------------------------------------------------
   def _admit(self, block: bool) -> _InFlight | None:
     """The next batch from the reader, as a new in-flight entry; None when
-    the reader has none ready (``block=False``) or has ended."""
-    if self.ended:
+    none may enter, or the reader has none ready (``block=False``) or has
+    ended."""
+    if self.ended or not self.admitting:
       return None
-    if self.first is not None:
-      batch, self.first = self.first, None
+    if self.held is not None:
+      batch, self.held = self.held, None
     else:
+      started = _clock.now()
       try:
-        batch = next(self.reader) if block else next_if_ready(self.reader)
+        got = next(self.reader) if block else next_if_ready(self.reader)
       except StopIteration:
         self.ended = True
         return None
-      if batch is NOT_READY:
+      if got is NOT_READY:
         return None               # not read yet: the consumer does not wait
-    if isinstance(batch, _DataError):   # batch k's error, raised by call k
+      if block:
+        self.wait_s += _clock.now() - started
+      batch, seconds = got
+      self.read_s += seconds
+    if isinstance(batch, DataError):    # batch k's error, raised by call k
       self.ended = True
       self.inflight.append(_InFlight(self.next_index, error=batch.exc))
       self.next_index += 1
@@ -352,6 +337,9 @@ class FusedRun:
         self.splits.cache, None if head is None else head.split,
         tuple(None if e is None else e.split for e in runnable),
         self.stream, self.streams)
+    if id(program) not in self.called:     # its first call may compile it
+      self.called.add(id(program))
+      self.first_calls += 1
     args = [] if head is None else [*other_leaves, *self._inputs(head, self.k)]
     for j, entry in enumerate(runnable):
       if entry is not None:
@@ -385,7 +373,8 @@ class FusedRun:
     keep.append(_InFlight(entry.index, error=exc))
     self.inflight = keep
     self.ended = True
-    self.reader.close()           # nothing is read past a failure
+    if self.reader is not None:
+      self.reader.close()         # nothing is read past a failure
     return None
 
   # One call ------------------------------------------------------------------
@@ -398,6 +387,9 @@ class FusedRun:
       if not self.inflight:
         if self.ended:
           raise StopIteration
+        if not self.admitting:    # the runner runs a drained pipeline no more
+          raise RuntimeError(f"{FUNC}: a drained pipeline was asked for a "
+                             "batch")
         block = True
       else:
         head = self.inflight[0]
@@ -437,6 +429,7 @@ class FusedRun:
 
   def close(self) -> None:
     """Stops the reader; staged values still in flight are dropped."""
-    self.reader.close()
+    if self.reader is not None:
+      self.reader.close()
     self.inflight.clear()
     self.ended = True

@@ -8,45 +8,51 @@ continues with work on parameters and state. The first part of batch
 ``A0; A1 B0; A2 B1 C0; ...``), DeepRec's ``tf.staged`` and SmartStage.
 
 Where each piece lives: ``_marker`` (``stage(x)``), ``_analysis`` (how a step
-is split), ``_splits`` (the split a batch uses, cached), ``_fused`` (the
-default run: one program per call) and ``_threads`` (``mode="threads"``).
-This module checks the arguments, picks the run and holds what every call
-checks: the step's other arguments keep the first call's structure and
-shapes. Either way each equation is the one ``step`` would run, on the same
-inputs, so the outputs are ``step``'s (bitwise on CPU).
+is split), ``_splits`` (the split a batch uses, cached, and the other
+arguments it is made for), ``_source`` (reading the batches), ``_fused``
+(the fused pipeline: one program per call), ``_auto`` (modes ``"auto"``,
+``"fused"`` and ``"plain"``: the fused pipeline where it pays, the plain
+step where it does not) and ``_threads`` (``mode="threads"``). This module
+checks the arguments, picks the run and tells the user once when staging
+stepped aside. Each way, each equation is the one ``step`` would run, on
+the same inputs, so the outputs are ``step``'s (bitwise on CPU).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import jax
-from jax import tree_util
 
 from jaxstreams import _checks
 from jaxstreams._jit import jit as streams_jit, spec_of
-from jaxstreams._signature import signature
+from jaxstreams._performance import PerformanceWarning
 from jaxstreams.stage._analysis import FUNC, Split, build_split
+from jaxstreams.stage._auto import AutoRun
 from jaxstreams.stage._fused import FusedRun
 from jaxstreams.stage._plan import StagedPlan
 from jaxstreams.stage._splits import Splits
 from jaxstreams.stage._threads import ThreadRun, jit_parts
 
-MODES = ("fused", "threads")
+MODES = ("auto", "fused", "plain", "threads")
 
 
 class StagedRunner:
   """What ``jaxstreams.staged`` returns: call it with the step's other
   arguments to run the next batch. Raises ``StopIteration`` once the data is
   exhausted and drained; also an iterator-friendly context manager with
-  ``close()``. ``plan`` is the ``StagedPlan`` of the latest batch (None
-  before the first call); ``mode`` is ``"fused"`` or ``"threads"``;
-  ``stream`` and ``streams`` (fused mode, from the first call on) the
-  producer's stream and the stream count its program is compiled with."""
+  ``close()``. ``mode`` is the mode asked for (``stats()["mode"]`` is the
+  way it runs now); ``plan`` is the ``StagedPlan`` of the latest batch
+  staged (the first batch's until one is; None before the first call);
+  ``stream`` and ``streams`` (from the first call on, all modes but
+  ``"threads"``) the producer's stream and the stream count its fused
+  program is compiled with."""
 
   def __init__(self, step: Callable, data: Iterable[Any], data_argnum: int,
                capacity: int, stream: int | None, smart: bool, mode: str):
-    fun, consumer_jit, self._name, self._streams_now = _unwrap(step)
+    fun, consumer_jit, self._name, self._streams_now, self._plain = \
+        _unwrap(step)
     self._data = data
     self.data_argnum = data_argnum
     self.capacity = capacity
@@ -54,36 +60,30 @@ class StagedRunner:
     self.streams: int | None = None
     self.smart = smart
     self.mode = mode
-    self.plan: StagedPlan | None = None
     if mode == "threads":
       # Thread mode jits each part on its own (the producer on ``stream``);
-      # fused mode applies the stream inside the one program it fuses.
+      # fused programs apply the stream inside the one program they fuse.
       self._splits = Splits(fun, self._name, data_argnum, smart,
                             jit_key=(stream, consumer_jit.key),
                             jit_parts=jit_parts(stream, consumer_jit.jit))
     else:
       self._splits = Splits(fun, self._name, data_argnum, smart)
-    self._run: FusedRun | ThreadRun | None = None
-    self._last_split: Split | None = None
+    self._run: AutoRun | ThreadRun | None = None
     self._done = False
-    self._other_key = None          # the first call's (structure, signature)
 
   def _start(self, other_args: tuple, kwargs: dict) -> None:
-    """Warm-up: trace with the first batch (in the caller, so a planning
-    error is raised by this call), then start the reader (and, in thread
-    mode, one worker per producer stage: they fill their ``capacity`` slots
-    as in seed 004's ``A0; A1 B0; ...``)."""
-    self._splits.other = (other_args, kwargs)
-    first_leaves, first_tree = tree_util.tree_flatten(self._splits.other)
-    self._other_key = (first_tree, signature(first_leaves))
+    """The first call: reads the first batch and splits the step with it
+    (in the caller, so a planning error is raised by this call), then
+    starts the run."""
     data, self._data = self._data, None     # the run owns the iterable now
-    if self.mode == "fused":
-      self._run = FusedRun(self._splits, data, self.capacity, self.stream,
-                           self._streams_now)
-      self.stream, self.streams = self._run.stream, self._run.streams
+    other = (other_args, kwargs)
+    if self.mode == "threads":
+      self._run = ThreadRun(self._splits, data, self.capacity, other)
     else:
-      self._run = ThreadRun(self._splits, data, self.capacity)
-    self.plan = self._run.first_split.plan
+      self._run = AutoRun(self._splits, data, self.mode, self.capacity,
+                          self.stream, self._streams_now, self._plain,
+                          self.data_argnum, other)
+      self.stream, self.streams = self._run.stream, self._run.streams
 
   def __call__(self, *other_args, **kwargs):
     if self._done:
@@ -91,49 +91,76 @@ class StagedRunner:
     try:
       if self._run is None:
         self._start(other_args, kwargs)
-      split, outs = self._run.step(self._check_other((other_args, kwargs)))
+      outs = self._run.call(other_args, kwargs)
     except BaseException:
       self.close()
       raise
-    self.plan = split.plan
-    self._last_split = split
-    return tree_util.tree_unflatten(split.out_tree, outs)
+    if self._run.meter.news is not None:
+      self._tell()
+    return outs
 
-  def _check_other(self, call) -> list:
-    """The call's leaves, once checked against the first call's structure,
-    shapes and dtypes (kept by ``_start``: this runs on every call)."""
-    leaves, treedef = tree_util.tree_flatten(call)
-    if (treedef, signature(leaves)) != self._other_key:
-      raise ValueError(
-          f"{FUNC}: the step's other arguments changed structure, shape or "
-          f"dtype since the first call; a staged runner traces its producer "
-          f"with the first call's arguments, so they must keep their shapes")
-    return leaves
+  def _tell(self) -> None:
+    """The one ``PerformanceWarning``: staging stepped aside."""
+    meter = self._run.meter
+    news, meter.news = meter.news, None
+    warnings.warn(
+        f"{FUNC} does not pay here and stepped aside: {news} "
+        f"(runner.stats() has the figures; staged(..., mode='fused') keeps "
+        f"staging; filter jaxstreams.PerformanceWarning to silence this)",
+        PerformanceWarning, stacklevel=3)
+
+  @property
+  def plan(self) -> StagedPlan | None:
+    return None if self._run is None else self._run.last_split.plan
+
+  @property
+  def _fused(self) -> FusedRun | None:
+    return getattr(self._run, "fused", None)
 
   @property
   def schedule(self) -> list[str]:
-    """Fused mode: the latest programs run (up to 64), oldest first, in seed
+    """The latest fused programs run (up to 64), oldest first, in seed
     004's notation: ``"A2 B1 C0"`` is one program that ran producer stage A
     (stage 0) for batch 2, stage B for batch 1 and the consumer (the letter
-    after the last stage) for batch 0. Empty in thread mode."""
-    return self._run.labels() if isinstance(self._run, FusedRun) else []
+    after the last stage) for batch 0. Calls that ran the plain step (and
+    mode ``"threads"``) add none."""
+    return self._fused.labels() if self._fused is not None else []
 
   def step_program(self) -> tuple[Callable, list]:
-    """Fused mode: the steady-state program (consumer of batch ``k`` with
-    every producer stage of the following batches) for the latest batch
-    shapes, and its arguments as ``jax.ShapeDtypeStruct``s, to inspect it:
+    """The steady-state fused program (consumer of batch ``k`` with every
+    producer stage of the following batches) for the latest batch shapes
+    staged, and its arguments as ``jax.ShapeDtypeStruct``s, to inspect it:
     ``program, args = runner.step_program();
     program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()``
-    shows the producer inside calls annotated with ``stream``."""
-    if not isinstance(self._run, FusedRun) or self._last_split is None:
-      raise RuntimeError(f"{FUNC}: step_program() needs a fused runner that "
-                         "has run a call")
-    return self._run.step_program(self._last_split)
+    shows the producer inside calls annotated with ``stream``. Whichever
+    way the runner runs now (all modes but ``"threads"``)."""
+    if self._fused is None:
+      raise RuntimeError(f"{FUNC}: step_program() needs a runner in mode "
+                         "'auto', 'fused' or 'plain' that has run a call")
+    return self._fused.step_program(self._run.last_split)
 
   @property
   def programs_run(self) -> int:
-    """Fused mode: how many programs ran (one per call after the warm-up)."""
-    return self._run.programs if isinstance(self._run, FusedRun) else 0
+    """How many fused programs ran (one per staged call after the
+    warm-up)."""
+    return self._fused.programs if self._fused is not None else 0
+
+  def stats(self) -> dict[str, Any]:
+    """How the runner runs and why, from its own counters: ``mode`` (the
+    way it runs now: ``"fused"``, ``"plain"`` or ``"threads"``) and
+    ``mode_reason``; ``calls`` returned; ``switches`` between fused and
+    plain and the ``trials`` that compared them (``mode="auto"``); and per
+    way (``"fused"`` and ``"plain"``, or ``"threads"`` in that mode):
+    ``calls``, ``waited`` (calls that waited for the reader), and per call
+    ``read_us`` (reading and placing its batch: in the reader when fused,
+    in the caller's thread when plain), ``wait_us``, ``call_us`` (the
+    call's own time besides reading in it and waiting) and ``cycle_us``
+    (from one call's return to the next's)."""
+    if self._run is None:
+      way = "plain" if self.mode == "auto" else self.mode
+      return {"mode": way, "mode_reason": "no call yet", "calls": 0,
+              "switches": 0, "trials": []}
+    return self._run.stats()
 
   def staged_plan(self) -> StagedPlan:
     """What was staged: the ``StagedPlan`` of the latest batch (available
@@ -159,7 +186,8 @@ class StagedRunner:
     self.close()
 
   def __repr__(self) -> str:
-    return (f"<jaxstreams.staged {self._name}, mode={self.mode!r}, "
+    way = "" if self._run is None else f" ({self._run.stats()['mode']})"
+    return (f"<jaxstreams.staged {self._name}, mode={self.mode!r}{way}, "
             f"capacity={self.capacity}, smart={self.smart}>")
 
 
@@ -173,9 +201,14 @@ class _ConsumerJit:
 
 
 def _unwrap(step: Callable) -> tuple[Callable, _ConsumerJit, str,
-                                     Callable[[], int]]:
+                                     Callable[[], int],
+                                     Callable[[Split], Callable]]:
   """The function to trace, how to jit the consumer (thread mode), a name,
-  and how many streams the step's own plan uses (read when a runner starts)."""
+  how many streams the step's own plan uses (read when a runner starts),
+  and the plain step for a split: the step jitted whole, as the unstaged
+  loop runs it (a jitted step itself; a plain function as a
+  ``jaxstreams.jit`` one with the streams its own ``stream()`` blocks use,
+  as the fused program honours them)."""
   spec = spec_of(step)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
@@ -183,14 +216,17 @@ def _unwrap(step: Callable) -> tuple[Callable, _ConsumerJit, str,
     consumer_jit = _ConsumerJit(
         lambda f: streams_jit(f, streams=spec.streams),
         ("jaxstreams.jit", spec.streams))
-    return fun, consumer_jit, name, spec.streams_now
+    return fun, consumer_jit, name, spec.streams_now, lambda split: step
   inner = getattr(step, "__wrapped__", None)
   if inner is not None and hasattr(step, "lower"):
-    step = inner    # a jax.jit function: trace what it wraps, so stage() is visible
-  return step, _ConsumerJit(jax.jit, "jax.jit"), name, lambda: 1
+    # A jax.jit function: trace what it wraps, so stage() is visible.
+    return (inner, _ConsumerJit(jax.jit, "jax.jit"), name, lambda: 1,
+            lambda split: step)
+  return (step, _ConsumerJit(jax.jit, "jax.jit"), name, lambda: 1,
+          lambda split: streams_jit(step, streams=split.streams_used))
 
 
-def _check_options(data_argnum, capacity, stream, smart, mode="fused"):
+def _check_options(data_argnum, capacity, stream, smart, mode="auto"):
   if isinstance(data_argnum, bool) or not isinstance(data_argnum, int):
     raise TypeError(f"{FUNC}: data_argnum must be an int (the position of the "
                     f"data argument, -1 for the last), got {data_argnum!r}")
@@ -206,7 +242,7 @@ def _check_options(data_argnum, capacity, stream, smart, mode="fused"):
 
 def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
            capacity: int = 1, stream: int | None = None,
-           smart: bool = False, mode: str = "fused") -> StagedRunner:
+           smart: bool = False, mode: str = "auto") -> StagedRunner:
   """Runs ``step`` as a software pipeline over the batches of ``data``.
 
   ``runner = jaxstreams.staged(step, data=batches)``; then each
@@ -219,7 +255,31 @@ def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
   ``StopIteration``. An exception raised by ``data`` at batch ``k``, or by a
   producer stage's computation for batch ``k``, is raised by call ``k``.
 
-  ``mode="fused"`` (the default): each call runs ONE ``jaxstreams.jit``
+  ``mode="auto"`` (the default): staged (the fused way below) only where it
+  pays. Staging costs every call work of its own, so a step under a
+  millisecond whose result is read every step can run slower staged than
+  plain. The runner starts *plain*: each call reads the next batch in the
+  caller's thread and runs the plain step on it (the step jitted whole, as
+  the unstaged loop runs it). It measures its calls and moves to the fused
+  way at once when reading a batch takes a third of a call's cycle and at
+  least 200 us (then its first 16 staged calls must come out faster than
+  the plain ones that chose it, or a trial runs at once), or after a trial
+  that times calls both ways when it takes a fifth and at least 30 us. On a platform that runs streams (not XLA:CPU), with the producer
+  on a stream of its own, a trial runs even when reading is cheap (staging
+  may hide device work no clock sees). While staged, trials check that
+  staged calls are faster (at doubling intervals, the first after 256
+  staged calls), and it steps aside when one finds them slower or reading
+  turns cheap. A
+  switch keeps every promise: the pipeline drains (no new batch enters, a
+  fused program per call finishes the staged ones) before the plain step
+  runs, so outputs, their order, each batch run once, the errors at call
+  ``k`` and ``close()`` are those of either way. The first time it keeps or
+  puts the plain step in place, one ``jaxstreams.PerformanceWarning`` says
+  so and why; ``runner.stats()`` and ``repr(runner)`` say which way it runs.
+  ``mode="plain"`` always runs the plain step (the first call still splits
+  the step, so a planning error is raised either way).
+
+  ``mode="fused"``, always staged: each call runs ONE ``jaxstreams.jit``
   program that computes the consumer part for batch ``k`` and, at the same
   time, producer stage ``j`` for batch ``k + K - j`` (``K`` producer stages),
   and hands the staged values on to the next call on the device: seed 004's
@@ -251,8 +311,10 @@ def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
 
   ``step`` is a plain function, a ``jaxstreams.jit`` function (its consumer
   part keeps its stream plan) or a ``jax.jit`` function (its wrapped function
-  is traced). Its other arguments must keep their shapes from call to call.
-  In fused mode, a consumer that uses ``jaxstreams.stream()`` blocks gets
+  is traced; the plain step is the function itself). Its other arguments
+  must keep their shapes from call to call while it stages (the plain step
+  takes what the step takes; staging that starts anew takes them as they are
+  then). In the fused way, a consumer that uses ``jaxstreams.stream()`` blocks gets
   them honoured even for a plain or ``jax.jit`` step (the program is a
   ``jaxstreams.jit`` one), within the ``streams`` count above. When a fused
   program fails (on CPU, where errors are raised by the call), its parts are
@@ -278,7 +340,7 @@ def staged_plan(step: Callable, *args, data_argnum: int = -1,
   """The ``StagedPlan`` ``staged`` would make for ``step(*args, **kwargs)``,
   where ``args[data_argnum]`` is an example batch. Traces; runs nothing."""
   _check_options(data_argnum, 1, None, smart)
-  fun, _, name, _ = _unwrap(step)
+  fun, _, name, _, _ = _unwrap(step)
   position = data_argnum if data_argnum >= 0 else len(args) + data_argnum
   if not 0 <= position < len(args):
     raise ValueError(f"{FUNC}: data_argnum={data_argnum} does not name one of "

@@ -8,6 +8,11 @@ compiled stage functions instead of compiling them again; weakly, so that a
 dropped step function frees its programs. ``Splits`` is kept apart from the
 runner so that worker threads never hold the runner: an abandoned runner is
 collected and its workers stop.
+
+The step's other arguments are part of every split (the consumer reads
+them), so a split is made for one signature of them: the first call's, or
+what ``use_other`` sets when a pipeline starts anew. A staged call checks
+them against it (``check_other``).
 """
 
 from __future__ import annotations
@@ -48,10 +53,36 @@ class Splits:
     self.data_argnum, self.smart = data_argnum, smart
     self.jit_key, self.jit_parts = jit_key, jit_parts
     self.cache = _per_function(fun)
-    self.other: tuple | None = None   # the first call's (args, kwargs)
-    self.n_producers = 0              # the first split's producer stages
+    self.other: tuple | None = None   # the (args, kwargs) splits are made for
+    self._other_key = None            # ... their (structure, signature)
+    self.n_producers: int | None = None   # the first split's producer stages
     self._mine: dict[tuple, Split] = {}
     self._lock = threading.Lock()
+
+  def use_other(self, call: tuple) -> list:
+    """Makes splits for the other arguments ``call`` (``(args, kwargs)``)
+    from now on, and returns its leaves. Only while no split of other
+    arguments of another signature is in use (a pipeline starting)."""
+    leaves, treedef = tree_util.tree_flatten(call)
+    key = (treedef, signature(leaves))
+    with self._lock:
+      if key != self._other_key:
+        self.other, self._other_key = call, key
+        self._mine.clear()
+    return leaves
+
+  def check_other(self, call: tuple) -> list:
+    """``call``'s leaves, once checked against the other arguments the
+    splits are made for (this runs on every staged call)."""
+    leaves, treedef = tree_util.tree_flatten(call)
+    if (treedef, signature(leaves)) != self._other_key:
+      raise ValueError(
+          f"{FUNC}: the step's other arguments changed structure, shape or "
+          f"dtype since staging began (the first call, or the call where "
+          f"mode='auto' went back to staging); a staged runner traces its "
+          f"producer and consumer with those arguments, so they must keep "
+          f"their shapes while it stages")
+    return leaves
 
   def split_for(self, batch: Any) -> Split:
     data_leaves = tree_util.tree_leaves(batch)
@@ -60,7 +91,7 @@ class Splits:
       split = self._mine.get(key)
       if split is None:
         split = self._shared(batch, key)
-        if not self._mine:
+        if self.n_producers is None:
           self.n_producers = len(split.plan.producers)
         elif len(split.plan.producers) != self.n_producers:
           raise ValueError(
@@ -73,9 +104,8 @@ class Splits:
 
   def _shared(self, batch: Any, data_key: tuple) -> Split:
     other_args, kwargs = self.other
-    key = (data_key, tree_util.tree_structure(self.other),
-           signature(tree_util.tree_leaves(self.other)), self.data_argnum,
-           self.smart, self.jit_key)
+    key = (data_key, self._other_key, self.data_argnum, self.smart,
+           self.jit_key)
     split = self.cache.get(key)
     if split is None:
       split = build_split(self.fun, self.name, other_args, kwargs, batch,

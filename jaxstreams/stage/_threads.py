@@ -23,9 +23,11 @@ import jax
 from jax import tree_util
 
 from jaxstreams._jit import jit as streams_jit
+from jaxstreams.stage import _clock
 from jaxstreams.stage._analysis import FUNC, Split
+from jaxstreams.stage._chooser import Meter
 from jaxstreams.stage._splits import Splits
-from jaxstreams.stage.prefetch import Prefetcher
+from jaxstreams.stage._prefetcher import Prefetcher
 from jaxstreams.tag import stream as stream_scope
 
 
@@ -53,14 +55,21 @@ def jit_parts(stream: int | None, consumer_jit: Callable
 
 class ThreadRun:
   """The worker pipeline of one runner: reader, then one worker per
-  producer stage. Made with the first batch read in the caller's thread, so
-  a planning error is raised by the first call."""
+  producer stage. Made by the first call with its other arguments and the
+  first batch read in the caller's thread, so a planning error is raised by
+  the first call."""
 
-  def __init__(self, splits: Splits, data: Iterable[Any], capacity: int):
+
+  def __init__(self, splits: Splits, data: Iterable[Any], capacity: int,
+               other: tuple):
+    self.splits = splits
     self.stages: list[Prefetcher] = []
+    # Counts calls; never steps aside (no chooser, nothing to tell).
+    self.meter = Meter(("threads",), None, ("calls", "call_us", "read_us"))
     iterator = iter(data)
     first = next(iterator)          # StopIteration: no data, nothing to run
-    self.first_split = splits.split_for(first)
+    splits.use_other(other)
+    self.last_split = splits.split_for(first)
     # The workers hold ``splits`` and their items, never this object nor
     # the runner: an abandoned runner is collected and its workers stop.
     reader = self._pipe(_chain(first, iterator), capacity, _identity)
@@ -76,11 +85,20 @@ class ThreadRun:
     self.stages.append(pipe)
     return pipe
 
-  def step(self, other_leaves: list) -> tuple[Split, list]:
+  def call(self, other_args: tuple, kwargs: dict) -> Any:
     """The consumer for the next batch, in the caller's thread."""
+    started = _clock.now()
+    other_leaves = self.splits.check_other((other_args, kwargs))
     split, env = next(self.pipeline)
     carried = [env[v] for v in split.stage_ins[-1]]
-    return split, split.fns[-1](*other_leaves, *carried)
+    outs = split.fns[-1](*other_leaves, *carried)
+    self.last_split = split
+    now = _clock.now()
+    self.meter.count("threads", now - started, 0.0, 0.0, False, now)
+    return tree_util.tree_unflatten(split.out_tree, outs)
+
+  def stats(self) -> dict[str, Any]:
+    return self.meter.report("threads", "mode='threads' was asked for")
 
   def close(self) -> None:
     for pipe in reversed(self.stages):

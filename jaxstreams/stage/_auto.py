@@ -1,0 +1,280 @@
+"""``staged``'s modes ``"auto"`` (the default), ``"fused"`` and ``"plain"``:
+the fused pipeline where staging pays, the plain step where it does not.
+
+Never slower than doing without. Staging hides what happens before a
+batch's consumer can run (reading it, placing it, on a GPU its producer
+stages' device work beside the previous consumer), and costs every call
+its own work: the fused program's bookkeeping, the reader thread's
+hand-off and its competition for the CPU. For a step under a millisecond
+whose result is read every step, on the shared 2-core development machine,
+that cost was the larger: the fused runner ran at 0.4x-0.7x of the plain
+loop (benchmarks/prefetch_sweep.py). So ``mode="auto"`` starts *plain*:
+each call reads the next batch in the caller's thread and runs the plain
+step on it (the whole step jitted, as the unstaged loop runs it: no reader
+thread, no bookkeeping), and measures itself (``_clock``): the cycle from
+one call's return to the next, and how long reading a batch takes. Where
+reading is worth hiding (``_chooser.Chooser``: at once where it takes a
+third of a cycle and at least 200 us, after a trial that times calls both
+ways where it takes a fifth and 30 us), it stages (*fused*). Staging's own
+cost is not a known hand-off (on the shared 2-core machine, calls of a
+DLRM-style step took 2.5 ms fused where the plain step took 2.05 ms, its
+batches already on the device), so it checks itself: staged at once, its
+first 16 staged calls must have a shorter cycle than the plain calls that
+chose it, or a trial runs at once; and while staged, trials check it at
+doubling intervals (the first after 256 staged calls). On a platform that runs streams, with the producer on a stream
+of its own, staging may also hide device work no clock here sees, so there
+a trial decides even when reading is cheap. It steps aside when a trial
+finds the plain step faster or reading turns cheap, and says so once (a
+``jaxstreams.PerformanceWarning``, from the runner). ``"fused"`` and
+``"plain"`` fix the way.
+
+Every promise holds across a switch:
+
+* **Order, each batch once.** One ``_source.Source`` serves both ways, read
+  by the caller's thread or by the reader thread, never both. Going plain,
+  the pipeline stops admitting batches and drains (each call still consumes
+  its oldest batch, with a fused program: seed 004's ``B4 C3``, ``C4``),
+  the reader's workers park, the batches the reader had read run next, with
+  the plain step, and only then does the caller's thread read on. Going
+  fused, the reader resumes where the source is; an empty pipeline warms up
+  again (``A5; A6 B5 ...``).
+* **Results.** Each call returns what the step returns for its batch, from
+  the fused program or the plain step (bitwise the same on CPU).
+* **Errors at call k.** A batch the iterable failed to give is raised by
+  its call either way; a producer stage's failure too (the fused run's
+  own bookkeeping). The plain step raises its own errors at its call.
+* **Donation.** Fused programs donate staged values only (``_fused``); a
+  pipeline drains before the plain step runs, so no staged value outlives
+  it, and the plain step donates nothing it was not asked to.
+* **The other arguments** must keep their shapes while it stages (checked
+  every staged call); the plain step takes what the step takes. An empty
+  pipeline starting anew takes them as they are then.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import jax
+from jax import tree_util
+
+from jaxstreams.stage import _clock
+from jaxstreams.stage._analysis import FUNC, Split
+from jaxstreams.stage._chooser import Chooser, Meter, Words
+from jaxstreams.stage._fused import FusedRun, producer_stream
+from jaxstreams.stage._prefetcher import Prefetcher, holds_items, set_way
+from jaxstreams.stage._source import DataError, Source, place, timed
+from jaxstreams.stage._splits import Splits
+from jaxstreams.stage._transfer import place_on_device
+
+# How staged words the chooser's decisions (``runner.stats()``'s
+# ``mode_reason``).
+WORDS = Words(
+    overlap="fused", inline="plain", unit="calls",
+    judging=("judging: the plain step runs on batches read in the caller's "
+             "thread until staging is worth its own cost (judged every "
+             "{window} calls)"),
+    sure=("reading a batch is {share:.0%} of a cycle ({figures}): staging "
+          "hides it behind the step (checked: staged calls must come out "
+          "faster)"),
+    cheap_us=("reading a batch takes {us:.0f} us ({figures}), less than "
+              "staging's own work per call (the fused program's "
+              "bookkeeping, the reader's hand-off) costs"),
+    cheap_share=("reading a batch is {share:.1%} of a cycle ({figures}): "
+                 "staging could hide at most that, and its own work per call "
+                 "costs about as much"),
+    stays=("{cheap}, so the plain step runs on batches read in the caller's "
+           "thread, as without staging"),
+    lost_before=(" (a trial found staging no faster, reading a batch then "
+                 "{tried:.0%} of a cycle)"),
+    leave=("reading a batch fell to {share:.1%} of a cycle ({figures}) and "
+           "{waited} of {n} calls waited for the reader: the plain step runs "
+           "on batches read in the caller's thread"),
+    steady=("staged: reading a batch is {share:.0%} of a cycle "
+            "({figures})"),
+    trial=("trial: reading a batch is {share:.0%} of a cycle ({figures}); "
+           "comparing cycles with and without staging"),
+    trial_unseen=("trial: the producer runs on a stream of its own, so "
+                  "staging may hide device work no clock here sees (reading "
+                  "a batch is {share:.0%} of a cycle, {figures}); comparing "
+                  "cycles with and without staging"),
+    result=("median cycle {overlap_us:.0f} us staged, {inline_us:.0f} us "
+            "plain; staged faster in {wins} of {rounds} rounds"),
+    won="staged: a trial found it faster ({result})",
+    lost=("the plain step runs on batches read in the caller's thread, a "
+          "trial found staging no faster ({result})"))
+
+WAYS = ("fused", "plain")       # "auto" chooses between them
+
+
+def _platform() -> str:
+  """The platform programs run on (a function, so tests can pretend)."""
+  return jax.default_backend()
+
+
+def _with_batch(args: tuple, batch: Any, data_argnum: int) -> tuple:
+  """The step's arguments: ``args`` with ``batch`` at ``data_argnum``."""
+  position = data_argnum if data_argnum >= 0 else len(args) + 1 + data_argnum
+  return (*args[:position], batch, *args[position:])
+
+
+class AutoRun:
+  """One runner's run in mode ``"auto"`` (``mode``), ``"fused"`` or
+  ``"plain"``: the source, the reader (made the first time it stages), the
+  fused pipeline, the plain step and what it measures. Made by the first
+  call, in the caller's thread, with that call's other arguments: it reads
+  the first batch and splits the step with it (a planning error is raised
+  by the first call, whichever way it runs). ``plain(split)`` gives the
+  plain step (the step jitted whole) for the first batch's split."""
+
+  def __init__(self, splits: Splits, data: Iterable[Any], mode: str,
+               capacity: int, stream: int | None,
+               streams_now: Callable[[], int],
+               plain: Callable[[Split], Callable], data_argnum: int,
+               other: tuple):
+    self.splits = splits
+    self.capacity = capacity
+    self.data_argnum = data_argnum
+    self.source = Source(data)
+    self.reader: Prefetcher | None = None
+    self.fused: FusedRun | None = None
+    self.calls = 0
+    self.meter: Meter | None = None    # what it measures, and the chooser
+    self.direct = False       # plain, nothing of staging left to run
+    self.restart = False      # the next staged call starts an empty pipeline
+    try:
+      self.first_started = _clock.now()
+      first = next(self.source)              # StopIteration: no data
+      self.first_read = _clock.now() - self.first_started
+      if isinstance(first, DataError):
+        raise first.exc
+      splits.use_other(other)
+      self.last_split = splits.split_for(first)
+      self.stream, self.streams = producer_stream(self.last_split, stream,
+                                                  streams_now)
+      self.fused = FusedRun(splits, self.stream, self.streams)
+      self.plain = plain(self.last_split)
+      if mode == "auto":
+        # A producer on a stream of its own, on a platform that runs
+        # streams: staging may hide device work no clock here sees.
+        unseen = _platform() != "cpu" and self.stream != 0
+        chooser = Chooser(capacity, WORDS, verify=True, unseen_gain=unseen)
+        self.reason = ""
+        self.way = WORDS.inline
+      else:
+        chooser = None
+        self.reason = f"mode={mode!r} was asked for"
+        self.way = mode
+      self.meter = Meter(WAYS, chooser, ("calls", "call_us", "read_us"))
+      self.first = first          # the first batch, run by the first call
+      if self.way == "fused":
+        self.fused.hold(place_on_device(first))
+        self.first = None
+        self._go("fused")
+    except BaseException:
+      self.close()
+      raise
+
+  # One call ------------------------------------------------------------------
+  def call(self, other_args: tuple, kwargs: dict) -> Any:
+    """The step's outputs for the next batch; ``StopIteration`` at the end."""
+    started = _clock.now()
+    if self.direct:        # a plain loop's own work, and the measurements
+      batch = next(self.source)              # StopIteration: the end
+      read = _clock.now() - started
+      if type(batch) is DataError:
+        raise batch.exc
+      if self.data_argnum == -1:             # the usual place: no tuple work
+        outs = self.plain(*other_args, batch, **kwargs)
+      else:
+        outs = self.plain(*_with_batch(other_args, batch, self.data_argnum),
+                          **kwargs)
+      self._count("plain", started, read, 0.0, True)
+      return outs
+    if self.way == "fused" or self.fused.inflight:
+      return self._staged_call(other_args, kwargs, started)
+    return self._plain_call(other_args, kwargs, started)
+
+  def _staged_call(self, other_args: tuple, kwargs: dict,
+                   started: float) -> Any:
+    """One fused program's call (staging, or draining before plain)."""
+    fused = self.fused
+    if self.restart:
+      leaves = self.splits.use_other((other_args, kwargs))
+      self.restart = False
+    else:
+      leaves = self.splits.check_other((other_args, kwargs))
+    read, wait, first_calls = fused.read_s, fused.wait_s, fused.first_calls
+    split, outs = fused.step(leaves)
+    self.last_split = split
+    # A call that may have compiled a program says nothing of its cost.
+    self._count("fused", started, fused.read_s - read, fused.wait_s - wait,
+                False, judged=fused.first_calls == first_calls)
+    return tree_util.tree_unflatten(split.out_tree, outs)
+
+  def _plain_call(self, other_args: tuple, kwargs: dict,
+                  started: float) -> Any:
+    """The plain step on what was read before: the first batch, then the
+    batches the reader holds; then on what the caller's thread reads."""
+    read = 0.0
+    if self.first is not None:   # read before this call's clock started
+      batch, self.first = self.first, None
+      started, read, made = self.first_started, self.first_read, True
+    elif self.reader is not None and holds_items(self.reader):
+      batch, _ = next(self.reader)           # StopIteration: the end
+      made = False     # read by the reader: not what reading here costs
+    else:
+      self.direct = True
+      return self.call(other_args, kwargs)
+    if isinstance(batch, DataError):
+      raise batch.exc
+    outs = self.plain(*_with_batch(other_args, batch, self.data_argnum),
+                      **kwargs)
+    self._count("plain", started, read, 0.0, made)
+    return outs
+
+  def _count(self, way: str, started: float, read: float, wait: float,
+             made: bool, judged: bool = True) -> None:
+    """One call done: ``read`` is what reading its batch took (in this
+    thread when plain, in the reader when fused), ``wait`` how long it
+    waited for the reader, ``made`` whether the call read its batch itself,
+    as the plain loop does. Lets the chooser judge (unless not
+    ``judged``)."""
+    self.calls += 1
+    now = _clock.now()
+    if self.meter.count(way, now - started, wait, read, made, now, judged):
+      self._go(self.meter.chooser.mode)
+
+  def _go(self, way: str) -> None:
+    """Switches to ``way`` for the next calls (see the module's notes)."""
+    self.way = way
+    self.direct = False
+    fused = self.fused
+    if way == "plain":
+      fused.stop_admitting()
+      if self.reader is not None:
+        set_way(self.reader, "inline")       # its workers park
+      return
+    if self.reader is None:
+      self.reader = Prefetcher(
+          timed(self.source), self.capacity, transform=place, num_threads=1,
+          timeout=None, closed_exception_types=(StopIteration,),
+          ignored_exception_types=(), func=FUNC)
+    else:
+      set_way(self.reader, "workers")
+    if not fused.inflight:
+      self.restart = True
+    fused.resume(self.reader, self.calls)
+
+  # Reports and lifetime ------------------------------------------------------
+  def stats(self) -> dict[str, Any]:
+    return self.meter.report(self.way, self.reason)
+
+  def close(self) -> None:
+    """Stops the reader (waiting for it) and closes the source; staged
+    values still in flight are dropped. Idempotent."""
+    if self.fused is not None:
+      self.fused.close()
+    if self.reader is not None:
+      self.reader.close()
+    self.source.close()

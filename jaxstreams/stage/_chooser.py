@@ -1,0 +1,354 @@
+"""Does overlap pay? ``mode="auto"``'s decision, for ``prefetch`` and
+``staged`` alike.
+
+Both features hide work behind the consumer's step with machinery of their
+own (``prefetch``: worker threads; ``staged``: a reader thread and one fused
+program per call), and that machinery has a cost per item: hand-offs, its
+competition for the CPU, for ``staged`` the bookkeeping of the fused
+program. Where what it hides is cheap, it loses: ``prefetch`` with a worker
+ran a loop of sub-millisecond steps that reads each result at 0.2x-0.85x of
+the plain loop, ``staged`` at 0.4x-0.7x (benchmarks/prefetch_sweep.py, the
+shared 2-core development machine). So each starts *inline*, as the plain
+loop runs (``prefetch``: items produced in the consumer's thread;
+``staged``: the plain step on batches read in the caller's thread), and
+moves to its *overlap* way only once its own measurements say the work
+worth hiding (producing an item, reading a batch) is a share of the cycle
+*and* more than the machinery costs: a fast consumer (a loop that does not
+wait for its results) makes even a cheap item a large share of a short
+cycle. One ``Chooser`` holds that policy; each feature words it
+(``Words``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, NamedTuple
+
+# The costs behind the thresholds, measured for prefetch: a worker costs
+# 11-32 us of CPU time per item in all, 2.5-6 us of it in the consumer's
+# thread (a 16x32 float32 item, the shared 2-core development machine).
+WARMUP_ITEMS = 2       # deliveries not judged (the first steps compile)
+WINDOW = 16            # items per judgement, and per trial window
+TRIAL_ROUNDS = 3       # overlap / inline window pairs in one trial
+TRY_SHARE = 0.20       # production's share of a cycle worth a trial,
+TRY_US = 30.0          # ... when an item also takes this long to produce
+SURE_SHARE = 1 / 3     # overlap without a trial: it would have to slow
+SURE_US = 200.0        # the step by a third to lose, and an item takes
+                       # several times what a worker costs
+LEAVE_SHARE = 0.05     # overlap steps aside under this share,
+LEAVE_US = 15.0        # ... or when an item takes less than this,
+MOSTLY_READY = 0.05    # ... if the consumer waited for this share at most
+                       # (or waited as long as producing takes)
+FIRST_TRIAL_GAP = 256  # judged items between trials (doubling each time)
+
+
+class Words(NamedTuple):
+  """How a feature names its two ways and words the chooser's reasons:
+  ``str.format`` templates over ``share`` (production's share of a cycle),
+  ``figures`` (production and cycle per item, and over how many), ``us``
+  (production per item), ``tried`` (the share at the last trial),
+  ``waited``, ``n``, ``window`` and, for a trial's result, ``result``
+  (from the template of that name, over ``overlap_us``, ``inline_us``,
+  ``wins`` and ``rounds``)."""
+
+  overlap: str          # the way that hides work ("workers")
+  inline: str           # the way the plain loop runs ("inline")
+  unit: str             # what is counted ("items")
+  judging: str          # before the first judgement
+  sure: str             # production dominates: overlap at once
+  cheap_us: str         # production costs less than the machinery ...
+  cheap_share: str      # ... or is a small share of the cycle
+  stays: str            # inline, given ``cheap``
+  lost_before: str      # appended to ``stays`` after a trial overlap lost
+  leave: str            # overlap steps aside: production turned cheap
+  steady: str           # overlap, production still worth hiding
+  trial: str            # a trial starts: production is worth one ...
+  trial_unseen: str     # ... or overlap may hide what is not measured
+  result: str           # a trial's figures
+  won: str              # overlap won a trial
+  lost: str             # overlap lost a trial
+
+
+class Chooser:
+  """The decision, from what the consumer measures for each item it
+  receives: its *cycle* (from one item's delivery to the next: the step,
+  and the hand-off or the production) and the time spent *producing* the
+  item (in the consumer's thread when inline, elsewhere otherwise). Plain
+  bookkeeping, no clock and no thread, so tests drive it with made-up
+  times. ``mode`` is ``words.inline`` or ``words.overlap``; ``size`` is how
+  many items the overlap way holds ahead (its first ``size + 1`` items after
+  a switch show it filling up, not its steady cost).
+
+  * Inline first. After ``WINDOW`` items, production's share of a cycle is
+    the most overlap could save. Under ``TRY_SHARE``, or when an item
+    takes under ``TRY_US`` to produce, it stays inline (overlap's own cost
+    is about that); from ``SURE_SHARE`` and ``SURE_US`` on (checked from the
+    second item) it moves to overlap at once; in between it runs a *trial*.
+  * A trial alternates overlap and inline windows of ``WINDOW`` items
+    (``TRIAL_ROUNDS`` pairs; the first items after a switch to overlap,
+    while it fills up, and in inline windows the items overlap had made,
+    are not counted) and keeps the way whose mean cycle won in most rounds.
+    Trials are spaced ``FIRST_TRIAL_GAP`` judged items apart, doubling, and
+    another one only starts once production's share has at least doubled
+    since the last: a trial costs items in the worse way.
+  * In overlap it steps aside when production falls under ``LEAVE_SHARE``
+    of a cycle or ``LEAVE_US`` per item and the consumer almost never
+    waits, or waits as long as producing the items takes (overlap is then
+    slower than producing them inline could be: its hand-off is late).
+  * ``verify``: overlap's own cost is not bounded by a known hand-off
+    (``staged``: its fused program can run slower than the step itself).
+    Overlap taken at once must beat, in its first window, the cycle of the
+    inline items that chose it, or a trial runs at once; after that, while
+    it runs, trials check it whenever the gap allows (the first
+    ``FIRST_TRIAL_GAP`` judged items later).
+  * ``unseen_gain``: overlap may also hide work these measurements cannot
+    see (``staged`` on a platform that runs streams: the producer's device
+    work beside the consumer's). A cheap production then decides nothing:
+    inline runs a trial whenever the gap allows, and overlap, instead of
+    stepping aside, runs one.
+  """
+
+  def __init__(self, size: int, words: Words, verify: bool = False,
+               unseen_gain: bool = False):
+    self.size = size
+    self.words = words
+    self.verify = verify
+    self.unseen_gain = unseen_gain
+    self.mode = words.inline
+    self.inline = True
+    self.reason = words.judging.format(window=WINDOW)
+    self.skip = WARMUP_ITEMS
+    self.trial: list[tuple[str, float]] | None = None
+    self.trials: list[dict[str, Any]] = []
+    self.next_trial = 0        # judged items before a trial may start
+    self.gap = FIRST_TRIAL_GAP
+    self.tried_share = 0.0     # production's share at the last trial
+    self.judged = 0            # items of the finished windows
+    self.switches = 0
+    self.won_trial = False     # overlap runs because it won a trial
+    self.baseline: float | None = None   # verify: the inline cycle to beat
+    self.news: str | None = None   # the first step aside, for the warning
+    self._told = False
+    self.n = 0
+    self._reset()
+
+  def _reset(self) -> None:
+    """A new window. Inline (not in a trial) it is first judged at its
+    second item, so a producer that clearly needs hiding gets overlap soon;
+    otherwise once full."""
+    self.judged += self.n
+    self.n, self.cycle, self.produce, self.waited, self.wait = (
+        0, 0.0, 0.0, 0, 0.0)
+    self.check_at = 2 if self.inline and self.trial is None else WINDOW
+
+  def observe(self, cycle: float, produce: float, inline_made: bool,
+              wait: float) -> bool:
+    """One item received: its cycle and production time, whether it was
+    made inline and how long the consumer waited for it (seconds). Returns
+    whether ``mode`` changed. (Runs for every item: lean.)"""
+    if self.skip:
+      self.skip -= 1
+      return False
+    if self.inline and not inline_made:
+      return False     # made by overlap before the switch: not inline's cost
+    self.n += 1
+    self.cycle += cycle
+    self.produce += produce
+    if wait:
+      self.waited += 1
+      self.wait += wait
+    if self.n < self.check_at:
+      return False
+    return self._judge()
+
+  def _judge(self) -> bool:
+    if self.trial is not None:
+      return self._trial_window()
+    words = self.words
+    share = self.produce / self.cycle if self.cycle > 0 else 0.0
+    produce_us = self.produce / self.n * 1e6
+    trial_due = self.judged + self.n >= self.next_trial
+    if self.inline:
+      if share >= SURE_SHARE and produce_us >= SURE_US:
+        baseline = self.cycle / self.n
+        changed = self._switch(words.overlap, words.sure.format(
+            share=share, figures=self._figures()))
+        if self.verify:     # checked against this window, then a gap later
+          self.baseline = baseline
+          self.next_trial = self.judged + self.gap
+          self.gap *= 2
+        return changed
+      if self.n < WINDOW:
+        self.check_at = WINDOW
+        return False
+      worth = (share >= max(TRY_SHARE, 2 * self.tried_share)
+               and produce_us >= TRY_US)
+      if (worth or self.unseen_gain) and trial_due:
+        return self._start_trial(share, unseen=not worth)
+      cheap = (words.cheap_us if produce_us < TRY_US else words.cheap_share
+               ).format(us=produce_us, share=share, figures=self._figures())
+      self.reason = words.stays.format(cheap=cheap)
+      if self.trials:
+        self.reason += words.lost_before.format(tried=self.tried_share)
+      self._step_aside_news()
+      self._reset()
+      return False
+    if self.baseline is not None:
+      slower = self.cycle / self.n >= self.baseline
+      self.baseline = None
+      if slower:                # taking overlap did not shorten the cycle
+        return self._start_trial(share, unseen=False)
+    cheap = ((share < LEAVE_SHARE or produce_us < LEAVE_US)
+             and (self.waited <= MOSTLY_READY * self.n
+                  or self.wait >= self.produce))
+    if cheap and not self.unseen_gain:
+      self.tried_share = 0.0
+      changed = self._switch(words.inline, words.leave.format(
+          share=share, figures=self._figures(), waited=self.waited,
+          n=self.n))
+      self._step_aside_news()
+      return changed
+    if (self.verify or self.unseen_gain) and trial_due:
+      return self._start_trial(share, unseen=cheap)
+    if not self.won_trial:
+      self.reason = words.steady.format(share=share, figures=self._figures())
+    self._reset()
+    return False
+
+  def _figures(self) -> str:
+    us = 1e6 / self.n
+    return (f"{self.produce * us:.0f} us of {self.cycle * us:.0f} us, over "
+            f"{self.n} {self.words.unit}")
+
+  def _switch(self, mode: str, reason: str) -> bool:
+    self.reason = reason
+    self.won_trial = False
+    changed = mode != self.mode
+    self.mode = mode
+    self.inline = mode == self.words.inline
+    self._reset()
+    if not changed:
+      return False
+    self.switches += 1
+    # Overlap starts empty: its first items after the switch show it
+    # filling up, not its steady cost.
+    self.skip = 0 if self.inline else self.size + 1
+    return True
+
+  def _start_trial(self, share: float, unseen: bool) -> bool:
+    self.trial = []
+    self.tried_share = share
+    template = self.words.trial_unseen if unseen else self.words.trial
+    return self._switch(self.words.overlap, template.format(
+        share=share, figures=self._figures()))
+
+  def _trial_window(self) -> bool:
+    words = self.words
+    self.trial.append((self.mode, self.cycle / self.n))
+    if len(self.trial) < 2 * TRIAL_ROUNDS:
+      other = words.inline if self.mode == words.overlap else words.overlap
+      return self._switch(other, self.reason)
+    overlap = [c for mode, c in self.trial if mode == words.overlap]
+    inline = [c for mode, c in self.trial if mode == words.inline]
+    wins = sum(o < i for o, i in zip(overlap, inline))
+    chose = words.overlap if wins > TRIAL_ROUNDS // 2 else words.inline
+    o_us = statistics.median(overlap) * 1e6
+    i_us = statistics.median(inline) * 1e6
+    self.trials.append({f"{words.overlap}_cycle_us": o_us,
+                        f"{words.inline}_cycle_us": i_us,
+                        f"{words.overlap}_won": wins, "rounds": TRIAL_ROUNDS,
+                        "chose": chose})
+    self.trial = None
+    self.next_trial = self.judged + self.gap
+    self.gap *= 2
+    result = words.result.format(overlap_us=o_us, inline_us=i_us, wins=wins,
+                                 rounds=TRIAL_ROUNDS)
+    if chose == words.overlap:
+      changed = self._switch(words.overlap, words.won.format(result=result))
+      self.won_trial = True
+      return changed
+    changed = self._switch(words.inline, words.lost.format(result=result))
+    self._step_aside_news()
+    return changed
+
+  def _step_aside_news(self) -> None:
+    if not self._told:
+      self._told = True
+      self.news = self.reason
+
+
+class Tally:
+  """What a consumer counts of one way (seconds, summed over its items)."""
+
+  __slots__ = ("items", "waited", "wait_s", "own_s", "produce_s", "cycle_s",
+               "cycles")
+
+  def __init__(self):
+    self.items = 0          # items delivered to the consumer
+    self.waited = 0         # of them, how many the consumer waited for
+    self.wait_s = 0.0       # the consumer's time waiting for them
+    self.own_s = 0.0        # its own time besides waiting and producing
+    self.produce_s = 0.0    # producing them (wherever that ran)
+    self.cycle_s = 0.0      # from one delivery to the next
+    self.cycles = 0         # cycles measured (not before the first item)
+
+
+class Meter:
+  """What a consumer measures of itself: per way, a ``Tally``; from one
+  delivery to the next, the cycle; and the ``Chooser`` they are shown
+  (None where the way is fixed). ``names`` are the keys ``report`` gives the
+  count of items, the own time and the production time per item."""
+
+  def __init__(self, ways: tuple[str, ...], chooser: Chooser | None,
+               names: tuple[str, str, str]):
+    self.tallies = {way: Tally() for way in ways}
+    self.chooser = chooser
+    self.names = names
+    self.last: float | None = None    # when the last item was delivered
+    self.news: str | None = None      # the chooser stepped aside: to tell
+
+  def count(self, way: str, took: float, wait: float, produce: float,
+            inline_made: bool, now: float, judged: bool = True) -> bool:
+    """One item delivered ``now`` the ``way`` it was made: the consumer
+    spent ``took`` on it, ``wait`` of that waiting, and producing it took
+    ``produce`` (in ``took`` when ``inline_made``); shown to the chooser
+    when ``judged``. Returns whether the chooser's mode changed."""
+    tally = self.tallies[way]
+    tally.items += 1
+    if wait > 0:
+      tally.waited += 1
+      tally.wait_s += wait
+    tally.own_s += took - wait - (produce if inline_made else 0.0)
+    tally.produce_s += produce
+    last, self.last = self.last, now
+    if last is None:
+      return False
+    cycle = now - last
+    tally.cycle_s += cycle
+    tally.cycles += 1
+    chooser = self.chooser
+    if chooser is None or not judged:
+      return False
+    changed = chooser.observe(cycle, produce, inline_made, wait)
+    if chooser.news is not None:
+      self.news, chooser.news = chooser.news, None
+    return changed
+
+  def report(self, mode: str, reason: str) -> dict[str, Any]:
+    """``stats()``: the way it runs now and why (the chooser's reason, or
+    ``reason`` where there is none), the items, switches and trials, and
+    per way its items and per-item times."""
+    chooser = self.chooser
+    items, own, produce = self.names
+    report = {"mode": mode,
+              "mode_reason": chooser.reason if chooser else reason,
+              items: sum(t.items for t in self.tallies.values()),
+              "switches": chooser.switches if chooser else 0,
+              "trials": list(chooser.trials) if chooser else []}
+    for way, t in self.tallies.items():
+      us = 1e6 / max(t.items, 1)
+      report[way] = {items: t.items, "waited": t.waited,
+                     "wait_us": t.wait_s * us, own: t.own_s * us,
+                     produce: t.produce_s * us,
+                     "cycle_us": t.cycle_s * 1e6 / max(t.cycles, 1)}
+    return report
