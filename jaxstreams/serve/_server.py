@@ -285,6 +285,12 @@ class _Core:
     # refusal, a wait for room, a failure or a close.
     self.running: collections.deque = collections.deque()
     self.limit = sys.maxsize if queue_size is None else queue_size
+    # What the lock-free way reads, one attribute each: the most requests
+    # it admits (-1 once closing, so every request takes the locked way and
+    # is refused there), and whether a request that ends must wake a
+    # caller waiting for room or a close() waiting for the running ones.
+    self.admit_limit = self.limit
+    self.wake_on_finish = False
     self.finished = _Tally()
     self.finished_add = self.finished.add
     self.direct = self.mode == "direct"
@@ -335,6 +341,7 @@ class _Core:
           "queue_size or block=True.")
     deadline = None if self.block is True else time.monotonic() + self.block
     self.space_waiters += 1
+    self.wake_on_finish = True
     try:
       while full() and not self.closing:
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -345,6 +352,7 @@ class _Core:
         self.space.wait(remaining)
     finally:
       self.space_waiters -= 1
+      self.wake_on_finish = self.space_waiters > 0 or self.closing
     self._check_open()
 
   def _full_what(self, verb: str) -> str:
@@ -408,7 +416,7 @@ class _Core:
     args, kwargs = payload
     running = self.running
     running.append(None)
-    if self.closing or len(running) > self.limit:
+    if len(running) > self.admit_limit:
       running.pop()
       self._admit_slowly()
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -420,7 +428,7 @@ class _Core:
     finally:
       running.pop()
       self.finished_add()
-      if self.space_waiters or self.closing:
+      if self.wake_on_finish:
         self._wake()
     return future
 
@@ -429,6 +437,8 @@ class _Core:
   def close(self, join: bool, timeout: float | None) -> bool:
     with self.lock:
       self.closing = True
+      self.admit_limit = -1
+      self.wake_on_finish = True
       self.work.notify_all()
       self.space.notify_all()
     if not join:
@@ -735,7 +745,7 @@ class Server:
     # a request admitted at once (see _Core).
     running = core.running
     running.append(None)
-    if core.closing or len(running) > core.limit:
+    if len(running) > core.admit_limit:
       running.pop()
       core._admit_slowly()        # refused, or waits for room
     try:
@@ -750,7 +760,7 @@ class Server:
     finally:
       running.pop()
       core.finished_add()
-      if core.space_waiters or core.closing:
+      if core.wake_on_finish:
         core._wake()
     return out
 
