@@ -938,7 +938,7 @@ def test_chooser_trial_keeps_workers_when_they_are_faster():
   assert chooser.trials == [{"workers_cycle_us": pytest.approx(750),
                              "inline_cycle_us": pytest.approx(1000),
                              "workers_won": 3, "rounds": 3,
-                             "chose": "workers"}]
+                             "chose": "workers", "stopped_early": False}]
   assert "a trial found them faster" in chooser.reason
   assert chooser.news is None
 
@@ -957,6 +957,30 @@ def test_chooser_trial_steps_aside_when_workers_are_no_faster():
   # ... doubled, it does (once enough items have passed since the last).
   assert _feed(chooser, WINDOW, cycle_us=200, produce_us=90) == ["workers"]
   assert chooser.trial is not None and chooser.reason.startswith("trial")
+
+
+def test_chooser_trial_ends_early_when_workers_are_plainly_slower():
+  chooser = Chooser(size=2)
+  _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300)
+  assert chooser.mode == "workers" and chooser.trial is not None
+  # The lookahead refills (size + 1 items, not judged), then EARLY_ITEMS
+  # items at 1.6 times inline's cycle: the trial ends, lost, without
+  # running the rest of its windows (a 32-step loop would otherwise spend
+  # most of itself in the slower way).
+  early = 3 + _chooser.EARLY_ITEMS
+  assert _feed(chooser, early, cycle_us=1600, produce_us=300) == ["inline"]
+  assert chooser.trial is None and chooser.mode == "inline"
+  assert chooser.trials == [{"workers_cycle_us": pytest.approx(1600),
+                             "inline_cycle_us": pytest.approx(1000),
+                             "workers_won": 0, "rounds": 1,
+                             "chose": "inline", "stopped_early": True}]
+  assert "stopped after 4 items" in chooser.reason
+  assert chooser.news == chooser.reason
+  # Workers a little slower at first are given the whole window.
+  chooser = Chooser(size=2)
+  _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300)
+  assert _feed(chooser, early, cycle_us=1400, produce_us=300) == []
+  assert chooser.mode == "workers" and chooser.trial is not None
 
 
 def test_chooser_counts_only_inline_items_when_inline():

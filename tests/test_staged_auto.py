@@ -171,7 +171,8 @@ def test_chooser_with_unseen_gain_tries_staging_even_where_reading_is_cheap():
   assert chooser.mode == "fused" and chooser.news is None
   assert chooser.trials == [{"fused_cycle_us": pytest.approx(150),
                              "plain_cycle_us": pytest.approx(200),
-                             "fused_won": 3, "rounds": 3, "chose": "fused"}]
+                             "fused_won": 3, "rounds": 3, "chose": "fused",
+                             "stopped_early": False}]
   assert chooser.reason.startswith("staged: a trial found it faster")
   # Cheap reading does not make it step aside (the gain is not in reading);
   # once the gap has passed, another trial decides, and it may.
@@ -269,7 +270,8 @@ def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
   # cycle is the loop's 100 us.
   assert stats["trials"] == [{"fused_cycle_us": pytest.approx(100),
                               "plain_cycle_us": pytest.approx(1100),
-                              "fused_won": 3, "rounds": 3, "chose": "fused"}]
+                              "fused_won": 3, "rounds": 3, "chose": "fused",
+                             "stopped_early": False}]
   assert stats["mode"] == "fused"
   assert stats["mode_reason"].startswith("staged: a trial found it faster")
   # Staged at once (reading is 91% of a cycle); a gap later, three trial
@@ -336,7 +338,8 @@ def test_a_trial_where_staging_may_hide_device_work(
   assert len(stats["trials"]) == trials
   if trials:
     assert set(stats["trials"][0]) == {"fused_cycle_us", "plain_cycle_us",
-                                       "fused_won", "rounds", "chose"}
+                                       "fused_won", "rounds", "chose",
+                                       "stopped_early"}
     assert stats["fused"]["calls"] > 0
 
 

@@ -40,6 +40,11 @@ LEAVE_US = 15.0        # ... or when an item takes less than this,
 MOSTLY_READY = 0.05    # ... if the consumer waited for this share at most
                        # (or waited as long as producing takes)
 FIRST_TRIAL_GAP = 256  # judged items between trials (doubling each time)
+EARLY_ITEMS = 4        # a trial's overlap window is also looked at after
+EARLY_LOSS = 1.5       # this many items, and the trial ends, lost, if its
+                       # cycle is this many times the last inline window's:
+                       # a short loop (an epoch of 32 steps) must not spend
+                       # most of itself in a way that is plainly worse
 
 
 class Words(NamedTuple):
@@ -88,6 +93,9 @@ class Chooser:
     (``TRIAL_ROUNDS`` pairs; the first items after a switch to overlap,
     while it fills up, and in inline windows the items overlap had made,
     are not counted) and keeps the way whose mean cycle won in most rounds.
+    An overlap window whose first ``EARLY_ITEMS`` items already take
+    ``EARLY_LOSS`` times the last inline window's cycle ends the trial at
+    once, lost.
     Trials are spaced ``FIRST_TRIAL_GAP`` judged items apart, doubling, and
     another one only starts once production's share has at least doubled
     since the last: a trial costs items in the worse way.
@@ -119,6 +127,7 @@ class Chooser:
     self.reason = words.judging.format(window=WINDOW)
     self.skip = WARMUP_ITEMS
     self.trial: list[tuple[str, float]] | None = None
+    self.inline_cycle = 0.0    # in a trial: the last inline window's cycle
     self.trials: list[dict[str, Any]] = []
     self.next_trial = 0        # judged items before a trial may start
     self.gap = FIRST_TRIAL_GAP
@@ -139,7 +148,10 @@ class Chooser:
     self.judged += self.n
     self.n, self.cycle, self.produce, self.waited, self.wait = (
         0, 0.0, 0.0, 0, 0.0)
-    self.check_at = 2 if self.inline and self.trial is None else WINDOW
+    if self.trial is None:
+      self.check_at = 2 if self.inline else WINDOW
+    else:
+      self.check_at = WINDOW if self.inline else EARLY_ITEMS
 
   def observe(self, cycle: float, produce: float, inline_made: bool,
               wait: float) -> bool:
@@ -237,6 +249,8 @@ class Chooser:
 
   def _start_trial(self, share: float, unseen: bool) -> bool:
     self.trial = []
+    self.inline_cycle = (self.cycle / self.n if self.inline and self.n
+                         else 0.0)
     self.tried_share = share
     template = self.words.trial_unseen if unseen else self.words.trial
     return self._switch(self.words.overlap, template.format(
@@ -244,25 +258,40 @@ class Chooser:
 
   def _trial_window(self) -> bool:
     words = self.words
-    self.trial.append((self.mode, self.cycle / self.n))
-    if len(self.trial) < 2 * TRIAL_ROUNDS:
+    cycle = self.cycle / self.n
+    early = False
+    if self.n < WINDOW:          # the early look at an overlap window
+      if not (self.inline_cycle and cycle >= EARLY_LOSS * self.inline_cycle):
+        self.check_at = WINDOW
+        return False
+      early = True
+    self.trial.append((self.mode, cycle))
+    if self.inline:
+      self.inline_cycle = cycle
+    if not early and len(self.trial) < 2 * TRIAL_ROUNDS:
       other = words.inline if self.mode == words.overlap else words.overlap
       return self._switch(other, self.reason)
     overlap = [c for mode, c in self.trial if mode == words.overlap]
     inline = [c for mode, c in self.trial if mode == words.inline]
+    if early:
+      inline.append(self.inline_cycle)   # the window it was measured against
     wins = sum(o < i for o, i in zip(overlap, inline))
-    chose = words.overlap if wins > TRIAL_ROUNDS // 2 else words.inline
+    rounds = len(overlap)
+    chose = (words.inline if early
+             else words.overlap if wins > TRIAL_ROUNDS // 2 else words.inline)
     o_us = statistics.median(overlap) * 1e6
     i_us = statistics.median(inline) * 1e6
     self.trials.append({f"{words.overlap}_cycle_us": o_us,
                         f"{words.inline}_cycle_us": i_us,
-                        f"{words.overlap}_won": wins, "rounds": TRIAL_ROUNDS,
-                        "chose": chose})
+                        f"{words.overlap}_won": wins, "rounds": rounds,
+                        "chose": chose, "stopped_early": early})
     self.trial = None
     self.next_trial = self.judged + self.gap
     self.gap *= 2
     result = words.result.format(overlap_us=o_us, inline_us=i_us, wins=wins,
-                                 rounds=TRIAL_ROUNDS)
+                                 rounds=rounds)
+    if early:
+      result += f"; stopped after {self.n} {words.unit}"
     if chose == words.overlap:
       changed = self._switch(words.overlap, words.won.format(result=result))
       self.won_trial = True
