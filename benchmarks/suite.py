@@ -8,7 +8,7 @@ the same inputs, warms them up, then times them in alternating order
 (``block_until_ready`` on every call) and reports the median and
 ratio = baseline time / jaxstreams time (above 1: jaxstreams is faster).
 
-Writes suite_<platform>[_quick].json, .md and .png (the chart needs
+Writes suite_<platform>_jax<version>[_quick].json, .md and .png (the chart needs
 matplotlib; without it the chart is skipped with a note).
 
   python benchmarks/suite.py [--quick] [--out DIR] [--only inception,dlrm]
@@ -22,7 +22,9 @@ import datetime
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -32,14 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # (after the path is set)
 from _common import RESULTS, load, machine  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
+from workloads import WORKLOADS, common  # noqa: E402
 
 CPU_NOTE = (
     "On CPU, jaxstreams lowers its regions inline (XLA:CPU has one stream), "
     "so the program it runs is the one jax.jit runs and ratios near 1.0 are "
     "what to expect: differences are noise, not scheduling. The GPU-only "
     "baselines (XLA CONCURRENT, compute_on) are marked n/a. The staging "
-    "ratios measure a host thread, which does overlap on CPU.")
+    "ratios measure host threads, which do overlap on CPU.")
 
 
 # ---------------------------------------------------------------------------
@@ -172,7 +174,7 @@ def _schedule_cell(scheduled) -> str:
   if scheduled is None:
     return "-"
   if isinstance(scheduled, str):
-    return "n/a"
+    return scheduled.replace("|", "/")     # n/a: why
   return (f"{scheduled['overlapped']}/{scheduled['regions']} overlapped, peak "
           f"{scheduled['peak_in_flight']} ({scheduled['target']})")
 
@@ -200,8 +202,9 @@ def markdown(report: dict) -> str:
   lines += [
       "Cells are ratio = baseline time / candidate time (above 1.0: the "
       "candidate is faster), with the baseline's median ms in brackets. "
-      "The candidate is jaxstreams except in `staging`, where it is the "
-      "prefetch thread and the baseline the loop without it. `mem` is the "
+      "The candidate is jaxstreams; in `staging` it is `jaxstreams.prefetch` "
+      "and the baselines the loop without prefetching and a hand-written "
+      "prefetch thread. `mem` is the "
       "candidate's compiled footprint (arguments + outputs + temporaries) "
       "over the reference's. `XLA schedule`: of the candidate's async "
       "regions in the program XLA:GPU compiled, how many have other work "
@@ -283,6 +286,85 @@ def chart(report: dict, path: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
+# XLA's schedule without a GPU: a deviceless compile in a watched child.
+
+CHILD_MEMORY_FRACTION = 0.6   # of the machine's memory, resident, at most
+CHILD_TIMEOUT_S = 900
+
+
+def _resident_bytes(pid: int) -> int:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        if line.startswith("VmRSS:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0
+
+
+def _memory_limit() -> int:
+  try:
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+               * CHILD_MEMORY_FRACTION)
+  except (ValueError, OSError):
+    return 8 << 30
+
+
+def deviceless_schedules(workload, size: dict, streams: int) -> dict | str:
+  """The case's XLA schedules (candidate -> summary or ``n/a: ...``) from a
+  deviceless H100 compile in a child process that rebuilds the case; or,
+  where the child failed, why (``n/a: ...``). The child is killed past ``CHILD_MEMORY_FRACTION`` of the
+  machine's memory or ``CHILD_TIMEOUT_S``, and its cells say so: XLA's
+  deviceless compile of some programs takes more memory than the machine
+  has, which in this process would end the whole run."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--schedule-child",
+         workload.NAME, "--size", json.dumps(size), "--streams", str(streams)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env[common.DEVICELESS_HERE] = "1"
+  limit = _memory_limit()
+  with tempfile.TemporaryFile("w+") as out, \
+       tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    why = None
+    while proc.poll() is None:
+      if _resident_bytes(proc.pid) > limit:
+        why = f"the deviceless compile passed {limit / 2**30:.0f} GB"
+      elif time.monotonic() > deadline:
+        why = f"the deviceless compile took over {CHILD_TIMEOUT_S} s"
+      if why:
+        proc.kill()
+        proc.wait()
+        break
+      time.sleep(0.2)
+    out.seek(0)
+    err.seek(0)
+    lines = out.read().strip().splitlines()
+    if why is None and proc.returncode == 0 and lines:
+      return json.loads(lines[-1])
+    if why is None:
+      tail = err.read().strip().splitlines()[-1:] or ["no output"]
+      why = (f"the deviceless compile failed (exit {proc.returncode}): "
+             f"{tail[0][:200]}")
+  return f"n/a: {why}"
+
+
+def _schedule_child(args) -> int:
+  """``--schedule-child``: build one case with its schedules read here and
+  print them as one JSON line."""
+  workload = {w.NAME: w for w in WORKLOADS}[args.schedule_child]
+  case = workload.build(json.loads(args.size), args.streams,
+                        jax.random.PRNGKey(0))
+  try:
+    print(json.dumps({n: c.scheduled for n, c in case.candidates.items()
+                      if c.scheduled is not None}))
+  finally:
+    case.close()
+  return 0
+
+
+# ---------------------------------------------------------------------------
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -298,7 +380,12 @@ def main(argv=None):
   p.add_argument("--target-ms", type=float, default=50.0,
                  help="repeat calls within a sample up to about this long")
   p.add_argument("--max-calls", type=int, default=200)
+  p.add_argument("--schedule-child", metavar="WORKLOAD",
+                 help=argparse.SUPPRESS)   # deviceless_schedules' child
+  p.add_argument("--size", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args.schedule_child:
+    return _schedule_child(args)
   if args.streams < 2:
     p.error("--streams must be at least 2")
   if args.quick:
@@ -321,6 +408,14 @@ def main(argv=None):
     for size in workload.sizes(args.quick):
       t0 = time.perf_counter()
       case = workload.build(size, args.streams, key)
+      if not common.schedules_here() and any(
+          c.annotated_calls is not None for c in case.candidates.values()):
+        found = deviceless_schedules(workload, size, args.streams)
+        if isinstance(found, str):
+          found = {case.candidate: found}
+        for name, scheduled in found.items():
+          if name in case.candidates:
+            case.candidates[name].scheduled = scheduled
       try:
         r = measure(case, warmup=args.warmup, reps=args.reps,
                     target_s=args.target_ms / 1e3, max_calls=args.max_calls,
@@ -336,7 +431,10 @@ def main(argv=None):
             f"ratios {ratios or 'none'}; agrees {r['agrees']} "
             f"[{r['case_seconds']:.1f} s]", flush=True)
 
-  stem = f"suite_{info['platform']}" + ("_quick" if args.quick else "")
+  # One file set per platform and jax version: what XLA schedules differs
+  # between jax versions, so the versions' runs sit side by side.
+  stem = (f"suite_{info['platform']}_jax{info['jax']}"
+          + ("_quick" if args.quick else ""))
   os.makedirs(args.out, exist_ok=True)
   files = {ext: os.path.join(args.out, f"{stem}.{ext}")
            for ext in ("json", "md", "png")}

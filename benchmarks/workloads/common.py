@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import re
 from typing import Any, Callable
 
@@ -30,8 +31,22 @@ GPU_ONLY = "n/a: needs a GPU backend"
 _ANNOTATED_CALL = re.compile(r'= call @\S+.*?_xla_stream_annotation = "(\d+)"')
 
 
+# Where the suite reads XLA's schedule of a candidate. On a GPU: from the
+# compile that runs. Elsewhere: from a deviceless H100 compile made in a
+# child process (suite.py, ``deviceless_schedules``), which sets this
+# variable: XLA's deviceless compile of some programs needs more memory than
+# the machine has (jax 0.12.0.1, the 8-tower DLRM-style training step: the
+# process was killed at 24 GB), and a child that dies loses only its cell.
+DEVICELESS_HERE = "JAXSTREAMS_SUITE_DEVICELESS_HERE"
+
+
 def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
+
+
+def schedules_here() -> bool:
+  """Whether this process reads the schedules of the candidates it builds."""
+  return on_gpu() or os.environ.get(DEVICELESS_HERE) == "1"
 
 
 # ---------------------------------------------------------------------------
@@ -155,7 +170,8 @@ def compiled_candidate(name: str, jitted, args, *, compiler_options=None,
       starts = compiled.as_text().count("call-start")
     except Exception:  # noqa: BLE001
       starts = None
-  scheduled = scheduled_overlap(jitted, args, compiled) if count_annotations else None
+  scheduled = (scheduled_overlap(jitted, args, compiled)
+               if count_annotations and schedules_here() else None)
   return Candidate(name=name, run=lambda: compiled(*args), compiled=compiled,
                    annotated_calls=counts, call_starts=starts, scheduled=scheduled)
 
