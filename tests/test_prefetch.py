@@ -983,6 +983,37 @@ def test_chooser_trial_ends_early_when_workers_are_plainly_slower():
   assert chooser.mode == "workers" and chooser.trial is not None
 
 
+def test_chooser_goes_back_inline_when_workers_taken_at_once_are_slower():
+  chooser = Chooser(size=2)
+  # Production dominates a short cycle (a loop that does not read its
+  # results): workers at once ...
+  assert _feed(chooser, 4, cycle_us=300, produce_us=250) == ["workers"]
+  # ... but on this machine they make each cycle twice as long: back
+  # inline after the refill and EARLY_ITEMS items, recorded as a lost trial.
+  early = 3 + _chooser.EARLY_ITEMS
+  assert _feed(chooser, early, cycle_us=600, produce_us=250) == ["inline"]
+  assert chooser.trials == [{"workers_cycle_us": pytest.approx(600),
+                             "inline_cycle_us": pytest.approx(300),
+                             "workers_won": 0, "rounds": 1,
+                             "chose": "inline", "stopped_early": True}]
+  assert "a trial found workers no faster" in chooser.reason
+  assert "stopped after 4 items" in chooser.reason
+  assert chooser.news == chooser.reason        # told once
+  # The same share does not move it at once again (no back and forth) ...
+  assert _feed(chooser, 20 * WINDOW, cycle_us=300, produce_us=250) == []
+  assert chooser.mode == "inline"
+
+
+def test_chooser_keeps_workers_taken_at_once_that_are_not_plainly_slower():
+  chooser = Chooser(size=2)
+  assert _feed(chooser, 4, cycle_us=1000, produce_us=600) == ["workers"]
+  # Slower at first by less than EARLY_LOSS: the window runs whole, and
+  # then workers stay while production is worth hiding.
+  assert _feed(chooser, 3 + WINDOW, cycle_us=1400, produce_us=600,
+               wait_us=100) == []
+  assert chooser.mode == "workers" and not chooser.trials
+
+
 def test_chooser_counts_only_inline_items_when_inline():
   chooser = Chooser(size=2)
   _feed(chooser, 4, cycle_us=1000, produce_us=600)

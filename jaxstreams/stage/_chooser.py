@@ -96,6 +96,13 @@ class Chooser:
     An overlap window whose first ``EARLY_ITEMS`` items already take
     ``EARLY_LOSS`` times the last inline window's cycle ends the trial at
     once, lost.
+  * Overlap taken at once is looked at the same way: if its first
+    ``EARLY_ITEMS`` items take ``EARLY_LOSS`` times the cycle of the inline
+    items that chose it, it goes back inline, recorded as a trial it lost
+    (moving to overlap at once is a guess from production's share; on a
+    machine where the overlap way competes with the step for the same
+    cores it can be plainly worse), and only a share at least twice as
+    large moves it at once again.
     Trials are spaced ``FIRST_TRIAL_GAP`` judged items apart, doubling, and
     another one only starts once production's share has at least doubled
     since the last: a trial costs items in the worse way.
@@ -128,6 +135,8 @@ class Chooser:
     self.skip = WARMUP_ITEMS
     self.trial: list[tuple[str, float]] | None = None
     self.inline_cycle = 0.0    # in a trial: the last inline window's cycle
+    self.sure_cycle = 0.0      # overlap taken at once: the cycle it must beat
+    self.sure_share = 0.0      # ... and production's share that took it
     self.trials: list[dict[str, Any]] = []
     self.next_trial = 0        # judged items before a trial may start
     self.gap = FIRST_TRIAL_GAP
@@ -149,7 +158,8 @@ class Chooser:
     self.n, self.cycle, self.produce, self.waited, self.wait = (
         0, 0.0, 0.0, 0, 0.0)
     if self.trial is None:
-      self.check_at = 2 if self.inline else WINDOW
+      self.check_at = (2 if self.inline
+                       else EARLY_ITEMS if self.sure_cycle else WINDOW)
     else:
       self.check_at = WINDOW if self.inline else EARLY_ITEMS
 
@@ -181,8 +191,10 @@ class Chooser:
     produce_us = self.produce / self.n * 1e6
     trial_due = self.judged + self.n >= self.next_trial
     if self.inline:
-      if share >= SURE_SHARE and produce_us >= SURE_US:
+      if (share >= SURE_SHARE and produce_us >= SURE_US
+          and share >= 2 * self.tried_share):
         baseline = self.cycle / self.n
+        self.sure_cycle, self.sure_share = baseline, share
         changed = self._switch(words.overlap, words.sure.format(
             share=share, figures=self._figures()))
         if self.verify:     # checked against this window, then a gap later
@@ -205,6 +217,14 @@ class Chooser:
       self._step_aside_news()
       self._reset()
       return False
+    if self.sure_cycle:          # the early look after overlap taken at once
+      sure, self.sure_cycle = self.sure_cycle, 0.0
+      cycle = self.cycle / self.n
+      if cycle >= EARLY_LOSS * sure:
+        return self._sure_lost(cycle, sure)
+      if self.n < WINDOW:
+        self.check_at = WINDOW
+        return False
     if self.baseline is not None:
       slower = self.cycle / self.n >= self.baseline
       self.baseline = None
@@ -226,6 +246,25 @@ class Chooser:
       self.reason = words.steady.format(share=share, figures=self._figures())
     self._reset()
     return False
+
+  def _sure_lost(self, cycle: float, inline: float) -> bool:
+    """Overlap taken at once was plainly slower than the inline items that
+    chose it: back inline, as a trial lost after ``self.n`` items."""
+    words = self.words
+    self.tried_share = self.sure_share
+    self.baseline = None
+    self.next_trial = self.judged + self.n + self.gap
+    self.gap *= 2
+    self.trials.append({f"{words.overlap}_cycle_us": cycle * 1e6,
+                        f"{words.inline}_cycle_us": inline * 1e6,
+                        f"{words.overlap}_won": 0, "rounds": 1,
+                        "chose": words.inline, "stopped_early": True})
+    result = words.result.format(overlap_us=cycle * 1e6,
+                                 inline_us=inline * 1e6, wins=0, rounds=1)
+    changed = self._switch(words.inline, words.lost.format(
+        result=f"{result}; stopped after {self.n} {words.unit}"))
+    self._step_aside_news()
+    return changed
 
   def _figures(self) -> str:
     us = 1e6 / self.n

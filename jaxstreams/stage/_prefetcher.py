@@ -297,7 +297,8 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
         produced in the consumer's thread, at ``next()``, as a plain loop
         would, until the iterator's own measurements say producing one is
         worth hiding: it then moves to workers (at once when production is
-        a third of a cycle and at least 200 us, else after a trial that
+        a third of a cycle and at least 200 us, going back if their first
+        4 items take 1.5 times the inline cycle; else after a trial that
         times cycles with and without them), and steps aside again when
         production becomes cheap (or the consumer waits for the workers as
         long as producing the items takes).
