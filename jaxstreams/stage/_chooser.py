@@ -95,7 +95,9 @@ class Chooser:
     are not counted) and keeps the way whose mean cycle won in most rounds.
     An overlap window whose first ``EARLY_ITEMS`` items already take
     ``EARLY_LOSS`` times the last inline window's cycle ends the trial at
-    once, lost.
+    once, lost. Trials are spaced ``FIRST_TRIAL_GAP`` judged items apart,
+    doubling, and another one only starts once production's share has at
+    least doubled since the last: a trial costs items in the worse way.
   * Overlap taken at once is looked at the same way: if its first
     ``EARLY_ITEMS`` items take ``EARLY_LOSS`` times the cycle of the inline
     items that chose it, it goes back inline, recorded as a trial it lost
@@ -103,9 +105,6 @@ class Chooser:
     machine where the overlap way competes with the step for the same
     cores it can be plainly worse), and only a share at least twice as
     large moves it at once again.
-    Trials are spaced ``FIRST_TRIAL_GAP`` judged items apart, doubling, and
-    another one only starts once production's share has at least doubled
-    since the last: a trial costs items in the worse way.
   * In overlap it steps aside when production falls under ``LEAVE_SHARE``
     of a cycle or ``LEAVE_US`` per item and the consumer almost never
     waits, or waits as long as producing the items takes (overlap is then
@@ -135,7 +134,8 @@ class Chooser:
     self.skip = WARMUP_ITEMS
     self.trial: list[tuple[str, float]] | None = None
     self.inline_cycle = 0.0    # in a trial: the last inline window's cycle
-    self.sure_cycle = 0.0      # overlap taken at once: the cycle it must beat
+    self.sure_cycle = 0.0      # overlap taken at once: the inline cycle it
+                               # must beat, until its first window is judged
     self.sure_share = 0.0      # ... and production's share that took it
     self.trials: list[dict[str, Any]] = []
     self.next_trial = 0        # judged items before a trial may start
@@ -144,7 +144,6 @@ class Chooser:
     self.judged = 0            # items of the finished windows
     self.switches = 0
     self.won_trial = False     # overlap runs because it won a trial
-    self.baseline: float | None = None   # verify: the inline cycle to beat
     self.news: str | None = None   # the first step aside, for the warning
     self._told = False
     self.n = 0
@@ -193,12 +192,10 @@ class Chooser:
     if self.inline:
       if (share >= SURE_SHARE and produce_us >= SURE_US
           and share >= 2 * self.tried_share):
-        baseline = self.cycle / self.n
-        self.sure_cycle, self.sure_share = baseline, share
+        self.sure_cycle, self.sure_share = self.cycle / self.n, share
         changed = self._switch(words.overlap, words.sure.format(
             share=share, figures=self._figures()))
         if self.verify:     # checked against this window, then a gap later
-          self.baseline = baseline
           self.next_trial = self.judged + self.gap
           self.gap *= 2
         return changed
@@ -217,18 +214,16 @@ class Chooser:
       self._step_aside_news()
       self._reset()
       return False
-    if self.sure_cycle:          # the early look after overlap taken at once
-      sure, self.sure_cycle = self.sure_cycle, 0.0
-      cycle = self.cycle / self.n
-      if cycle >= EARLY_LOSS * sure:
-        return self._sure_lost(cycle, sure)
-      if self.n < WINDOW:
+    if self.sure_cycle:          # overlap taken at once: its first window
+      cycle, sure = self.cycle / self.n, self.sure_cycle
+      if self.n < WINDOW:        # the early look
+        if cycle >= EARLY_LOSS * sure:
+          self.tried_share, self.sure_cycle = self.sure_share, 0.0
+          return self._end_trial([cycle], [sure], early=True)
         self.check_at = WINDOW
         return False
-    if self.baseline is not None:
-      slower = self.cycle / self.n >= self.baseline
-      self.baseline = None
-      if slower:                # taking overlap did not shorten the cycle
+      self.sure_cycle = 0.0
+      if self.verify and cycle >= sure:   # it did not shorten the cycle
         return self._start_trial(share, unseen=False)
     cheap = ((share < LEAVE_SHARE or produce_us < LEAVE_US)
              and (self.waited <= MOSTLY_READY * self.n
@@ -246,25 +241,6 @@ class Chooser:
       self.reason = words.steady.format(share=share, figures=self._figures())
     self._reset()
     return False
-
-  def _sure_lost(self, cycle: float, inline: float) -> bool:
-    """Overlap taken at once was plainly slower than the inline items that
-    chose it: back inline, as a trial lost after ``self.n`` items."""
-    words = self.words
-    self.tried_share = self.sure_share
-    self.baseline = None
-    self.next_trial = self.judged + self.n + self.gap
-    self.gap *= 2
-    self.trials.append({f"{words.overlap}_cycle_us": cycle * 1e6,
-                        f"{words.inline}_cycle_us": inline * 1e6,
-                        f"{words.overlap}_won": 0, "rounds": 1,
-                        "chose": words.inline, "stopped_early": True})
-    result = words.result.format(overlap_us=cycle * 1e6,
-                                 inline_us=inline * 1e6, wins=0, rounds=1)
-    changed = self._switch(words.inline, words.lost.format(
-        result=f"{result}; stopped after {self.n} {words.unit}"))
-    self._step_aside_news()
-    return changed
 
   def _figures(self) -> str:
     us = 1e6 / self.n
@@ -298,26 +274,35 @@ class Chooser:
   def _trial_window(self) -> bool:
     words = self.words
     cycle = self.cycle / self.n
-    early = False
+    overlap = [c for mode, c in self.trial if mode == words.overlap]
+    inline = [c for mode, c in self.trial if mode == words.inline]
     if self.n < WINDOW:          # the early look at an overlap window
-      if not (self.inline_cycle and cycle >= EARLY_LOSS * self.inline_cycle):
-        self.check_at = WINDOW
-        return False
-      early = True
+      if self.inline_cycle and cycle >= EARLY_LOSS * self.inline_cycle:
+        # Paired with the inline window it was measured against.
+        return self._end_trial(overlap + [cycle],
+                               inline + [self.inline_cycle], early=True)
+      self.check_at = WINDOW
+      return False
     self.trial.append((self.mode, cycle))
     if self.inline:
       self.inline_cycle = cycle
-    if not early and len(self.trial) < 2 * TRIAL_ROUNDS:
+    if len(self.trial) < 2 * TRIAL_ROUNDS:
       other = words.inline if self.mode == words.overlap else words.overlap
       return self._switch(other, self.reason)
-    overlap = [c for mode, c in self.trial if mode == words.overlap]
-    inline = [c for mode, c in self.trial if mode == words.inline]
-    if early:
-      inline.append(self.inline_cycle)   # the window it was measured against
+    (overlap if self.mode == words.overlap else inline).append(cycle)
+    return self._end_trial(overlap, inline, early=False)
+
+  def _end_trial(self, overlap: list[float], inline: list[float],
+                 early: bool) -> bool:
+    """Ends a trial, or overlap taken at once, on the ``overlap`` and
+    ``inline`` window cycles compared pairwise: records it and runs the way
+    that won most rounds; ``early``: an overlap window plainly slower after
+    its first ``self.n`` items, so inline, lost."""
+    words = self.words
     wins = sum(o < i for o, i in zip(overlap, inline))
     rounds = len(overlap)
-    chose = (words.inline if early
-             else words.overlap if wins > TRIAL_ROUNDS // 2 else words.inline)
+    chose = (words.overlap if not early and wins > TRIAL_ROUNDS // 2
+             else words.inline)
     o_us = statistics.median(overlap) * 1e6
     i_us = statistics.median(inline) * 1e6
     self.trials.append({f"{words.overlap}_cycle_us": o_us,
