@@ -314,10 +314,12 @@ def _memory_limit() -> int:
 def deviceless_schedules(workload, size: dict, streams: int) -> dict | str:
   """The case's XLA schedules (candidate -> summary or ``n/a: ...``) from a
   deviceless H100 compile in a child process that rebuilds the case; or,
-  where the child failed, why (``n/a: ...``). The child is killed past ``CHILD_MEMORY_FRACTION`` of the
-  machine's memory or ``CHILD_TIMEOUT_S``, and its cells say so: XLA's
-  deviceless compile of some programs takes more memory than the machine
-  has, which in this process would end the whole run."""
+  where the child failed, why (``n/a: ...``). The child is killed past
+  ``CHILD_MEMORY_FRACTION`` of the machine's memory or ``CHILD_TIMEOUT_S``:
+  XLA's deviceless compile of some programs takes more memory than the
+  machine has, which in this process would end the whole run. (The child
+  rebuilds the whole case, CPU compiles included: a few seconds per case,
+  in a benchmark run on purpose.)"""
   cmd = [sys.executable, os.path.abspath(__file__), "--schedule-child",
          workload.NAME, "--size", json.dumps(size), "--streams", str(streams)]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
