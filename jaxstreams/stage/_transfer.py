@@ -100,9 +100,7 @@ def _host_arrays(item: Any) -> Any:
   sixth of its cost on a small array (and copied, so the producer may reuse
   its numpy buffers)."""
   if type(item) is np.ndarray:     # the common item, without a tree walk
-    if _canonical(item.dtype):
-      return _compat.host_array_to_device(item)
-    return None
+    return _compat.host_array_to_device(item, _canonical)
   leaves, treedef = jax.tree_util.tree_flatten(item)
   if not leaves:
     return None
@@ -112,9 +110,7 @@ def _host_arrays(item: Any) -> Any:
       if not isinstance(leaf, (np.ndarray, np.generic)):
         return None     # a Python scalar (weakly typed), a jax array, ...
       leaf = np.asarray(leaf)
-    if not _canonical(leaf.dtype):
-      return None
-    array = _compat.host_array_to_device(leaf)
+    array = _compat.host_array_to_device(leaf, _canonical)
     if array is None:
       return None
     placed.append(array)
