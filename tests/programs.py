@@ -147,14 +147,15 @@ class FlippingChooser:
   module, "Chooser", FlippingChooser)``, or a ``functools.partial`` of it
   with another ``every``."""
 
-  def __init__(self, size, words, verify=False, unseen_gain=False, every=2):
-    del size, verify, unseen_gain
+  def __init__(self, size, words, verify=False, unseen_gain=False,
+               shares_cores=False, every=2):
+    del size, verify, unseen_gain, shares_cores
     self.words, self.every = words, every
     self.mode, self.inline = words.inline, True
     self.reason, self.news = "switching (test)", None
     self.switches, self.trials, self.seen = 0, [], 0
 
-  def observe(self, cycle, produce, inline_made, wait):
+  def observe(self, cycle, produce, inline_made, wait, busy=0.0):
     self.seen += 1
     if self.seen % self.every:
       return False

@@ -1014,6 +1014,44 @@ def test_chooser_keeps_workers_taken_at_once_that_are_not_plainly_slower():
   assert chooser.mode == "workers" and not chooser.trials
 
 
+def _feed_busy(chooser, n, cycle_us, produce_us, busy_us):
+  """Shows ``chooser`` n items made inline, ``busy_us`` of each item's
+  production CPU time; returns the modes it switched to."""
+  return [chooser.mode for _ in range(n)
+          if chooser.observe(cycle_us * US, produce_us * US, True, 0.0,
+                             busy_us * US)]
+
+
+def test_chooser_on_shared_cores_counts_only_production_that_waits():
+  # XLA:CPU: production that keeps a core busy (copying a large item)
+  # would compete with the step: however large a share, it stays inline,
+  # without a trial, and says why.
+  chooser = Chooser(size=2, shares_cores=True)
+  assert _feed_busy(chooser, 2 + 8 * WINDOW, cycle_us=800, produce_us=400,
+                    busy_us=395) == []
+  assert chooser.mode == "inline" and not chooser.trials
+  assert chooser.reason.startswith(
+      "producing an item mostly keeps a core busy (5 us of 800 us, over 16 "
+      "items; counted: the time it waits, not the 395 us it keeps a core "
+      "busy, which the step needs here)")
+  assert chooser.news == chooser.reason
+  # Production that waits (storage, a network) is hidden at once ...
+  chooser = Chooser(size=2, shares_cores=True)
+  assert _feed_busy(chooser, 4, cycle_us=1000, produce_us=600,
+                    busy_us=20) == ["workers"]
+  assert "58% of a cycle (580 us of 1000 us" in chooser.reason
+  # ... and a mix whose waiting part is a middling share runs a trial.
+  chooser = Chooser(size=2, shares_cores=True)
+  assert _feed_busy(chooser, 2 + WINDOW, cycle_us=1000, produce_us=600,
+                    busy_us=300) == ["workers"]
+  assert chooser.trial is not None and "30% of a cycle" in chooser.reason
+  # Where the device has cores of its own (a GPU), CPU time is production
+  # like any other: the same items move at once.
+  chooser = Chooser(size=2)
+  assert _feed_busy(chooser, 4, cycle_us=800, produce_us=400,
+                    busy_us=395) == ["workers"]
+
+
 def test_chooser_counts_only_inline_items_when_inline():
   chooser = Chooser(size=2)
   _feed(chooser, 4, cycle_us=1000, produce_us=600)
@@ -1101,6 +1139,40 @@ def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
   assert len(it.threads) == 1 and not it.threads[0].is_alive()
   # Inline: the first item (no cycle yet), two not judged, two judged.
   assert stats["inline"]["items"] == 5
+
+
+def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
+  # The device computes on the host's cores here: a producer that keeps a
+  # core busy (the fake CPU clock advances with the wall clock) is not
+  # moved to workers, one that waits is.
+  assert jax.default_backend() == "cpu"
+  for busy, way in ((True, "inline"), (False, "workers")):
+    clock, cpu = _FakeClock(), _FakeClock()
+    monkeypatch.setattr(_clock, "now", clock)
+    monkeypatch.setattr(_clock, "cpu", cpu)
+
+    def source():
+      for i in range(120):
+        clock.advance(1000)
+        if busy:
+          cpu.advance(1000)
+        yield np.full(2, i, np.float32)
+
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
+      with jaxstreams.prefetch(source()) as it:
+        got = [int(item[0]) for item in it if clock.advance(100) is None]
+        stats = it.stats()
+    assert got == list(range(120))
+    assert stats["mode"] == way and not stats["trials"], stats
+    if busy:
+      assert "mostly keeps a core busy" in stats["mode_reason"]
+      assert it.threads == []
+  # Shardings and devices on the host's cores say so too.
+  device = jax.devices("cpu")[0]
+  for sharding in (None, device, jax.sharding.SingleDeviceSharding(device),
+                   {"a": device}):
+    assert _transfer.resolve("device_put", sharding, 2, "t").shares_cores()
 
 
 def test_only_the_public_prefetch_warns(monkeypatch):

@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 from jaxstreams import _workers
 from jaxstreams.stage import _clock
-from jaxstreams.stage._chooser import Chooser, Meter, Words
+from jaxstreams.stage._chooser import TRY_US, Chooser, Meter, Words
 from jaxstreams.stage._transfer import Transfer
 
 # What next_if_ready returns when the next item is not ready.
@@ -65,6 +65,8 @@ WORDS = Words(
     cheap_share=("producing an item is {share:.1%} of a cycle ({figures}): a "
                  "worker could save at most that, and its hand-off and "
                  "competition for the CPU cost about as much"),
+    busy=("producing an item mostly keeps a core busy ({figures}): a worker "
+          "would compete with the step rather than hide the work"),
     stays=("{cheap}, so items are produced in the consumer's thread at "
            "next(), as without prefetching"),
     lost_before=" (a trial found workers no faster at {tried:.0%})",
@@ -97,7 +99,8 @@ class Pipeline:
   def __init__(self, iterator: Iterator[Any], transfer: Transfer,
                size: int, num_threads: int, closed: tuple, ignored: tuple,
                description: str, name: str, mode: str, reason: str,
-               upstream: Pipeline | None = None, owned: Any = None):
+               upstream: Pipeline | None = None, owned: Any = None,
+               shares_cores: bool = False):
     self.iterator = iterator
     # The iterable's own pipeline when it is another prefetcher (a staged
     # step's chain of stages), stopped first; what the pipeline closes once
@@ -133,9 +136,17 @@ class Pipeline:
     self.released = False       # the transfer's resources were freed
     self.close_owned_on_exit = False   # close() stopped waiting for workers
     # What it measures of itself, per way, and mode="auto"'s chooser.
-    self.meter = Meter(("workers", "inline"),
-                       Chooser(size, WORDS) if mode == "auto" else None,
+    chooser = (Chooser(size, WORDS, shares_cores=shares_cores)
+               if mode == "auto" else None)
+    self.meter = Meter(("workers", "inline"), chooser,
                        ("items", "handoff_us", "produce_us"))
+    # The chooser is told how much of an inline item's production was CPU
+    # time where that matters (the device computes on the host's cores)
+    # and the item is not too cheap to decide anything: it costs a system
+    # call. ``time_busy``: whether to measure the next one.
+    self.busy_from = (TRY_US * 1e-6 if chooser and shares_cores
+                      else float("inf"))
+    self.time_busy = False
     self.mode = "workers" if mode == "workers" else "inline"
     self.reason = reason          # when there is no chooser
     self.inline = self.mode == "inline"
@@ -301,7 +312,9 @@ class Pipeline:
         if not self.max_in_flight:
           self.max_in_flight = 1
         ticket = self.next_ticket
+      time_busy = self.time_busy
       started = _clock.now()
+      busy = _clock.cpu() if time_busy else 0.0
       try:
         try:
           item = next(self.iterator)
@@ -322,6 +335,8 @@ class Pipeline:
         self._leave(inline=True)
         raise
       now = _clock.now()
+      if time_busy:
+        busy = _clock.cpu() - busy
       with self.lock:
         self.pulling = False
         if kind is _END or kind is _ERROR:
@@ -335,7 +350,7 @@ class Pipeline:
           if kind is _VALUE:
             self.placed += 1
             out = self.transfer.deliver(item)
-            self._count(entered, waited_s, now - started, True, now)
+            self._count(entered, waited_s, now - started, True, now, busy)
             return out
           if kind is _SKIP:
             continue
@@ -378,11 +393,14 @@ class Pipeline:
     raise value
 
   def _count(self, entered: float, waited_s: float, produced_s: float,
-             inline_made: bool, now: float) -> None:
-    """Counts one delivered item, and lets ``mode="auto"`` judge (under
+             inline_made: bool, now: float, busy: float = 0.0) -> None:
+    """Counts one delivered item (``busy``: of its production, the CPU
+    time, where measured), and lets ``mode="auto"`` judge (under
     self.lock)."""
+    self.time_busy = inline_made and produced_s >= self.busy_from
     if self.meter.count("inline" if inline_made else "workers",
-                        now - entered, waited_s, produced_s, inline_made, now):
+                        now - entered, waited_s, produced_s, inline_made, now,
+                        busy=busy):
       self.set_mode(self.meter.chooser.mode)
 
   def set_mode(self, mode: str) -> None:

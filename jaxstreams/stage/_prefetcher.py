@@ -145,7 +145,7 @@ class Prefetcher:
         iterator, transfer, size, num_threads,
         closed_exception_types, ignored_exception_types,
         _describe(iterable), name, mode, reason, upstream=upstream,
-        owned=owned)
+        owned=owned, shares_cores=mode == "auto" and transfer.shares_cores())
     self._finalizer = weakref.finalize(self, _stop_unjoined, self._pipeline)
 
   def __iter__(self) -> Prefetcher:
@@ -301,7 +301,10 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
         4 items take 1.5 times the inline cycle; else after a trial that
         times cycles with and without them), and steps aside again when
         production becomes cheap (or the consumer waits for the workers as
-        long as producing the items takes).
+        long as producing the items takes). Where the device computes on
+        the host's own cores (XLA:CPU), only production that waits
+        (storage, a network) counts: production that keeps a core busy
+        (copying, numpy work) would compete with the step there.
         One ``jaxstreams.PerformanceWarning`` the first time it decides to
         step aside. With a ``timeout``, always workers (only a wait for
         another thread can time out).

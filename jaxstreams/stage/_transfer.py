@@ -82,6 +82,11 @@ class Transfer:
     """``Prefetcher.placed``, given how many items were placed."""
     return {}
 
+  def shares_cores(self) -> bool:
+    """Whether the device items go to computes on the host's own cores
+    (XLA:CPU), so producing items there competes with the step."""
+    return jax.default_backend() == "cpu"
+
 
 class FunctionTransfer(Transfer):
   """A plain function of the item (``Prefetcher(transform=...)``)."""
@@ -150,6 +155,16 @@ class _DevicePutTransfer(Transfer):
 
   def place(self, ticket: int, item: Any, wait: bool) -> Any:
     return place_on_device(item, self.sharding, wait)
+
+  def shares_cores(self) -> bool:
+    if self.sharding is None:
+      return super().shares_cores()
+    try:
+      leaves = jax.tree_util.tree_leaves(self.sharding)
+      return all(device.platform == "cpu" for leaf in leaves
+                 for device in getattr(leaf, "device_set", (leaf,)))
+    except AttributeError:    # not a sharding or device: device_put says so
+      return super().shares_cores()
 
   def counts(self, placed: int) -> dict[str, int]:
     return {"device_put": placed, "stage_area": 0}
