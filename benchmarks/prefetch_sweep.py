@@ -24,7 +24,10 @@ Loops, in the same run:
   default ``mode="auto"`` (the JSON records the way it chose, and its
   trials);
 * ``fused``: the same with ``mode="fused"``, staged always (what ``auto``
-  steps aside from, for reference).
+  steps aside from, for reference);
+* ``bare``: the plain loop over a generator that places each batch with
+  the call prefetch places items with and does nothing else: the least any
+  Python-level iterator handing out device arrays costs, for reference.
 
 "read" means the loop reads each step's result (``float(loss)``), so the
 host waits for the device every step (the usual loop that logs its loss);
@@ -110,6 +113,17 @@ def run_prefetch(step, w, data, read, mode="auto"):
     return run_plain(step, w, it, read), it.stats()
 
 
+def _any_dtype(dtype):
+  return True      # the batches are float32: nothing to convert
+
+
+def bare(data):
+  """Each batch placed as prefetch places it, by a bare generator."""
+  place = jaxstreams._compat.host_array_to_device   # noqa: SLF001
+  for b in data:
+    yield place(b, _any_dtype)
+
+
 def run_staged(step, w, data, read, steps, mode="auto"):
   """The loop over ``jaxstreams.staged``; returns its result and the
   runner's stats."""
@@ -134,7 +148,7 @@ def source(batches, io_ms):
   return read()
 
 
-LOOPS = ("plain", "prefetch", "workers", "staged", "fused")
+LOOPS = ("plain", "prefetch", "workers", "staged", "fused", "bare")
 
 
 def _choice(stats):
@@ -155,6 +169,8 @@ def measure(step, w, batches, read, io_ms, rounds):
       t0 = time.perf_counter()
       if name == "plain":
         results[name] = run_plain(step, w, data, read)
+      elif name == "bare":
+        results[name] = run_plain(step, w, bare(data), read)
       elif name in ("prefetch", "workers"):
         mode = "auto" if name == "prefetch" else "workers"
         results[name], stats = run_prefetch(step, w, data, read, mode)
