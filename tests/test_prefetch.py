@@ -1117,6 +1117,9 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
         clock.advance(100)             # the step
       stats = it.stats()
   assert len(record) == 1
+  # Cycles of 105 us: the warning says that even inline costs, and what
+  # costs least.
+  assert "iterating the source directly" in str(record[0].message)
   assert got == list(range(300))
   assert stats["mode"] == "inline" and stats["switches"] == 0
   assert stats["inline"]["items"] == 300 and it.threads == []
@@ -1158,8 +1161,8 @@ def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
           cpu.advance(1000)
         yield np.full(2, i, np.float32)
 
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always", jaxstreams.PerformanceWarning)
       with jaxstreams.prefetch(source()) as it:
         got = [int(item[0]) for item in it if clock.advance(100) is None]
         stats = it.stats()
@@ -1168,6 +1171,11 @@ def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
     if busy:
       assert "mostly keeps a core busy" in stats["mode_reason"]
       assert it.threads == []
+      # One warning; cycles of 1.1 ms are not short enough for the note
+      # that even inline costs.
+      [warning] = caught
+      assert "mostly keeps a core busy" in str(warning.message)
+      assert "iterating the source directly" not in str(warning.message)
   # Shardings and devices on the host's cores say so too.
   device = jax.devices("cpu")[0]
   for sharding in (None, device, jax.sharding.SingleDeviceSharding(device),
