@@ -12,6 +12,7 @@ hanging.
 """
 
 import functools
+import itertools
 import gc
 import warnings
 import random
@@ -1031,9 +1032,9 @@ def test_chooser_on_shared_cores_counts_only_production_that_waits():
                     busy_us=395) == []
   assert chooser.mode == "inline" and not chooser.trials
   assert chooser.reason.startswith(
-      "producing an item mostly keeps a core busy (5 us of 800 us, over 16 "
-      "items; counted: the time it waits, not the 395 us it keeps a core "
-      "busy, which the step needs here)")
+      "producing an item mostly needs a core (5 us of 800 us, over 16 "
+      "items; counted: the time it waits, not the 395 us it needs a core, "
+      "which the step needs too here)")
   assert chooser.news == chooser.reason
   # Production that waits (storage, a network) is hidden at once ...
   chooser = Chooser(size=2, shares_cores=True)
@@ -1050,6 +1051,21 @@ def test_chooser_on_shared_cores_counts_only_production_that_waits():
   chooser = Chooser(size=2)
   assert _feed_busy(chooser, 4, cycle_us=800, produce_us=400,
                     busy_us=395) == ["workers"]
+
+
+def test_busy_tells_waiting_from_needing_a_core():
+  # The real clocks: a sleep blocks (it needs no core), a computation
+  # needs one all along.
+  start, t0 = _clock.reading(), _clock.now()
+  time.sleep(0.02)
+  slept = _clock.now() - t0
+  assert _clock.busy(start, slept) < 0.5 * slept
+  start, t0 = _clock.reading(), _clock.now()
+  x = np.ones(1 << 16)
+  while _clock.now() - t0 < 0.02:
+    x = np.sqrt(x + 1.0)
+  computed = _clock.now() - t0
+  assert _clock.busy(start, computed) > 0.5 * computed
 
 
 def test_chooser_counts_only_inline_items_when_inline():
@@ -1129,6 +1145,8 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
 def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
   clock = _FakeClock()
   monkeypatch.setattr(_clock, "now", clock)
+  # The source waits (as for storage): it blocks at every item.
+  monkeypatch.setattr(_clock, "switches", itertools.count().__next__)
   got = []
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxstreams.PerformanceWarning)
@@ -1145,20 +1163,27 @@ def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
 
 
 def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
-  # The device computes on the host's cores here: a producer that keeps a
-  # core busy (the fake CPU clock advances with the wall clock) is not
-  # moved to workers, one that waits is.
+  # The device computes on the host's cores here: a producer that needs a
+  # core is not moved to workers, one that waits (blocks) is. Needing a
+  # core: computing (the fake CPU clock advances with the wall clock), or
+  # waiting to be scheduled (neither running nor blocked).
   assert jax.default_backend() == "cpu"
-  for busy, way in ((True, "inline"), (False, "workers")):
+  for kind, way in (("computes", "inline"), ("preempted", "inline"),
+                    ("blocks", "workers")):
     clock, cpu = _FakeClock(), _FakeClock()
+    blocked = itertools.count()
+    switches = [0]
     monkeypatch.setattr(_clock, "now", clock)
     monkeypatch.setattr(_clock, "cpu", cpu)
+    monkeypatch.setattr(_clock, "switches", lambda: switches[0])
 
     def source():
       for i in range(120):
         clock.advance(1000)
-        if busy:
+        if kind == "computes":
           cpu.advance(1000)
+        elif kind == "blocks":
+          switches[0] = next(blocked)
         yield np.full(2, i, np.float32)
 
     with warnings.catch_warnings(record=True) as caught:
@@ -1167,14 +1192,14 @@ def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
         got = [int(item[0]) for item in it if clock.advance(100) is None]
         stats = it.stats()
     assert got == list(range(120))
-    assert stats["mode"] == way and not stats["trials"], stats
-    if busy:
-      assert "mostly keeps a core busy" in stats["mode_reason"]
+    assert stats["mode"] == way and not stats["trials"], (kind, stats)
+    if way == "inline":
+      assert "mostly needs a core" in stats["mode_reason"]
       assert it.threads == []
       # One warning; cycles of 1.1 ms are not short enough for the note
       # that even inline costs.
       [warning] = caught
-      assert "mostly keeps a core busy" in str(warning.message)
+      assert "mostly needs a core" in str(warning.message)
       assert "iterating the source directly" not in str(warning.message)
   # Shardings and devices on the host's cores say so too.
   device = jax.devices("cpu")[0]

@@ -83,8 +83,8 @@ WORDS = Words(
     cheap_share=("reading a batch is {share:.1%} of a cycle ({figures}): "
                  "staging could hide at most that, and its own work per call "
                  "costs about as much"),
-    busy=("reading a batch mostly keeps a core busy ({figures}): staging "
-          "would compete with the step rather than hide the work"),
+    busy=("reading a batch mostly needs a core ({figures}): staging "
+          "would compete with the step for it rather than hide the work"),
     stays=("{cheap}, so the plain step runs on batches read in the caller's "
            "thread, as without staging"),
     lost_before=(" (a trial found staging no faster, reading a batch then "

@@ -63,7 +63,7 @@ class Words(NamedTuple):
   sure: str             # production dominates: overlap at once
   cheap_us: str         # production costs less than the machinery ...
   cheap_share: str      # ... or is a small share of the cycle
-  busy: str             # ... or mostly keeps a core the step needs busy
+  busy: str             # ... or mostly needs a core the step needs too
   stays: str            # inline, given ``cheap``
   lost_before: str      # appended to ``stays`` after a trial overlap lost
   leave: str            # overlap steps aside: production turned cheap
@@ -91,8 +91,9 @@ class Chooser:
     is about that); from ``SURE_SHARE`` and ``SURE_US`` on (checked from the
     second item) it moves to overlap at once; in between it runs a *trial*.
   * ``shares_cores``: the device computes on the host's own cores (XLA:CPU).
-    Production that keeps a core busy (a copy, numpy work: the ``busy`` CPU
-    time the caller measured) then competes with the step instead of
+    Production that needs a core (a copy, numpy work, or waiting to be
+    scheduled while the step holds the cores: the ``busy`` time the caller
+    measured, ``_clock.busy``) then competes with the step instead of
     running beside it: on the 2-core development machine a worker copying
     4 MiB items made cycles 1.2x-3.8x longer than copying them inline, and
     a trial to find that out cost a 32-step loop a fifth of its time. So
@@ -177,7 +178,8 @@ class Chooser:
               wait: float, busy: float = 0.0) -> bool:
     """One item received: its cycle and production time, whether it was
     made inline, how long the consumer waited for it, and of its
-    production the CPU time (``busy``; 0 where not measured), in seconds.
+    production the time that needed a core (``busy``; 0 where not
+    measured), in seconds.
     Returns whether ``mode`` changed. (Runs for every item: lean.)"""
     if self.skip:
       self.skip -= 1
@@ -267,8 +269,8 @@ class Chooser:
                f"over {self.n} {self.words.unit}")
     if self.busy:
       figures += (f"; counted: the time it waits, not the "
-                  f"{self.busy * us:.0f} us it keeps a core busy, which the "
-                  f"step needs here")
+                  f"{self.busy * us:.0f} us it needs a core, which the step "
+                  f"needs too here")
     return figures
 
   def _switch(self, mode: str, reason: str) -> bool:
@@ -389,9 +391,9 @@ class Meter:
             busy: float = 0.0) -> bool:
     """One item delivered ``now`` the ``way`` it was made: the consumer
     spent ``took`` on it, ``wait`` of that waiting, and producing it took
-    ``produce`` (in ``took`` when ``inline_made``; ``busy`` of it CPU time,
-    where measured); shown to the chooser when ``judged``. Returns whether
-    the chooser's mode changed."""
+    ``produce`` (in ``took`` when ``inline_made``; ``busy`` of it needed a
+    core, where measured); shown to the chooser when ``judged``. Returns
+    whether the chooser's mode changed."""
     tally = self.tallies[way]
     tally.items += 1
     if wait > 0:

@@ -65,8 +65,8 @@ WORDS = Words(
     cheap_share=("producing an item is {share:.1%} of a cycle ({figures}): a "
                  "worker could save at most that, and its hand-off and "
                  "competition for the CPU cost about as much"),
-    busy=("producing an item mostly keeps a core busy ({figures}): a worker "
-          "would compete with the step rather than hide the work"),
+    busy=("producing an item mostly needs a core ({figures}): a worker "
+          "would compete with the step for it rather than hide the work"),
     stays=("{cheap}, so items are produced in the consumer's thread at "
            "next(), as without prefetching"),
     lost_before=" (a trial found workers no faster at {tried:.0%})",
@@ -140,10 +140,10 @@ class Pipeline:
                if mode == "auto" else None)
     self.meter = Meter(("workers", "inline"), chooser,
                        ("items", "handoff_us", "produce_us"))
-    # The chooser is told how much of an inline item's production was CPU
-    # time where that matters (the device computes on the host's cores)
-    # and the item is not too cheap to decide anything: it costs a system
-    # call. ``time_busy``: whether to measure the next one.
+    # The chooser is told how much of an inline item's production needed a
+    # core (``_clock.busy``) where that matters (the device computes on the
+    # host's cores) and the item is not too cheap to decide anything: it
+    # costs four system calls. ``time_busy``: whether to measure the next.
     self.busy_from = (TRY_US * 1e-6 if chooser and shares_cores
                       else float("inf"))
     self.time_busy = False
@@ -314,7 +314,7 @@ class Pipeline:
         ticket = self.next_ticket
       time_busy = self.time_busy
       started = _clock.now()
-      busy = _clock.cpu() if time_busy else 0.0
+      busy_start = _clock.reading() if time_busy else None
       try:
         try:
           item = next(self.iterator)
@@ -335,8 +335,7 @@ class Pipeline:
         self._leave(inline=True)
         raise
       now = _clock.now()
-      if time_busy:
-        busy = _clock.cpu() - busy
+      busy = _clock.busy(busy_start, now - started) if time_busy else 0.0
       with self.lock:
         self.pulling = False
         if kind is _END or kind is _ERROR:
@@ -394,9 +393,9 @@ class Pipeline:
 
   def _count(self, entered: float, waited_s: float, produced_s: float,
              inline_made: bool, now: float, busy: float = 0.0) -> None:
-    """Counts one delivered item (``busy``: of its production, the CPU
-    time, where measured), and lets ``mode="auto"`` judge (under
-    self.lock)."""
+    """Counts one delivered item (``busy``: of its production, the time
+    that needed a core, where measured), and lets ``mode="auto"`` judge
+    (under self.lock)."""
     self.time_busy = inline_made and produced_s >= self.busy_from
     if self.meter.count("inline" if inline_made else "workers",
                         now - entered, waited_s, produced_s, inline_made, now,

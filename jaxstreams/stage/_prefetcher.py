@@ -48,7 +48,7 @@ _names = itertools.count()
 # each item is placed from Python where the plain loop hands numpy to the
 # jitted step's C++ path. Measured (benchmarks/prefetch_sweep.py, the 2-core
 # development machine, reading every step's result): 0.84x of the plain
-# loop at 0.1 ms steps, 0.94x at 0.3 ms, 0.98x at 1 ms.
+# loop at 0.1 ms steps, 0.91x-0.94x at 0.3 ms, 0.96x-0.98x at 1 ms.
 SHORT_CYCLE_US = 1000.0
 
 
@@ -319,7 +319,7 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
         production becomes cheap (or the consumer waits for the workers as
         long as producing the items takes). Where the device computes on
         the host's own cores (XLA:CPU), only production that waits
-        (storage, a network) counts: production that keeps a core busy
+        (storage, a network) counts: production that needs a core
         (copying, numpy work) would compete with the step there.
         One ``jaxstreams.PerformanceWarning`` the first time it decides to
         step aside. With a ``timeout``, always workers (only a wait for
