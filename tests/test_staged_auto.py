@@ -13,6 +13,7 @@ never timings; waits are bounded.
 """
 
 import functools
+import itertools
 import threading
 import warnings
 
@@ -212,6 +213,9 @@ class _FakeClock:
 def clock(monkeypatch):
   fake = _FakeClock()
   monkeypatch.setattr(_clock, "now", fake)
+  # Reads wait (as for storage): the thread blocks at every one, so on
+  # XLA:CPU they count as reading worth hiding.
+  monkeypatch.setattr(_clock, "switches", itertools.count().__next__)
   return fake
 
 
@@ -282,6 +286,28 @@ def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
   consumed = [int(name[1:]) for program in runner.schedule
               for name in program.split() if name[0] == "B"]
   assert consumed == sorted(set(consumed)) and consumed[-1] == 419
+  assert jaxstreams_threads("jaxstreams-prefetch") == []
+
+
+def test_auto_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
+                                                          monkeypatch):
+  # XLA:CPU: a read that never blocks (numpy work, a copy) needs a core the
+  # step needs too: however long, it does not make staging worth a trial.
+  assert jax.default_backend() == "cpu"
+  monkeypatch.setattr(_clock, "switches", lambda: 0)
+  params, data = _params(), _batches(120)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", jaxstreams.PerformanceWarning)
+    with jaxstreams.staged(step1, data=_source(clock, data, lambda i: 1000),
+                           capacity=2) as runner:
+      got = _loop(clock, runner, params, len(data))
+      stats = runner.stats()
+  assert_bitwise_equal(got, [jax.jit(step1)(params, b) for b in data])
+  assert stats["mode"] == "plain" and stats["switches"] == 0, stats
+  assert not stats["trials"] and stats["fused"]["calls"] == 0
+  assert stats["mode_reason"].startswith("reading a batch mostly needs a core")
+  [warning] = caught
+  assert "mostly needs a core" in str(warning.message)
   assert jaxstreams_threads("jaxstreams-prefetch") == []
 
 

@@ -21,9 +21,13 @@ DLRM-style step took 2.5 ms fused where the plain step took 2.05 ms, its
 batches already on the device), so it checks itself: staged at once, its
 first 16 staged calls must have a shorter cycle than the plain calls that
 chose it, or a trial runs at once; and while staged, trials check it at
-doubling intervals (the first after 256 staged calls). On a platform that runs streams, with the producer on a stream
-of its own, staging may also hide device work no clock here sees, so there
-a trial decides even when reading is cheap. It steps aside when a trial
+doubling intervals (the first after 256 staged calls). On a platform that
+runs streams, with the producer on a stream of its own, staging may also
+hide device work no clock here sees, so there a trial decides even when
+reading is cheap. On XLA:CPU, whose device is the host's own cores, only
+reading during which the caller's thread blocked (storage, a network)
+counts: reading that needs a core would compete with the step for it
+(``_chooser.Chooser``'s ``shares_cores``, as for prefetch). It steps aside when a trial
 finds the plain step faster or reading turns cheap, and says so once (a
 ``jaxstreams.PerformanceWarning``, from the runner). ``"fused"`` and
 ``"plain"`` fix the way.
@@ -60,7 +64,7 @@ from jax import tree_util
 
 from jaxstreams.stage import _clock
 from jaxstreams.stage._analysis import FUNC, Split
-from jaxstreams.stage._chooser import Chooser, Meter, Words
+from jaxstreams.stage._chooser import TRY_US, Chooser, Meter, Words
 from jaxstreams.stage._fused import FusedRun, producer_stream
 from jaxstreams.stage._prefetcher import Prefetcher, holds_items, set_way
 from jaxstreams.stage._source import DataError, Source, place, timed
@@ -142,6 +146,11 @@ class AutoRun:
     self.fused: FusedRun | None = None
     self.calls = 0
     self.meter: Meter | None = None    # what it measures, and the chooser
+    # Reading a batch in the caller's thread: whether the next read is
+    # measured for the time it needs a core (``_clock.busy``), from which
+    # read time on.
+    self.time_busy = False
+    self.busy_from = float("inf")
     self.direct = False       # plain, nothing of staging left to run
     self.restart = False      # the next staged call starts an empty pipeline
     try:
@@ -160,7 +169,11 @@ class AutoRun:
         # A producer on a stream of its own, on a platform that runs
         # streams: staging may hide device work no clock here sees.
         unseen = _platform() != "cpu" and self.stream != 0
-        chooser = Chooser(capacity, WORDS, verify=True, unseen_gain=unseen)
+        shares_cores = _platform() == "cpu"
+        chooser = Chooser(capacity, WORDS, verify=True, unseen_gain=unseen,
+                          shares_cores=shares_cores)
+        if shares_cores:    # (as prefetch's pipeline: see there)
+          self.busy_from = TRY_US * 1e-6
         self.reason = ""
         self.way = WORDS.inline
       else:
@@ -182,8 +195,10 @@ class AutoRun:
     """The step's outputs for the next batch; ``StopIteration`` at the end."""
     started = _clock.now()
     if self.direct:        # a plain loop's own work, and the measurements
+      busy_start = _clock.reading() if self.time_busy else None
       batch = next(self.source)              # StopIteration: the end
       read = _clock.now() - started
+      busy = _clock.busy(busy_start, read) if busy_start else 0.0
       if type(batch) is DataError:
         raise batch.exc
       if self.data_argnum == -1:             # the usual place: no tuple work
@@ -191,7 +206,7 @@ class AutoRun:
       else:
         outs = self.plain(*_with_batch(other_args, batch, self.data_argnum),
                           **kwargs)
-      self._count("plain", started, read, 0.0, True)
+      self._count("plain", started, read, 0.0, True, busy=busy)
       return outs
     if self.way == "fused" or self.fused.inflight:
       return self._staged_call(other_args, kwargs, started)
@@ -236,15 +251,17 @@ class AutoRun:
     return outs
 
   def _count(self, way: str, started: float, read: float, wait: float,
-             made: bool, judged: bool = True) -> None:
+             made: bool, judged: bool = True, busy: float = 0.0) -> None:
     """One call done: ``read`` is what reading its batch took (in this
-    thread when plain, in the reader when fused), ``wait`` how long it
-    waited for the reader, ``made`` whether the call read its batch itself,
-    as the plain loop does. Lets the chooser judge (unless not
-    ``judged``)."""
+    thread when plain, in the reader when fused; ``busy`` of it needed a
+    core, where measured), ``wait`` how long it waited for the reader,
+    ``made`` whether the call read its batch itself, as the plain loop
+    does. Lets the chooser judge (unless not ``judged``)."""
     self.calls += 1
+    self.time_busy = made and read >= self.busy_from
     now = _clock.now()
-    if self.meter.count(way, now - started, wait, read, made, now, judged):
+    if self.meter.count(way, now - started, wait, read, made, now, judged,
+                        busy):
       self._go(self.meter.chooser.mode)
 
   def _go(self, way: str) -> None:
