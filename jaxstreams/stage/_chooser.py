@@ -224,7 +224,7 @@ class Chooser:
                and produce_us >= TRY_US)
       if (worth or self.unseen_gain) and trial_due:
         return self._start_trial(share, unseen=not worth)
-      if self.busy > self.produce:    # mostly CPU time the step needs
+      if self.busy > self.produce:    # mostly needs a core the step needs
         cheap = words.busy.format(figures=self._figures())
       else:
         cheap = (words.cheap_us if produce_us < TRY_US else words.cheap_share
