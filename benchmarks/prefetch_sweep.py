@@ -40,8 +40,12 @@ plain's time over its time in the same round (the paired ratio; above 1 is
 faster than the plain loop). The load average is recorded per case. Saves
 benchmarks/results/prefetch_sweep_<platform>[_quick].json and .txt.
 
+``--cpu-sync-dispatch`` runs XLA:CPU computations in the calling thread
+(``jax_cpu_enable_async_dispatch=False``, set before the backend starts);
+its results are saved with ``_sync_dispatch`` in their name.
+
   python benchmarks/prefetch_sweep.py [--quick] [--steps 400] [--rounds 7]
-      [--producers free,io] [--quiet] [--out DIR]
+      [--producers free,io] [--cpu-sync-dispatch] [--quiet] [--out DIR]
 """
 
 import os
@@ -196,7 +200,11 @@ def main():
   parser.add_argument("--steps", type=int, default=400)
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--producers", default="free,io")
+  parser.add_argument("--cpu-sync-dispatch", action="store_true",
+                      help="jax_cpu_enable_async_dispatch=False")
   args = parser.parse_args()
+  if args.cpu_sync_dispatch:     # read when the CPU client is made: first
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
   if args.quick:
     args.steps, args.rounds = 150, 3
   producers = args.producers.split(",")
@@ -260,13 +268,16 @@ def main():
   result = {"benchmark": "prefetch_sweep", "machine": info,
             "load_average_at_end": _common.load(),
             "quiet_machine": args.quiet, "quick": args.quick,
+            "cpu_sync_dispatch": args.cpu_sync_dispatch,
             "steps": args.steps, "rounds": args.rounds,
             "goal_free_producer_over_plain": GOAL, "rows": rows,
             "note": ("paired_ratio_to_plain: median over rounds of plain's "
                      "time per step over the loop's in the same round; "
                      "noisy unless the machine was quiet (see quiet_machine "
                      "and the load averages)")}
-  name = f"prefetch_sweep_{info['platform']}" + ("_quick" if args.quick else "")
+  name = (f"prefetch_sweep_{info['platform']}"
+          + ("_sync_dispatch" if args.cpu_sync_dispatch else "")
+          + ("_quick" if args.quick else ""))
   text = (f"# {'quiet' if args.quiet else 'not marked quiet'}; load at start "
           f"{info['load_average_at_start']}, at end "
           f"{result['load_average_at_end']}; {args.rounds} rounds x "

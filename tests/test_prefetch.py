@@ -1136,6 +1136,7 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
   # Cycles of 105 us: the warning says that even inline costs, and what
   # costs least.
   assert "iterating the source directly" in str(record[0].message)
+  assert "jax_cpu_enable_async_dispatch=False" in str(record[0].message)
   assert got == list(range(300))
   assert stats["mode"] == "inline" and stats["switches"] == 0
   assert stats["inline"]["items"] == 300 and it.threads == []

@@ -188,6 +188,9 @@ class Prefetcher:
                  f"placing each item from Python at next() costs several "
                  f"percent: iterating the source directly, and letting the "
                  f"jitted step take its numpy arrays, costs least")
+        if self._transfer.shares_cores():
+          short += (" (on CPU, jax_cpu_enable_async_dispatch=False cut "
+                    "most of that cost in loops that read each result)")
       warnings.warn(
           f"jaxstreams.prefetch does not pay here and stepped aside: {news}"
           f"{short} (Prefetcher.stats() has the figures; "
