@@ -145,6 +145,7 @@ def measure(case, *, warmup: int, reps: int, target_s: float,
       "max_rel_diff_vs_reference": diffs,
       "agrees": all(d <= tolerance for d in diffs.values()),
       "notes": case.notes,
+      "candidate_chose": case.chose() if case.chose is not None else None,
   }
 
 
@@ -229,6 +230,18 @@ def markdown(report: dict) -> str:
         f"{other} | {'n/a' if mem is None else f'{mem:.2f}'} | "
         f"{'yes' if r['agrees'] else 'NO'} | "
         f"{_schedule_cell(r.get('scheduled_overlap', {}).get(r['candidate']))} |")
+  chose = [r for r in report["results"] if r.get("candidate_chose")]
+  if chose:
+    lines += ["", "What the candidate chose while it was timed "
+              "(`mode=\"auto\"`, every loop, warm-up included):", ""]
+    for r in chose:
+      c = r["candidate_chose"]
+      lines.append(
+          f"- {r['workload']} {_size_str(r['size'])}: {c['loops']} loops, "
+          f"ended in {c['ended_in']}, {c['loops_that_switched']} switched, "
+          f"{c['trials']} trials, {c['items_inline']} items inline and "
+          f"{c['items_by_workers']} by workers; last reason: "
+          f"{c['last_reason']}")
   statuses = sorted({f"{n}: {s}" for r in report["results"]
                      for n, s in r["status"].items() if s != "ok"})
   if statuses:

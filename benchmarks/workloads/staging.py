@@ -117,6 +117,8 @@ def build(size, streams, key):
         acc.block_until_ready()
     return acc
 
+  chose = []       # each loop's stats(): what mode="auto" did
+
   def jaxstreams_prefetch():
     acc = acc0
     with warnings.catch_warnings():   # stepping aside is what is measured
@@ -126,6 +128,7 @@ def build(size, streams, key):
           acc = step(ws, x, acc)
           if sync_each:
             acc.block_until_ready()
+        chose.append(batches.stats())
     return acc
 
   cands = {
@@ -147,4 +150,19 @@ def build(size, streams, key):
       reference="no prefetch",
       notes="times are for the whole loop over all batches; the candidate is "
             "jaxstreams.prefetch (mode='auto'), the baselines the plain loop "
-            "and a hand-written prefetch thread")
+            "and a hand-written prefetch thread",
+      chose=lambda: _what_auto_chose(chose))
+
+
+def _what_auto_chose(stats: list[dict]) -> dict:
+  """Over every loop the candidate ran (warm-up included): how many ended
+  in each way, switched at all, ran trials; the last loop's reason."""
+  ended = {}
+  for s in stats:
+    ended[s["mode"]] = ended.get(s["mode"], 0) + 1
+  return {"loops": len(stats), "ended_in": ended,
+          "loops_that_switched": sum(1 for s in stats if s["switches"]),
+          "trials": sum(len(s["trials"]) for s in stats),
+          "items_by_workers": sum(s["workers"]["items"] for s in stats),
+          "items_inline": sum(s["inline"]["items"] for s in stats),
+          "last_reason": stats[-1]["mode_reason"] if stats else None}
