@@ -312,10 +312,10 @@ class Pipeline:
         if not self.max_in_flight:
           self.max_in_flight = 1
         ticket = self.next_ticket
-      time_busy = self.time_busy
-      started = _clock.now()
-      busy_start = _clock.reading() if time_busy else None
       try:
+        time_busy = self.time_busy
+        started = _clock.now()
+        busy_start = _clock.reading() if time_busy else None
         try:
           item = next(self.iterator)
           kind = _VALUE
