@@ -388,7 +388,9 @@ def test_prefetch_hanging_source_times_out_then_is_abandoned():
   assert not finished                           # blocked on the hung __next__
   source.release.set()
   assert wait_until(lambda: not any(t.is_alive() for t in it.threads))
-  assert source.closed.is_set()
+  # The close() still running closes the generator once it has seen the
+  # workers end: a moment after they do.
+  assert wait_until(source.closed.is_set)
   assert source.pulled == [0, 1, 2, 3]
   with pytest.raises(StopIteration):
     next(it)
