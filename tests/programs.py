@@ -154,6 +154,7 @@ class FlippingChooser:
     self.mode, self.inline = words.inline, True
     self.reason, self.news = "switching (test)", None
     self.switches, self.trials, self.seen = 0, [], 0
+    self.busy_from = float("inf")     # never asks for busy times
 
   def observe(self, cycle, produce, inline_made, wait, busy=0.0):
     self.seen += 1

@@ -27,10 +27,10 @@ hide device work no clock here sees, so there a trial decides even when
 reading is cheap. On XLA:CPU, whose device is the host's own cores, only
 reading during which the caller's thread blocked (storage, a network)
 counts: reading that needs a core would compete with the step for it
-(``_chooser.Chooser``'s ``shares_cores``, as for prefetch). It steps aside when a trial
-finds the plain step faster or reading turns cheap, and says so once (a
-``jaxstreams.PerformanceWarning``, from the runner). ``"fused"`` and
-``"plain"`` fix the way.
+(``_chooser.Chooser``'s ``shares_cores``, as for prefetch). It steps aside
+when a trial finds the plain step faster or reading turns cheap, and says
+so once (a ``jaxstreams.PerformanceWarning``, from the runner). ``"fused"``
+and ``"plain"`` fix the way.
 
 Every promise holds across a switch:
 
@@ -64,7 +64,7 @@ from jax import tree_util
 
 from jaxstreams.stage import _clock
 from jaxstreams.stage._analysis import FUNC, Split
-from jaxstreams.stage._chooser import TRY_US, Chooser, Meter, Words
+from jaxstreams.stage._chooser import Chooser, Meter, Words
 from jaxstreams.stage._fused import FusedRun, producer_stream
 from jaxstreams.stage._prefetcher import Prefetcher, holds_items, set_way
 from jaxstreams.stage._source import DataError, Source, place, timed
@@ -146,11 +146,6 @@ class AutoRun:
     self.fused: FusedRun | None = None
     self.calls = 0
     self.meter: Meter | None = None    # what it measures, and the chooser
-    # Reading a batch in the caller's thread: whether the next read is
-    # measured for the time it needs a core (``_clock.busy``), from which
-    # read time on.
-    self.time_busy = False
-    self.busy_from = float("inf")
     self.direct = False       # plain, nothing of staging left to run
     self.restart = False      # the next staged call starts an empty pipeline
     try:
@@ -169,11 +164,8 @@ class AutoRun:
         # A producer on a stream of its own, on a platform that runs
         # streams: staging may hide device work no clock here sees.
         unseen = _platform() != "cpu" and self.stream != 0
-        shares_cores = _platform() == "cpu"
         chooser = Chooser(capacity, WORDS, verify=True, unseen_gain=unseen,
-                          shares_cores=shares_cores)
-        if shares_cores:    # (as prefetch's pipeline: see there)
-          self.busy_from = TRY_US * 1e-6
+                          shares_cores=_platform() == "cpu")
         self.reason = ""
         self.way = WORDS.inline
       else:
@@ -195,7 +187,7 @@ class AutoRun:
     """The step's outputs for the next batch; ``StopIteration`` at the end."""
     started = _clock.now()
     if self.direct:        # a plain loop's own work, and the measurements
-      busy_start = _clock.reading() if self.time_busy else None
+      busy_start = _clock.reading() if self.meter.time_busy else None
       batch = next(self.source)              # StopIteration: the end
       read = _clock.now() - started
       busy = _clock.busy(busy_start, read) if busy_start else 0.0
@@ -258,7 +250,6 @@ class AutoRun:
     ``made`` whether the call read its batch itself, as the plain loop
     does. Lets the chooser judge (unless not ``judged``)."""
     self.calls += 1
-    self.time_busy = made and read >= self.busy_from
     now = _clock.now()
     if self.meter.count(way, now - started, wait, read, made, now, judged,
                         busy):

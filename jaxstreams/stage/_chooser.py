@@ -140,6 +140,10 @@ class Chooser:
     self.verify = verify
     self.unseen_gain = unseen_gain
     self.shares_cores = shares_cores
+    # From which production time an inline item's ``busy`` is worth
+    # measuring (it costs four system calls): where it changes anything,
+    # and for items not too cheap to decide anything.
+    self.busy_from = TRY_US * 1e-6 if shares_cores else float("inf")
     self.mode = words.inline
     self.inline = True
     self.reason = words.judging.format(window=WINDOW)
@@ -385,6 +389,10 @@ class Meter:
     self.names = names
     self.last: float | None = None    # when the last item was delivered
     self.news: str | None = None      # the chooser stepped aside: to tell
+    # Whether the caller measures the next inline item's ``busy``
+    # (``_clock.reading`` / ``_clock.busy``): the last one took long
+    # enough for the chooser to want it.
+    self.time_busy = False
 
   def count(self, way: str, took: float, wait: float, produce: float,
             inline_made: bool, now: float, judged: bool = True,
@@ -394,6 +402,9 @@ class Meter:
     ``produce`` (in ``took`` when ``inline_made``; ``busy`` of it needed a
     core, where measured); shown to the chooser when ``judged``. Returns
     whether the chooser's mode changed."""
+    chooser = self.chooser
+    self.time_busy = (chooser is not None and inline_made
+                      and produce >= chooser.busy_from)
     tally = self.tallies[way]
     tally.items += 1
     if wait > 0:
@@ -407,7 +418,6 @@ class Meter:
     cycle = now - last
     tally.cycle_s += cycle
     tally.cycles += 1
-    chooser = self.chooser
     if chooser is None or not judged:
       return False
     changed = chooser.observe(cycle, produce, inline_made, wait, busy)

@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 from jaxstreams import _workers
 from jaxstreams.stage import _clock
-from jaxstreams.stage._chooser import TRY_US, Chooser, Meter, Words
+from jaxstreams.stage._chooser import Chooser, Meter, Words
 from jaxstreams.stage._transfer import Transfer
 
 # What next_if_ready returns when the next item is not ready.
@@ -140,13 +140,6 @@ class Pipeline:
                if mode == "auto" else None)
     self.meter = Meter(("workers", "inline"), chooser,
                        ("items", "handoff_us", "produce_us"))
-    # The chooser is told how much of an inline item's production needed a
-    # core (``_clock.busy``) where that matters (the device computes on the
-    # host's cores) and the item is not too cheap to decide anything: it
-    # costs four system calls. ``time_busy``: whether to measure the next.
-    self.busy_from = (TRY_US * 1e-6 if chooser and shares_cores
-                      else float("inf"))
-    self.time_busy = False
     self.mode = "workers" if mode == "workers" else "inline"
     self.reason = reason          # when there is no chooser
     self.inline = self.mode == "inline"
@@ -313,7 +306,7 @@ class Pipeline:
           self.max_in_flight = 1
         ticket = self.next_ticket
       try:
-        time_busy = self.time_busy
+        time_busy = self.meter.time_busy
         started = _clock.now()
         busy_start = _clock.reading() if time_busy else None
         try:
@@ -396,7 +389,6 @@ class Pipeline:
     """Counts one delivered item (``busy``: of its production, the time
     that needed a core, where measured), and lets ``mode="auto"`` judge
     (under self.lock)."""
-    self.time_busy = inline_made and produced_s >= self.busy_from
     if self.meter.count("inline" if inline_made else "workers",
                         now - entered, waited_s, produced_s, inline_made, now,
                         busy=busy):
