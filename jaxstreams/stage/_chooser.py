@@ -161,6 +161,7 @@ class Chooser:
     self.switches = 0
     self.won_trial = False     # overlap runs because it won a trial
     self.news: str | None = None   # the first step aside, for the warning
+    self.news_cycle = 0.0      # ... and the inline cycle it saw (seconds)
     self._told = False
     self.n = 0
     self._reset()
@@ -351,13 +352,19 @@ class Chooser:
       self.won_trial = True
       return changed
     changed = self._switch(words.inline, words.lost.format(result=result))
-    self._step_aside_news()
+    self._step_aside_news(statistics.median(inline))
     return changed
 
-  def _step_aside_news(self) -> None:
+  def _step_aside_news(self, cycle: float | None = None) -> None:
+    """The first step aside becomes ``news``, with the inline cycle it was
+    judged on (``cycle``, else this window's mean: never the first items',
+    which may include compiling the step)."""
     if not self._told:
       self._told = True
       self.news = self.reason
+      if cycle is None:
+        cycle = self.cycle / self.n if self.n else 0.0
+      self.news_cycle = cycle
 
 
 class Tally:
@@ -389,6 +396,7 @@ class Meter:
     self.names = names
     self.last: float | None = None    # when the last item was delivered
     self.news: str | None = None      # the chooser stepped aside: to tell
+    self.news_cycle = 0.0             # ... and the cycle it judged (s)
     # Whether the caller measures the next inline item's ``busy``
     # (``_clock.reading`` / ``_clock.busy``): the last one took long
     # enough for the chooser to want it.
@@ -423,6 +431,7 @@ class Meter:
     changed = chooser.observe(cycle, produce, inline_made, wait, busy)
     if chooser.news is not None:
       self.news, chooser.news = chooser.news, None
+      self.news_cycle = chooser.news_cycle
     return changed
 
   def report(self, mode: str, reason: str) -> dict[str, Any]:
