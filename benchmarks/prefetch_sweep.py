@@ -19,6 +19,10 @@ Loops, in the same run:
   default ``mode="auto"`` (the JSON records the way it chose);
 * ``workers``: over ``jaxstreams.prefetch(data, mode="workers")``, worker
   threads always (what ``auto`` steps aside from, for reference);
+* ``workers16``: the same with ``size=16``: a worker refills the lookahead
+  once per 8 items instead of every other item, so the consumer's thread
+  does least between two steps (see benchmarks/cpu_dispatch_gap.py for why
+  that matters to short steps on XLA:CPU);
 * ``staged``: ``jaxstreams.staged(step, data=data)`` with the batch's
   preprocessing in ``jaxstreams.stage(...)``, called once per batch: the
   default ``mode="auto"`` (the JSON records the way it chose, and its
@@ -110,10 +114,10 @@ def run_plain(step, w, data, read):
   return float(out)
 
 
-def run_prefetch(step, w, data, read, mode="auto"):
+def run_prefetch(step, w, data, read, mode="auto", size=2):
   """The plain loop, fed by ``jaxstreams.prefetch`` instead of the data;
   returns its result and the iterator's stats."""
-  with jaxstreams.prefetch(data, mode=mode) as it:
+  with jaxstreams.prefetch(data, size, mode=mode) as it:
     return run_plain(step, w, it, read), it.stats()
 
 
@@ -152,7 +156,8 @@ def source(batches, io_ms):
   return read()
 
 
-LOOPS = ("plain", "prefetch", "workers", "staged", "fused", "bare")
+LOOPS = ("plain", "prefetch", "workers", "workers16", "staged", "fused",
+         "bare")
 
 
 def _choice(stats):
@@ -175,9 +180,10 @@ def measure(step, w, batches, read, io_ms, rounds):
         results[name] = run_plain(step, w, data, read)
       elif name == "bare":
         results[name] = run_plain(step, w, bare(data), read)
-      elif name in ("prefetch", "workers"):
+      elif name in ("prefetch", "workers", "workers16"):
         mode = "auto" if name == "prefetch" else "workers"
-        results[name], stats = run_prefetch(step, w, data, read, mode)
+        size = 16 if name == "workers16" else 2
+        results[name], stats = run_prefetch(step, w, data, read, mode, size)
         if name == "prefetch":
           chose["prefetch"] = _choice(stats)
       else:

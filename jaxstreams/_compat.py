@@ -448,6 +448,16 @@ def host_array_to_device(array: Any, accept: Callable[[Any], bool]) -> Any:
   return put(aval, sharding, [array], devices, False, True)
 
 
+def cpu_dispatch_is_async() -> bool:
+  """Whether XLA:CPU runs computations on its own threads
+  (``jax_cpu_enable_async_dispatch``, on by default; read when the CPU
+  client starts). True where this jax does not say."""
+  try:
+    return bool(jax.config.read("jax_cpu_enable_async_dispatch"))
+  except (AttributeError, KeyError, ValueError):
+    return True
+
+
 # ---------------------------------------------------------------------------
 # The class of a jax.Array a computation returns (serve's direct path waits
 # on a single output without walking it as a tree).

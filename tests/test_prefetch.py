@@ -25,6 +25,7 @@ import pytest
 
 import jaxstreams
 import jaxstreams.runtime as rt
+from jaxstreams import _compat
 from jaxstreams.stage import _chooser, _clock, _lookahead, _transfer
 from jaxstreams.stage.prefetch import AUTO_TRANSFER, Prefetcher
 from programs import (FlippingChooser, jaxstreams_threads,
@@ -1119,6 +1120,37 @@ def _timed_source(clock, n, produce_us):
     yield np.full(2, i, np.float32)
 
 
+def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(
+    monkeypatch):
+  # The first step compiles (2 s here); the note about short cycles must
+  # still come, from the cycles the chooser judged.
+  clock = _FakeClock()
+  monkeypatch.setattr(_clock, "now", clock)
+  with pytest.warns(jaxstreams.PerformanceWarning) as record:
+    with jaxstreams.prefetch(_timed_source(clock, 300, 5)) as it:
+      for i, _ in enumerate(it):
+        clock.advance(2_000_000 if i == 0 else 100)
+  message = str(record[0].message)
+  assert "with cycles this short (105 us)" in message
+  assert "iterating the source directly" in message
+
+
+def test_short_cycle_warning_leaves_out_async_dispatch_advice_when_sync(
+    monkeypatch):
+  # With jax_cpu_enable_async_dispatch=False already set, the warning does
+  # not tell the user to set it.
+  clock = _FakeClock()
+  monkeypatch.setattr(_clock, "now", clock)
+  monkeypatch.setattr(_compat, "cpu_dispatch_is_async", lambda: False)
+  with pytest.warns(jaxstreams.PerformanceWarning) as record:
+    with jaxstreams.prefetch(_timed_source(clock, 300, 5)) as it:
+      for _ in it:
+        clock.advance(100)
+  message = str(record[0].message)
+  assert "iterating the source directly" in message
+  assert "async_dispatch" not in message and "size=16" not in message
+
+
 def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
     monkeypatch):
   clock = _FakeClock()
@@ -1135,8 +1167,11 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
   assert len(record) == 1
   # Cycles of 105 us: the warning says that even inline costs, and what
   # costs least.
-  assert "iterating the source directly" in str(record[0].message)
-  assert "jax_cpu_enable_async_dispatch=False" in str(record[0].message)
+  message = str(record[0].message)
+  assert "iterating the source directly" in message
+  # On CPU with asynchronous dispatch (the default), what helps there.
+  assert "mode='workers', size=16" in message
+  assert "jax_cpu_enable_async_dispatch=False" in message
   assert got == list(range(300))
   assert stats["mode"] == "inline" and stats["switches"] == 0
   assert stats["inline"]["items"] == 300 and it.threads == []

@@ -35,7 +35,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
-from jaxstreams import _checks
+from jaxstreams import _checks, _compat
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.stage import _prefetch_checks, _transfer
 from jaxstreams.stage._lookahead import Pipeline
@@ -45,10 +45,13 @@ from jaxstreams.stage._transfer import FunctionTransfer, Transfer
 _names = itertools.count()
 
 # Under this cycle the warning adds that prefetching costs even inline:
-# each item is placed from Python where the plain loop hands numpy to the
-# jitted step's C++ path. Measured (benchmarks/prefetch_sweep.py, the 2-core
-# development machine, reading every step's result): 0.84x of the plain
-# loop at 0.1 ms steps, 0.91x-0.94x at 0.3 ms, 0.96x-0.98x at 1 ms.
+# each item is placed from Python at next(), and on XLA:CPU with
+# asynchronous dispatch a step started more than a few microseconds after
+# the previous result was read costs more (benchmarks/cpu_dispatch_gap.py).
+# Measured (benchmarks/prefetch_sweep.py, the 2-core development machine,
+# reading every step's result): 0.84x-0.92x of the plain loop at 0.1 ms
+# steps, 0.91x-0.96x at 0.3 ms, 0.94x-0.96x at 1 ms; mode="workers" with
+# size=16 1.00x-1.01x there.
 SHORT_CYCLE_US = 1000.0
 
 
@@ -180,17 +183,23 @@ class Prefetcher:
     meter = self._pipeline.meter
     news, meter.news = meter.news, None
     if self._warn and news:
-      inline = meter.tallies["inline"]
-      cycle_us = inline.cycle_s * 1e6 / max(inline.cycles, 1)
+      cycle_us = meter.news_cycle * 1e6     # what the chooser judged on
       short = ""
       if 0 < cycle_us < SHORT_CYCLE_US:
         short = (f"; with cycles this short ({cycle_us:.0f} us), even "
                  f"placing each item from Python at next() costs several "
                  f"percent: iterating the source directly, and letting the "
                  f"jitted step take its numpy arrays, costs least")
-        if self._transfer.shares_cores():
-          short += (" (on CPU, jax_cpu_enable_async_dispatch=False cut "
-                    "most of that cost in loops that read each result)")
+        if (self._transfer.shares_cores()
+            and _compat.cpu_dispatch_is_async()):
+          short += (" (on CPU with asynchronous dispatch, a step started "
+                    "more than a few microseconds after the previous "
+                    "result was read costs up to about 20 us more; in a "
+                    "loop that reads each result, prefetch(..., "
+                    "mode='workers', size=16), which keeps the placement "
+                    "off this thread, or "
+                    "jax_cpu_enable_async_dispatch=False avoids most of "
+                    "that)")
       warnings.warn(
           f"jaxstreams.prefetch does not pay here and stepped aside: {news}"
           f"{short} (Prefetcher.stats() has the figures; "
