@@ -23,6 +23,9 @@ Loops, in the same run:
   once per 8 items instead of every other item, so the consumer's thread
   does least between two steps (see benchmarks/cpu_dispatch_gap.py for why
   that matters to short steps on XLA:CPU);
+* ``auto16``: ``jaxstreams.prefetch(data, size=16)``, the default mode with
+  that lookahead (on XLA:CPU with asynchronous dispatch it then also tries
+  workers at short cycles);
 * ``staged``: ``jaxstreams.staged(step, data=data)`` with the batch's
   preprocessing in ``jaxstreams.stage(...)``, called once per batch: the
   default ``mode="auto"`` (the JSON records the way it chose, and its
@@ -38,7 +41,9 @@ host waits for the device every step (the usual loop that logs its loss);
 "no read" reads only the last result.
 
 Method (benchmarks/_common.py): per case, ``--rounds`` rounds; a round runs
-each loop once over all ``--steps`` batches, in alternating order. Reported:
+each loop once over all ``--steps`` batches (for steps under 1 ms, as many
+as take about as long: ``--steps`` / step ms, 4000 at 0.1 ms; a fifth at
+10 ms), in alternating order. Reported:
 each loop's median time per step, and per loop the median over rounds of
 plain's time over its time in the same round (the paired ratio; above 1 is
 faster than the plain loop). The load average is recorded per case. Saves
@@ -156,8 +161,8 @@ def source(batches, io_ms):
   return read()
 
 
-LOOPS = ("plain", "prefetch", "workers", "workers16", "staged", "fused",
-         "bare")
+LOOPS = ("plain", "prefetch", "workers", "workers16", "auto16", "staged",
+         "fused", "bare")
 
 
 def _choice(stats):
@@ -180,12 +185,12 @@ def measure(step, w, batches, read, io_ms, rounds):
         results[name] = run_plain(step, w, data, read)
       elif name == "bare":
         results[name] = run_plain(step, w, bare(data), read)
-      elif name in ("prefetch", "workers", "workers16"):
-        mode = "auto" if name == "prefetch" else "workers"
-        size = 16 if name == "workers16" else 2
+      elif name in ("prefetch", "workers", "workers16", "auto16"):
+        mode = "workers" if name.startswith("workers") else "auto"
+        size = 16 if name.endswith("16") else 2
         results[name], stats = run_prefetch(step, w, data, read, mode, size)
-        if name == "prefetch":
-          chose["prefetch"] = _choice(stats)
+        if mode == "auto":
+          chose[name] = _choice(stats)
       else:
         mode = "auto" if name == "staged" else "fused"
         results[name], stats = run_staged(step, w, data, read, steps, mode)
@@ -202,7 +207,7 @@ def measure(step, w, batches, read, io_ms, rounds):
 def main():
   parser = _common.parser(
       __doc__.splitlines()[0],
-      quick="150 steps (30 at 10 ms) x 3 rounds")
+      quick="150 steps (1500 at 0.1 ms, 30 at 10 ms) x 3 rounds")
   parser.add_argument("--steps", type=int, default=400)
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--producers", default="free,io")
@@ -225,13 +230,17 @@ def main():
         f"ratio = plain / loop, paired per round (> 1: faster)")
   header = (f"{'step':>7} {'producer':>8} {'read':>4} {'plain us':>9} "
             + " ".join(f"{name:>9}" for name in LOOPS[1:])
-            + "   prefetch chose, staged chose")
+            + "   prefetch, auto16, staged chose")
   print(header)
   rows, lines = [], [header]
   for target in STEP_MS:
     iters = calibrate(w, jnp.ones(batch_shape), target)
     step = jax.jit(make_step(iters))
-    steps = args.steps if target < 10 else max(30, args.steps // 5)
+    # Loops of about the same length in time under 1 ms (4000 steps of
+    # 0.1 ms by default): a few hundred steps is too short a loop for a
+    # trial's windows to be a small part of it.
+    steps = (max(args.steps, round(args.steps / target)) if target < 1
+             else args.steps if target < 10 else max(30, args.steps // 5))
     batches = [rng.standard_normal(batch_shape).astype(np.float32)
                for _ in range(steps)]
     for producer in producers:
@@ -254,6 +263,7 @@ def main():
                "seconds_per_step_samples": samples,
                "paired_ratio_to_plain": ratios,
                "prefetch_auto": chose["prefetch"],
+               "prefetch_auto_size16": chose["auto16"],
                "staged_auto": chose["staged"],
                "load_average_before": load_before,
                "load_average_after": _common.load()}
@@ -267,7 +277,8 @@ def main():
                 + "   " + ", ".join(
                     f"{c['mode']} ({c['switches']} switches, "
                     f"{len(c['trials'])} trials)"
-                    for c in (chose["prefetch"], chose["staged"])))
+                    for c in (chose["prefetch"], chose["auto16"],
+                              chose["staged"])))
         print(line, flush=True)
         lines.append(line)
 

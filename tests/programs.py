@@ -148,11 +148,11 @@ class FlippingChooser:
   with another ``every``."""
 
   def __init__(self, size, words, verify=False, unseen_gain=False,
-               shares_cores=False, every=2):
-    del size, verify, unseen_gain, shares_cores
+               shares_cores=False, unseen_cycle_s=float("inf"), every=2):
+    del size, verify, unseen_gain, shares_cores, unseen_cycle_s
     self.words, self.every = words, every
     self.mode, self.inline = words.inline, True
-    self.reason, self.news = "switching (test)", None
+    self.reason, self.news, self.news_cycle = "switching (test)", None, 0.0
     self.switches, self.trials, self.seen = 0, [], 0
     self.busy_from = float("inf")     # never asks for busy times
 

@@ -1054,6 +1054,65 @@ def test_chooser_on_shared_cores_counts_only_production_that_waits():
                     busy_us=395) == ["workers"]
 
 
+def test_chooser_with_the_dispatch_gap_tries_workers_at_short_cycles():
+  # XLA:CPU with asynchronous dispatch and a lookahead that wakes a worker
+  # rarely: cheap production (a 4 us placement, all of it needing a core)
+  # decides nothing at cycles under unseen_cycle_s; a trial does.
+  def gap_chooser():
+    return Chooser(size=16, shares_cores=True, unseen_gain=True,
+                   unseen_cycle_s=1000 * US)
+  chooser = gap_chooser()
+  assert _feed_busy(chooser, 2 + WINDOW, cycle_us=110, produce_us=4,
+                    busy_us=4) == ["workers"]
+  assert chooser.trial is not None and chooser.news is None
+  assert chooser.reason.startswith(
+      "trial: on CPU with asynchronous dispatch the consumer's own time "
+      "between steps")
+  # Workers that shorten the cycle win it and stay, though production is
+  # cheap (no stepping aside while they run) ...
+  _trial(chooser, workers_cycle_us=100, inline_cycle_us=115, produce_us=0)
+  assert chooser.mode == "workers" and chooser.trials[-1]["chose"] == (
+      "workers")
+  assert _feed(chooser, 3 * WINDOW, cycle_us=100, produce_us=4) == []
+  assert chooser.mode == "workers"
+  # ... and workers that do not (a loop that does not read its results)
+  # lose it: inline, told once.
+  chooser = gap_chooser()
+  _feed_busy(chooser, 2 + WINDOW, cycle_us=90, produce_us=4, busy_us=4)
+  _trial(chooser, workers_cycle_us=95, inline_cycle_us=90, produce_us=0)
+  assert chooser.mode == "inline" and chooser.trials[-1]["chose"] == (
+      "inline")
+  assert chooser.news is not None
+  assert chooser.news_cycle == pytest.approx(90 * US)
+  # At long cycles the same production stays inline without a trial; so
+  # it does without the gain (synchronous dispatch, a small lookahead).
+  for chooser, cycle_us in ((gap_chooser(), 2000),
+                            (Chooser(size=2, shares_cores=True), 110)):
+    assert _feed_busy(chooser, 2 + 4 * WINDOW, cycle_us=cycle_us,
+                      produce_us=4, busy_us=4) == []
+    assert chooser.mode == "inline" and not chooser.trials
+
+
+def test_prefetch_expects_the_dispatch_gap_only_where_it_can_pay(
+    monkeypatch):
+  # The chooser is told of the gain on CPU with asynchronous dispatch and a
+  # lookahead from GAP_TRIAL_SIZE on, in mode="auto" only.
+  items = [np.ones(2, np.float32)] * 3
+
+  def gain(**kwargs):
+    with jaxstreams.prefetch(items, **kwargs) as it:
+      chooser = it._pipeline.meter.chooser
+      return None if chooser is None else chooser.unseen_gain
+
+  size = _lookahead.GAP_TRIAL_SIZE
+  assert gain(size=size) is True
+  assert gain(size=size - 1) is False
+  assert gain() is False                      # the default size=2
+  assert gain(size=size, mode="inline") is None
+  monkeypatch.setattr(_compat, "cpu_dispatch_is_async", lambda: False)
+  assert gain(size=size) is False
+
+
 def test_busy_tells_waiting_from_needing_a_core():
   # The real clocks: a sleep blocks (it needs no core), a computation
   # needs one all along.
@@ -1170,7 +1229,7 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
   message = str(record[0].message)
   assert "iterating the source directly" in message
   # On CPU with asynchronous dispatch (the default), what helps there.
-  assert "mode='workers', size=16" in message
+  assert "with size=16 (any size from 8) auto also tries workers" in message
   assert "jax_cpu_enable_async_dispatch=False" in message
   assert got == list(range(300))
   assert stats["mode"] == "inline" and stats["switches"] == 0

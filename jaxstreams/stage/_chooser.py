@@ -39,6 +39,13 @@ LEAVE_SHARE = 0.05     # overlap steps aside under this share,
 LEAVE_US = 15.0        # ... or when an item takes less than this,
 MOSTLY_READY = 0.05    # ... if the consumer waited for this share at most
                        # (or waited as long as producing takes)
+SHORT_CYCLE_US = 1000.0   # cycles under which the consumer's own time
+                          # between steps matters (unseen_cycle_s; the
+                          # warning's note): measured on the 2-core machine,
+                          # reading every step, prefetch inline ran 0.84x-
+                          # 0.92x of the plain loop at 0.1 ms steps, 0.91x-
+                          # 0.96x at 0.3 ms, 0.94x-0.98x at 1 ms, and from
+                          # 3 ms on within 1-2% (benchmarks/prefetch_sweep.py)
 FIRST_TRIAL_GAP = 256  # judged items between trials (doubling each time)
 EARLY_ITEMS = 4        # a trial's overlap window is also looked at after
 EARLY_LOSS = 1.5       # this many items, and the trial ends, lost, if its
@@ -126,19 +133,25 @@ class Chooser:
     inline items that chose it, or a trial runs at once; after that, while
     it runs, trials check it whenever the gap allows (the first
     ``FIRST_TRIAL_GAP`` judged items later).
-  * ``unseen_gain``: overlap may also hide work these measurements cannot
+  * ``unseen_gain``: overlap may also gain what these measurements cannot
     see (``staged`` on a platform that runs streams: the producer's device
-    work beside the consumer's). A cheap production then decides nothing:
-    inline runs a trial whenever the gap allows, and overlap, instead of
-    stepping aside, runs one.
+    work beside the consumer's; ``prefetch`` on XLA:CPU with asynchronous
+    dispatch: the consumer's own time between two steps, which costs a
+    step more than it takes, benchmarks/cpu_dispatch_gap.py). A cheap
+    production then decides nothing: inline runs a trial whenever the gap
+    allows, and overlap, instead of stepping aside, runs one. Only while
+    the window's mean cycle is under ``unseen_cycle_s``: a gain of a few
+    microseconds a step is past what a trial can tell on longer cycles.
   """
 
   def __init__(self, size: int, words: Words, verify: bool = False,
-               unseen_gain: bool = False, shares_cores: bool = False):
+               unseen_gain: bool = False, shares_cores: bool = False,
+               unseen_cycle_s: float = float("inf")):
     self.size = size
     self.words = words
     self.verify = verify
     self.unseen_gain = unseen_gain
+    self.unseen_cycle_s = unseen_cycle_s
     self.shares_cores = shares_cores
     # From which production time an inline item's ``busy`` is worth
     # measuring (it costs four system calls): where it changes anything,
@@ -212,6 +225,7 @@ class Chooser:
     share = self.produce / self.cycle if self.cycle > 0 else 0.0
     produce_us = self.produce / self.n * 1e6
     trial_due = self.judged + self.n >= self.next_trial
+    unseen = self.unseen_gain and self.cycle < self.unseen_cycle_s * self.n
     if self.inline:
       if (share >= SURE_SHARE and produce_us >= SURE_US
           and share >= 2 * self.tried_share):
@@ -227,7 +241,7 @@ class Chooser:
         return False
       worth = (share >= max(TRY_SHARE, 2 * self.tried_share)
                and produce_us >= TRY_US)
-      if (worth or self.unseen_gain) and trial_due:
+      if (worth or unseen) and trial_due:
         return self._start_trial(share, unseen=not worth)
       if self.busy > self.produce:    # mostly needs a core the step needs
         cheap = words.busy.format(figures=self._figures())
@@ -254,14 +268,14 @@ class Chooser:
     cheap = ((share < LEAVE_SHARE or produce_us < LEAVE_US)
              and (self.waited <= MOSTLY_READY * self.n
                   or self.wait >= self.produce))
-    if cheap and not self.unseen_gain:
+    if cheap and not unseen:
       self.tried_share = 0.0
       changed = self._switch(words.inline, words.leave.format(
           share=share, figures=self._figures(), waited=self.waited,
           n=self.n))
       self._step_aside_news()
       return changed
-    if (self.verify or self.unseen_gain) and trial_due:
+    if (self.verify or unseen) and trial_due:
       return self._start_trial(share, unseen=cheap)
     if not self.won_trial:
       self.reason = words.steady.format(share=share, figures=self._figures())

@@ -12,13 +12,17 @@ a producer waits on I/O and while XLA copies or computes, so they overlap.
 Never slower than doing without. A worker costs a hand-off per item and
 competes with the step for the CPU; where producing an item is cheap there
 is nothing for it to hide, and a loop of sub-millisecond steps that reads
-each result ran at 0.2x-0.85x of the plain loop with one. So by default
-(``mode="auto"``) the consumer's own thread produces each item at ``next()``
-(*inline*: pull, then place, as the plain loop would) until the iterator's
-measurements of itself say producing one is worth hiding (``_chooser``);
-then workers take over, and they step aside again when production turns
-cheap. ``mode="workers"`` / ``"inline"`` force one way; ``stats()`` says
-which way it runs and why.
+each result ran at 0.2x-0.85x of the plain loop with one (at ``size=2``,
+where it is woken every other item). So by default (``mode="auto"``) the
+consumer's own thread produces each item at ``next()`` (*inline*: pull,
+then place, as the plain loop would) until the iterator's measurements of
+itself say producing one is worth hiding (``_chooser``); then workers take
+over, and they step aside again when production turns cheap. One
+exception, found by trials: on XLA:CPU with asynchronous dispatch, the
+consumer's own time between short steps costs more than it takes, and with
+a lookahead of ``GAP_TRIAL_SIZE`` or more a worker can take the placement
+out of it. ``mode="workers"`` / ``"inline"`` force one way; ``stats()``
+says which way it runs and why.
 
 Where each piece lives: ``_prefetch_checks`` (the arguments),
 ``_lookahead`` (the pipeline: workers or the consumer's thread, its
@@ -38,21 +42,12 @@ from typing import Any, Callable, Iterable
 from jaxstreams import _checks, _compat
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.stage import _prefetch_checks, _transfer
-from jaxstreams.stage._lookahead import Pipeline
+from jaxstreams.stage._chooser import SHORT_CYCLE_US
+from jaxstreams.stage._lookahead import GAP_TRIAL_SIZE, Pipeline
 from jaxstreams.stage._prefetch_checks import FUNC
 from jaxstreams.stage._transfer import FunctionTransfer, Transfer
 
 _names = itertools.count()
-
-# Under this cycle the warning adds that prefetching costs even inline:
-# each item is placed from Python at next(), and on XLA:CPU with
-# asynchronous dispatch a step started more than a few microseconds after
-# the previous result was read costs more (benchmarks/cpu_dispatch_gap.py).
-# Measured (benchmarks/prefetch_sweep.py, the 2-core development machine,
-# reading every step's result): 0.84x-0.92x of the plain loop at 0.1 ms
-# steps, 0.91x-0.96x at 0.3 ms, 0.94x-0.96x at 1 ms; mode="workers" with
-# size=16 1.00x-1.01x there.
-SHORT_CYCLE_US = 1000.0
 
 
 def _describe(iterable: Any) -> str:
@@ -143,6 +138,7 @@ class Prefetcher:
           f"workers produce the items: timeout={timeout} was given, and "
           f"only a wait for a worker can time out")
     name = f"jaxstreams-prefetch-{next(_names)}"
+    shares_cores = mode == "auto" and transfer.shares_cores()
     self._transfer = transfer
     self._closed = False
     # Only the public prefetch() warns: a staged step's internal pipelines
@@ -155,7 +151,9 @@ class Prefetcher:
         iterator, transfer, size, num_threads,
         closed_exception_types, ignored_exception_types,
         _describe(iterable), name, mode, reason, upstream=upstream,
-        owned=owned, shares_cores=mode == "auto" and transfer.shares_cores())
+        owned=owned, shares_cores=shares_cores,
+        unseen_gain=shares_cores and size >= GAP_TRIAL_SIZE
+        and _compat.cpu_dispatch_is_async())
     self._finalizer = weakref.finalize(self, _stop_unjoined, self._pipeline)
 
   def __iter__(self) -> Prefetcher:
@@ -194,10 +192,13 @@ class Prefetcher:
             and _compat.cpu_dispatch_is_async()):
           short += (" (on CPU with asynchronous dispatch, a step started "
                     "more than a few microseconds after the previous "
-                    "result was read costs up to about 20 us more; in a "
-                    "loop that reads each result, prefetch(..., "
-                    "mode='workers', size=16), which keeps the placement "
-                    "off this thread, or "
+                    "result was read costs up to about 20 us more")
+          if self.size < GAP_TRIAL_SIZE:
+            short += (f"; with size=16 (any size from {GAP_TRIAL_SIZE}) "
+                      f"auto also tries workers, which keep the placement "
+                      f"off this thread and won in loops that read each "
+                      f"result")
+          short += ("; in a loop that reads each result, "
                     "jax_cpu_enable_async_dispatch=False avoids most of "
                     "that)")
       warnings.warn(
@@ -332,7 +333,14 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
         long as producing the items takes). Where the device computes on
         the host's own cores (XLA:CPU), only production that waits
         (storage, a network) counts: production that needs a core
-        (copying, numpy work) would compete with the step there.
+        (copying, numpy work) would compete with the step there. There,
+        with asynchronous dispatch (XLA:CPU's default) and a ``size`` of
+        at least 8, cycles under 1 ms also get trials however cheap
+        production is: a step dispatched a few microseconds after the
+        previous result was read costs more than that time
+        (``benchmarks/cpu_dispatch_gap.py``), and workers, woken once per
+        few items, take the placement out of it; in a loop that reads each
+        result they won (README).
         One ``jaxstreams.PerformanceWarning`` the first time it decides to
         step aside. With a ``timeout``, always workers (only a wait for
         another thread can time out).
