@@ -1194,6 +1194,28 @@ def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(
   assert "iterating the source directly" in message
 
 
+def test_auto_with_a_large_lookahead_on_cpu_tries_workers_at_short_cycles(
+    monkeypatch):
+  # Cheap production (5 us) at 105 us cycles: at size=2 it stays inline
+  # without a trial (the test above); from GAP_TRIAL_SIZE on, with
+  # asynchronous dispatch, a trial compares the two ways, and order and
+  # items hold across its switches.
+  clock = _FakeClock()
+  monkeypatch.setattr(_clock, "now", clock)
+  got = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
+    with jaxstreams.prefetch(_timed_source(clock, 300, 5),
+                             size=_lookahead.GAP_TRIAL_SIZE) as it:
+      for item in it:
+        got.append(int(item[0]))
+        clock.advance(100)
+      stats = it.stats()
+  assert got == list(range(300))
+  assert stats["trials"] and stats["switches"] >= 2
+  assert stats["workers"]["items"] > 0 and stats["inline"]["items"] > 0
+
+
 def test_short_cycle_warning_leaves_out_async_dispatch_advice_when_sync(
     monkeypatch):
   # With jax_cpu_enable_async_dispatch=False already set, the warning does
