@@ -139,6 +139,10 @@ class Prefetcher:
           f"only a wait for a worker can time out")
     name = f"jaxstreams-prefetch-{next(_names)}"
     shares_cores = mode == "auto" and transfer.shares_cores()
+    # Where the consumer's own time between short steps costs a step more
+    # than it takes (XLA:CPU, asynchronous dispatch): auto may try workers
+    # for it, and the step-aside warning says so.
+    self._dispatch_gap = shares_cores and _compat.cpu_dispatch_is_async()
     self._transfer = transfer
     self._closed = False
     # Only the public prefetch() warns: a staged step's internal pipelines
@@ -152,8 +156,7 @@ class Prefetcher:
         closed_exception_types, ignored_exception_types,
         _describe(iterable), name, mode, reason, upstream=upstream,
         owned=owned, shares_cores=shares_cores,
-        unseen_gain=shares_cores and size >= GAP_TRIAL_SIZE
-        and _compat.cpu_dispatch_is_async())
+        unseen_gain=self._dispatch_gap and size >= GAP_TRIAL_SIZE)
     self._finalizer = weakref.finalize(self, _stop_unjoined, self._pipeline)
 
   def __iter__(self) -> Prefetcher:
@@ -188,8 +191,7 @@ class Prefetcher:
                  f"placing each item from Python at next() costs several "
                  f"percent: iterating the source directly, and letting the "
                  f"jitted step take its numpy arrays, costs least")
-        if (self._transfer.shares_cores()
-            and _compat.cpu_dispatch_is_async()):
+        if self._dispatch_gap:
           short += (" (on CPU with asynchronous dispatch, a step started "
                     "more than a few microseconds after the previous "
                     "result was read costs up to about 20 us more")
