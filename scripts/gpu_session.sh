@@ -1,50 +1,131 @@
 #!/usr/bin/env bash
-# Everything a session with a GPU should run, in one go, on the GPU machine
-# (no network there: it builds in place against the image's jax/jaxlib,
-# scikit-build-core, cmake and nvcc). Writes every log under OUT_DIR
-# (default $OUT, else benchmarks/results/gpu) for committing with the device
-# name and jax version. Not yet run: no GPU was lent to the sessions so far.
+# Everything a session with a GPU should run, on the GPU machine itself (no
+# network there: it builds in place with the image's jaxlib headers, cmake
+# and nvcc, and runs against the image's jax).
 #
-#   bash scripts/gpu_session.sh            # probe, build, GPU tests, benchmarks
-#   QUICK=1 bash scripts/gpu_session.sh    # benchmark suite in --quick mode
+#   bash scripts/gpu_session.sh                 # every step, in order
+#   bash scripts/gpu_session.sh build tests     # only the steps named
+#
+# Steps: info probe build gputests tests sanitizer suite levers serve
+#        overhead sweep prefetch demo
+#
+# Each step writes its log to $LOGS/<step>.txt (default benchmarks/results/gpu)
+# and the benchmarks save their JSON there too. The device tool returns at
+# most 8 files from $OUT, so when $OUT is set the whole log folder is packed
+# into $OUT/gpu_logs.tgz after every step: a call cut off at its time limit
+# still returns every step that finished. Each step runs under its own time
+# limit (TIMEOUT_<STEP>=seconds overrides it), cut short to end BUDGET
+# seconds after the script started (default 570: the device tool's 10-minute
+# limit on one command, less time to pack), and a failing step does not stop
+# the next one. The build goes to build/gpu, which stays between calls
+# to a machine that is still warm; later calls find it there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT_DIR:-${OUT:-benchmarks/results/gpu}}
-mkdir -p "$out"
+logs=${LOGS:-benchmarks/results/gpu}
+mkdir -p "$logs"
+deadline=$(( $(date +%s) + ${BUDGET:-570} ))
 py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -d build/gpu/lib ]; then export JAXSTREAMS_FFI_LIB_DIR=$PWD/build/gpu/lib; fi
 
-{
+pack() {
+  if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu_logs.tgz" -C "$logs" .; fi
+}
+
+run_step() {  # name default_timeout, then the command
+  local name=$1 limit=$2 var status
+  shift 2
+  var=TIMEOUT_$(tr '[:lower:]' '[:upper:]' <<<"$name")
+  limit=${!var:-$limit}
+  local left=$(( deadline - $(date +%s) ))
+  if [ "$left" -lt 10 ]; then echo "=== $name skipped: budget spent"; return; fi
+  [ "$left" -lt "$limit" ] && limit=$left
+  echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+  SECONDS=0
+  timeout --kill-after=10 "$limit" "$@" >"$logs/$name.txt" 2>&1
+  status=$?
+  echo "exit $status after ${SECONDS}s" >>"$logs/$name.txt"
+  tail -4 "$logs/$name.txt"
+  pack
+}
+
+step_info() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  "$py" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
-} 2>&1 | tee "$out/device.txt"
+  "$py" -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
+  "$py" -m pip list 2>/dev/null | grep -Ei '^(jax|jaxlib|jax-cuda|numpy|pytest|hypothesis|cmake|ninja) '
+  command -v nvcc cmake ninja compute-sanitizer
+  nvcc --version | tail -2
+}
 
-# 1. Does XLA run stream-annotated calls concurrently here at all?
-if [ -f ../shared/gpu/overlap_probe.py ]; then probe=../shared/gpu/overlap_probe.py
-else probe=shared/gpu/overlap_probe.py; fi
-"$py" "$probe" 2>&1 | tee "$out/overlap_probe.txt"
+step_probe() {
+  local probe=../shared/gpu/overlap_probe.py
+  [ -f "$probe" ] || probe=shared/gpu/overlap_probe.py
+  "$py" "$probe"
+}
 
-# 2. Build the package in place (both native libraries) into a target dir.
-"$py" -m pip install --no-build-isolation --no-deps --target /tmp/jaxstreams-site . \
-  2>&1 | tail -5 | tee "$out/build.txt"
-export PYTHONPATH=/tmp/jaxstreams-site${PYTHONPATH:+:$PYTHONPATH}
+# The GPU image's default compiler (CXX=/opt/gcc/bin/g++) put libstdc++'s
+# own code into our libraries (gdb showed std::ostream internals inside
+# libjaxstreams_cpu.so), and that copy crashed in the CPU library's first
+# string formatting, inside a process where jaxlib had loaded the system
+# libstdc++ (H100 machine, 2026-11-24). The system g++ links libstdc++.so.6
+# like every other extension: build with it.
+step_build() {
+  local gen=() cxx=${JAXSTREAMS_CXX:-/usr/bin/g++}
+  command -v ninja >/dev/null && gen=(-G Ninja)
+  [ -x "$cxx" ] && export CXX=$cxx CUDAHOSTCXX=$cxx
+  cmake -S ffi -B build/gpu "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DJAXSTREAMS_REQUIRE_CUDA=ON -DPython_EXECUTABLE="$(command -v "$py")" &&
+    cmake --build build/gpu -j 16 && ls -l build/gpu/lib &&
+    readelf -d build/gpu/lib/libjaxstreams_cpu.so | grep NEEDED
+}
 
-# 3. The whole test suite, GPU tests required to run.
-JAXSTREAMS_REQUIRE_GPU=1 "$py" -m pytest -q -p no:cacheprovider tests 2>&1 \
-  | tee "$out/tests.txt"
+export GPU_TEST_FILES="tests/test_gpu_core.py tests/test_runtime_gpu.py
+  tests/test_gpu_compile.py tests/test_xla_schedule.py"
 
-# 4. compute-sanitizer over the runtime's GPU tests.
-if command -v compute-sanitizer >/dev/null; then
+step_gputests() {  # the GPU tests on their own, one process, full tracebacks
+  JAXSTREAMS_REQUIRE_GPU=1 "$py" -X faulthandler -m pytest -p no:cacheprovider \
+    -p no:benchmark -q -rfEsxX --durations=15 $GPU_TEST_FILES
+}
+
+step_tests() {  # the rest of the suite, with the GPU as JAX's default device
+  local par=()
+  "$py" -c 'import xdist' 2>/dev/null && par=(-n 8)
+  # pytest-benchmark (installed there) warns under xdist, and the suite turns
+  # warnings into errors: leave that plugin out.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false JAXSTREAMS_REQUIRE_GPU=1 "$py" -X faulthandler \
+    -m pytest -p no:cacheprovider -p no:benchmark -q -rfEsxX --tb=short \
+    --durations=25 "${par[@]}" \
+    $(printf -- '--ignore=%s ' $GPU_TEST_FILES) tests
+}
+
+step_sanitizer() {
   JAXSTREAMS_REQUIRE_GPU=1 compute-sanitizer --tool memcheck "$py" -m pytest -q \
-    -p no:cacheprovider tests/test_runtime_gpu.py 2>&1 | tail -30 | tee "$out/sanitizer.txt"
-fi
+    -p no:cacheprovider tests/test_runtime_gpu.py
+}
 
-# 5. Benchmarks (each prints ratios taken in one run and saves JSON).
-suite_args=(--out "$out")
-[ "${QUICK:-0}" = 1 ] && suite_args+=(--quick)
-"$py" benchmarks/suite.py "${suite_args[@]}" 2>&1 | tee "$out/suite.txt"
-"$py" benchmarks/jit_overhead.py --out "$out" 2>&1 | tee "$out/jit_overhead.txt"
-"$py" benchmarks/prefetch.py --out "$out" 2>&1 | tee "$out/prefetch.txt"
-"$py" benchmarks/serve.py --out "$out" 2>&1 | tee "$out/serve.txt"
-"$py" examples/streams_demo.py 2>&1 | tee "$out/streams_demo.txt"
-echo "logs in $out"
+export py
+export -f step_info step_probe step_build step_gputests step_tests step_sanitizer
+all_steps=(info probe build gputests tests sanitizer suite levers serve overhead sweep prefetch demo)
+steps=("$@")
+[ ${#steps[@]} = 0 ] && steps=("${all_steps[@]}")
+for s in "${steps[@]}"; do
+  case $s in
+    info)      run_step info 60 bash -c step_info ;;
+    probe)     run_step probe 180 bash -c step_probe ;;
+    build)     run_step build 300 bash -c step_build
+               [ -d build/gpu/lib ] && export JAXSTREAMS_FFI_LIB_DIR=$PWD/build/gpu/lib ;;
+    gputests)  run_step gputests 240 bash -c step_gputests ;;
+    tests)     run_step tests 420 bash -c step_tests ;;
+    sanitizer) run_step sanitizer 240 bash -c step_sanitizer ;;
+    suite)     run_step suite 300 "$py" benchmarks/suite.py --out "$logs" ;;
+    levers)    run_step levers 240 "$py" benchmarks/gpu_levers.py --out "$logs" ;;
+    serve)     run_step serve 200 "$py" benchmarks/serve.py --quiet --out "$logs" ;;
+    overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --out "$logs" ;;
+    sweep)     run_step sweep 420 "$py" benchmarks/prefetch_sweep.py --quiet \
+                 --rounds "${SWEEP_ROUNDS:-3}" --out "$logs" ;;
+    prefetch)  run_step prefetch 200 "$py" benchmarks/prefetch.py --out "$logs" ;;
+    demo)      run_step demo 120 "$py" examples/streams_demo.py ;;
+    *) echo "unknown step: $s (steps: ${all_steps[*]})" >&2; exit 2 ;;
+  esac
+done
+echo "logs in $logs"
