@@ -139,10 +139,15 @@ def main():
     grouped = jaxstreams.serve(mlp, groups=args.groups, queue_size=4096,
                                mode="grouped")
     ways["grouped"] = grouped
-  # Same results, and everything compiled before timing.
+  # Same results, and everything compiled before timing: bitwise on XLA:CPU;
+  # on a GPU a batch of requests is one wider matmul, tiled differently.
+  exact = jax.default_backend() == "cpu"
   for x in inputs[:4]:
-    for call in ways.values():
-      assert np.array_equal(call(x), jitted(x))
+    want = np.asarray(jitted(x))
+    for name, call in ways.items():
+      got = np.asarray(call(x))
+      assert (np.array_equal(got, want) if exact else
+              np.allclose(got, want, rtol=2e-2, atol=2e-2)), name
   warmed = grouped is None or warm_every_batch_size(grouped, inputs,
                                                     args.groups)
   traced_before = grouped.stats().programs_traced if grouped else 0

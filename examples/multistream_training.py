@@ -154,8 +154,11 @@ def main(argv):
   leaves = [(np.asarray(a), np.asarray(b)) for a, b in leaves]
   bitwise = (np.array_equal(fast_losses, plain_losses)
              and all(np.array_equal(a, b) for a, b in leaves))
-  close = (np.allclose(fast_losses, plain_losses, rtol=1e-4, atol=1e-6)
-           and all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in leaves))
+  # On a GPU the two programs fuse and tile their (TF32) matmuls differently,
+  # and the two trajectories drift apart by that rounding over the steps.
+  rtol, atol = (1e-4, 1e-6) if jax.default_backend() == "cpu" else (2e-2, 2e-3)
+  close = (np.allclose(fast_losses, plain_losses, rtol=rtol, atol=atol)
+           and all(np.allclose(a, b, rtol=rtol, atol=atol) for a, b in leaves))
   verdict = "bitwise" if bitwise else "to rounding" if close else "NO"
   print()
   print(f"first loss {fast_losses[0]:.6f}, final loss {fast_losses[-1]:.6f} "

@@ -25,7 +25,7 @@ from jaxstreams.lower import emit
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
 
-__all__ = ["jit", "plan", "spec_of", "StreamJit"]
+__all__ = ["jit", "plan", "spec_of", "stream_calls_jit", "StreamJit"]
 
 _JIT_PARAMETERS = frozenset(
     name for name, p in inspect.signature(jax.jit).parameters.items()
@@ -42,7 +42,7 @@ def _check_streams(streams: Any, source: str) -> int:
 
 def jit(fun: Callable | None = None, *, streams: int | None = None,
         auto: bool | None = None, **jit_kwargs: Any):
-  """Like ``jax.jit``, and runs the function's stream blocks on their streams.
+  """Like ``jax.jit``, with a stream plan of the function's stream blocks.
 
   Usable as ``@jaxstreams.jit``, ``@jaxstreams.jit(streams=4)`` or
   ``jaxstreams.jit(f, streams=4)``. ``streams`` is the number of stream
@@ -55,6 +55,12 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   (``None`` reads the ``jaxstreams_auto`` option). Plan options are read when
   the function is traced.
 
+  How a plan of several streams runs on a GPU is the ``jaxstreams_gpu_lowering``
+  option's, read when the function is made: ``"inline"`` (default), the
+  program ``jax.jit`` builds, since stream calls measured slower than it on
+  an H100 (jax 0.11.2); ``"streams"``, each off-main region as a call on its
+  CUDA stream. On CPU both are the program ``jax.jit`` builds.
+
   With ``streams`` given, the result *is* a ``jax.jit`` function (of the
   planned program) with a ``plan`` method, so calls cost what ``jax.jit``
   calls cost; with ``streams=None`` it is a thin wrapper that picks the
@@ -62,6 +68,19 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   wrapping the same function again with the same options reuses its traces
   and compiled programs.
   """
+  return _jit(fun, streams, auto, jit_kwargs, gpu_lowering=None)
+
+
+def stream_calls_jit(fun: Callable, *, streams: int, **jit_kwargs: Any):
+  """``jaxstreams.jit`` whose regions are stream calls on a GPU whatever the
+  ``jaxstreams_gpu_lowering`` option says: for the programs whose point is
+  their streams and whose own ``mode="auto"`` measures whether they pay
+  (``serve``'s grouped batches, ``staged``'s fused and threaded producers)."""
+  return _jit(fun, streams, None, jit_kwargs, gpu_lowering="streams")
+
+
+def _jit(fun: Callable | None, streams: int | None, auto: bool | None,
+         jit_kwargs: dict[str, Any], gpu_lowering: str | None):
   if streams is not None:
     _check_streams(streams, "jaxstreams.jit")
   if auto is not None and not isinstance(auto, bool):
@@ -73,13 +92,13 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
                     f"{', '.join(unknown)}; it takes streams= and the keywords "
                     f"of jax.jit: {', '.join(sorted(_JIT_PARAMETERS))}")
   if fun is None:
-    return lambda f: jit(f, streams=streams, auto=auto, **jit_kwargs)
+    return lambda f: _jit(f, streams, auto, jit_kwargs, gpu_lowering)
   _compat.hide_package_frames()
   # jax.jit's own checks and messages for what it does not take (a
   # non-callable, a generator function, bad static_argnums, ...): the
   # function jax.jit traces later is jaxstreams', which would hide them.
   jax.jit(fun, **jit_kwargs)
-  spec = _Spec(fun, streams, auto, dict(jit_kwargs))
+  spec = _Spec(fun, streams, auto, dict(jit_kwargs), gpu_lowering)
   if streams is None:
     wrapper = StreamJit(spec)
     wrapper.jitted(1)   # let jax.jit check its keywords now, not at the first call
@@ -120,7 +139,7 @@ class _Staged:
   users hold the function strongly."""
 
   def __init__(self, fun: Callable, streams: int, auto: bool | None,
-               source: str, shared: bool):
+               source: str, gpu_lowering: str, shared: bool):
     if shared:
       self._fun_ref = weakref.ref(fun)
     else:   # held by its jit object only: no cycle, hold the function
@@ -128,6 +147,7 @@ class _Staged:
     self.streams = streams
     self.auto = auto
     self.source = source
+    self.gpu_lowering = gpu_lowering
     for name in ("__module__", "__name__", "__qualname__", "__doc__"):
       value = getattr(fun, name, None)
       if isinstance(value, str):
@@ -145,31 +165,33 @@ class _Staged:
       return fun(*args, **kwargs)
     plan, out_tree, dynamic = make_plan(fun, self.streams, self.auto,
                                         self.source, args, kwargs)
-    outs = emit(plan, dynamic, profile=profiling_now())
+    outs = emit(plan, dynamic, profile=profiling_now(),
+                gpu_lowering=self.gpu_lowering)
     return tree_util.tree_unflatten(out_tree, outs)
 
 
-# function -> {(streams, auto, source): _Staged}, the function held weakly.
+# function -> {(streams, auto, source, gpu lowering): _Staged}, the function
+# held weakly.
 _STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
 _STAGED_LOCK = threading.Lock()
 
 
 def _staged_for(fun: Callable, streams: int, auto: bool | None,
-                source: str) -> _Staged:
+                source: str, gpu_lowering: str) -> _Staged:
   """The shared staged function of ``fun``. Only callables compared by
   identity are shared: an equal but distinct callable (a bound method made
   again) would find the entry of one that may die before it."""
+  args = (streams, auto, source, gpu_lowering)
   if type(fun).__eq__ is not object.__eq__:
-    return _Staged(fun, streams, auto, source, shared=False)
-  key = (streams, auto, source)
+    return _Staged(fun, *args, shared=False)
   with _STAGED_LOCK:
     try:
       by_key = _STAGED.setdefault(fun, {})
     except TypeError:   # not weakly referable
-      return _Staged(fun, streams, auto, source, shared=False)
-    staged = by_key.get(key)
+      return _Staged(fun, *args, shared=False)
+    staged = by_key.get(args)
     if staged is None:
-      staged = by_key[key] = _Staged(fun, streams, auto, source, shared=True)
+      staged = by_key[args] = _Staged(fun, *args, shared=True)
     return staged
 
 
@@ -179,11 +201,12 @@ class _Spec:
   user's function."""
 
   def __init__(self, fun: Callable, streams: int | None, auto: bool | None,
-               jit_kwargs: dict[str, Any]):
+               jit_kwargs: dict[str, Any], gpu_lowering: str | None = None):
     self.fun = fun
     self.streams = streams
     self.auto = auto
     self.jit_kwargs = jit_kwargs
+    self.gpu_lowering = gpu_lowering   # None: the option's, when made
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
                    else "the jaxstreams_streams option")
 
@@ -207,8 +230,12 @@ class _Spec:
     return self.fun
 
   def jitted(self, streams: int):
-    """A new ``jax.jit`` function of the shared staged function."""
-    staged = _staged_for(self.fun, streams, self.auto, self.source)
+    """A new ``jax.jit`` function of the shared staged function. The
+    ``jaxstreams_gpu_lowering`` option is read here, when the ``jax.jit``
+    function is made: jax's trace cache does not know the option, so a
+    function traced one way must not be found by one made the other way."""
+    lowering = self.gpu_lowering or config.read("jaxstreams_gpu_lowering")
+    staged = _staged_for(self.fun, streams, self.auto, self.source, lowering)
     return jax.jit(staged, **self.jit_kwargs)
 
   def plan(self, *args, **kwargs) -> StreamPlan:

@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from programs import assert_bitwise_equal, cuda_text, random_inputs
+from programs import assert_equal_results, cuda_text, random_inputs
+
+# These read the GPU program's stream calls (or compare programs that have
+# them): jaxstreams.jit functions are made with the 'streams' lowering.
+pytestmark = pytest.mark.usefixtures("stream_calls")
 
 
 def off_main_region(c):
@@ -36,8 +40,8 @@ def test_grad_of_checkpoint_with_an_off_main_region():
   c = jnp.linspace(0.1, 1.0, 4)
   ours = jaxstreams.jit(off_main_region, streams=2)
   theirs = jax.jit(off_main_region)
-  assert_bitwise_equal(jax.grad(_loss_of(ours))(c), jax.grad(_loss_of(theirs))(c))
-  assert_bitwise_equal(jax.jit(jax.grad(_loss_of(ours)))(c),
+  assert_equal_results(jax.grad(_loss_of(ours))(c), jax.grad(_loss_of(theirs))(c))
+  assert_equal_results(jax.jit(jax.grad(_loss_of(ours)))(c),
                        jax.jit(jax.grad(_loss_of(theirs)))(c))
   # The regions are still annotated calls in the GPU program, the gradient's
   # included.
@@ -52,7 +56,7 @@ def test_grad_of_checkpoint_with_auto_placement():
   assert any(r.stream != 0 for r in ours.plan(x, w1, w2).regions), \
       "auto should split this program, or the test checks nothing"
   theirs = jax.jit(untagged_towers)
-  assert_bitwise_equal(
+  assert_equal_results(
       jax.jit(jax.grad(_loss_of(ours), (1, 2)))(x, w1, w2),
       jax.jit(jax.grad(_loss_of(theirs), (1, 2)))(x, w1, w2))
   # x's cotangent sums the two towers' contributions, and the plan emits the
@@ -69,13 +73,13 @@ def test_vmap_linearize_and_scan_over_planned_functions(auto):
   ours = jaxstreams.jit(off_main_region, streams=2, auto=auto)
   theirs = jax.jit(off_main_region)
   cs = jnp.stack([c, c * 2, c + 1])
-  assert_bitwise_equal(jax.jit(jax.vmap(ours))(cs), jax.jit(jax.vmap(theirs))(cs))
-  assert_bitwise_equal(jax.jit(jax.vmap(jax.grad(_loss_of(ours))))(cs),
+  assert_equal_results(jax.jit(jax.vmap(ours))(cs), jax.jit(jax.vmap(theirs))(cs))
+  assert_equal_results(jax.jit(jax.vmap(jax.grad(_loss_of(ours))))(cs),
                        jax.jit(jax.vmap(jax.grad(_loss_of(theirs))))(cs))
 
   def linearized(f):
     return jax.jit(lambda c, t: jax.linearize(jax.checkpoint(f), c)[1](t))
-  assert_bitwise_equal(linearized(ours)(c, c * 3), linearized(theirs)(c, c * 3))
+  assert_equal_results(linearized(ours)(c, c * 3), linearized(theirs)(c, c * 3))
 
   def scanned(f):
     def loss(c):
@@ -84,12 +88,13 @@ def test_vmap_linearize_and_scan_over_planned_functions(auto):
       final, sums = jax.lax.scan(body, c, None, length=3)
       return final.sum() + sums.sum()
     return jax.jit(jax.grad(loss))
-  assert_bitwise_equal(scanned(ours)(c), scanned(theirs)(c))
+  assert_equal_results(scanned(ours)(c), scanned(theirs)(c))
 
 
 def test_importing_jaxstreams_changes_no_jax_rule():
-  """The region rules are installed by the first region emitted, not as a
-  side effect of ``import jaxstreams`` (nor by a program without regions)."""
+  """The region rules are installed by the first region emitted as a stream
+  call, not as a side effect of ``import jaxstreams`` (nor by a program
+  without regions, nor by one lowered inline, the default)."""
   code = (
       "import jax, jaxstreams\n"
       "from jaxstreams import _compat\n"
@@ -100,6 +105,9 @@ def test_importing_jaxstreams_changes_no_jax_rule():
       "  with jaxstreams.stream(1):\n"
       "    y = x * 2\n"
       "  return y + 1\n"
+      "assert jaxstreams.jit(f, streams=2)(1.0) == 3.0\n"
+      "assert not _compat._region_rules_installed\n"
+      "jaxstreams.config.update('jaxstreams_gpu_lowering', 'streams')\n"
       "assert jaxstreams.jit(f, streams=2)(1.0) == 3.0\n"
       "assert _compat._region_rules_installed\n"
       "print('ok')\n")
@@ -128,7 +136,7 @@ def test_one_trace_for_many_jit_objects_of_one_function(streams, monkeypatch):
   for _ in range(4):
     ours = jaxstreams.jit(ours_f, streams=streams)(y)
     theirs = jax.jit(theirs_f)(y)
-  assert_bitwise_equal(ours, theirs)
+  assert_equal_results(ours, theirs)
   assert len(ours_traces) == len(theirs_traces) == 1
   # Other options are another program.
   jaxstreams.jit(ours_f, streams=3)(y)
@@ -168,7 +176,7 @@ def test_dropped_function_is_freed_without_gc(make_jit):
     fun = _closure_over_an_array()
     ref = weakref.ref(fun)
     jitted = make_jit(fun)
-    assert_bitwise_equal(jitted(jnp.ones(4)), jnp.arange(4.0) + 1)
+    assert_equal_results(jitted(jnp.ones(4)), jnp.arange(4.0) + 1)
     del fun, jitted
     assert ref() is None
   finally:
@@ -231,8 +239,8 @@ def test_disable_jit_runs_the_function_as_python():
     theirs = jax.jit(branchy)(x)
     ours = jaxstreams.jit(branchy, streams=2)(x)
     ours_from_option = jaxstreams.jit(branchy)(x)
-  assert_bitwise_equal(ours, theirs)
-  assert_bitwise_equal(ours_from_option, theirs)
+  assert_equal_results(ours, theirs)
+  assert_equal_results(ours_from_option, theirs)
   with pytest.raises(jax.errors.TracerBoolConversionError):
     jax.jit(branchy)(x)
   with pytest.raises(jax.errors.TracerBoolConversionError):
@@ -273,12 +281,12 @@ def test_equal_bound_methods_outlive_each_other():
   first = jaxstreams.jit(model.apply, streams=2)
   second = jaxstreams.jit(model.apply, streams=2)
   x = jnp.arange(3.0)
-  assert_bitwise_equal(first(x), jax.jit(model.apply)(x))
+  assert_equal_results(first(x), jax.jit(model.apply)(x))
   del first
   import gc
   gc.collect()
   longer = jnp.arange(5.0)   # new shapes: the second one traces again
-  assert_bitwise_equal(second(longer), jax.jit(model.apply)(longer))
+  assert_equal_results(second(longer), jax.jit(model.apply)(longer))
 
 
 def _branch_on_a_weight(x, params, *, scale):

@@ -36,6 +36,7 @@ def test_streams_demo_shows_plan_gpu_program_and_equal_results():
   else:
     assert "lowered for CUDA: 4 region calls, on streams [1, 2]" in out, out
   assert "results equal jax.jit: bitwise" in out, out
+  assert "with stream calls, results equal jax.jit: bitwise" in out, out
 
 
 # ---------------------------------------------------------------------------

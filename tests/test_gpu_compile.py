@@ -20,6 +20,10 @@ from jaxstreams._compat import XLA_SCHEDULES_STREAM_CALLS
 from jaxstreams.xla.target import install_command
 from programs import gpu_target_problem
 
+# These read the GPU program's stream calls (or compare programs that have
+# them): jaxstreams.jit functions are made with the 'streams' lowering.
+pytestmark = pytest.mark.usefixtures("stream_calls")
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 

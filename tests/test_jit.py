@@ -5,11 +5,16 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxstreams
-from programs import (assert_bitwise_equal, cuda_text, random_inputs,
-                      training_params, training_step, two_towers)
+from programs import (GPU_TOLERANCE, assert_equal_results, cuda_text,
+                      random_inputs, training_params, training_step, two_towers)
+
+# These read the GPU program's stream calls (or compare programs that have
+# them): jaxstreams.jit functions are made with the 'streams' lowering.
+pytestmark = pytest.mark.usefixtures("stream_calls")
 
 
 def test_three_decorator_forms_give_jax_jit_results():
@@ -20,12 +25,12 @@ def test_three_decorator_forms_give_jax_jit_results():
   def decorated(x, w1, w2):
     return two_towers(x, w1, w2)
 
-  assert_bitwise_equal(jaxstreams.jit(two_towers, streams=3)(x, w1, w2), expected)
-  assert_bitwise_equal(decorated(x, w1, w2), expected)
+  assert_equal_results(jaxstreams.jit(two_towers, streams=3)(x, w1, w2), expected)
+  assert_equal_results(decorated(x, w1, w2), expected)
   jaxstreams.config.update("jaxstreams_streams", 3)
   try:
     bare = jaxstreams.jit(two_towers)
-    assert_bitwise_equal(bare(x, w1, w2), expected)
+    assert_equal_results(bare(x, w1, w2), expected)
     assert bare.plan(x, w1, w2).streams == 3
   finally:
     jaxstreams.config.reset()
@@ -36,7 +41,7 @@ def test_training_step_and_gradients_bitwise_equal():
   x, y = random_inputs((32, 16), (32, 1), seed=1)
   expected = jax.jit(training_step)(params, x, y)
   actual = jaxstreams.jit(training_step, streams=3)(params, x, y)
-  assert_bitwise_equal(actual, expected)
+  assert_equal_results(actual, expected)
 
 
 def test_pytrees_in_and_out():
@@ -47,7 +52,7 @@ def test_pytrees_in_and_out():
 
   tree = {"a": {"x": jnp.arange(4.0), "y": jnp.ones((2, 2))},
           "b": [jnp.zeros(3), jnp.full((2,), 3.0)]}
-  assert_bitwise_equal(jaxstreams.jit(f, streams=2)(tree, 0.5),
+  assert_equal_results(jaxstreams.jit(f, streams=2)(tree, 0.5),
                        jax.jit(f)(tree, 0.5))
 
 
@@ -92,7 +97,7 @@ def test_sharded_inputs_on_several_cpu_devices():
   w1, w2 = random_inputs((4, 4), (4, 4))
 
   f = jaxstreams.jit(two_towers, streams=3, in_shardings=(sharding, None, None))
-  assert_bitwise_equal(f(x, w1, w2), jax.jit(two_towers)(x, w1, w2))
+  assert_equal_results(f(x, w1, w2), jax.jit(two_towers)(x, w1, w2))
 
   def rowwise(x):
     with jaxstreams.stream(1):
@@ -101,7 +106,7 @@ def test_sharded_inputs_on_several_cpu_devices():
   g = jaxstreams.jit(rowwise, streams=2, out_shardings=sharding)
   out = g(x)
   assert out.sharding.is_equivalent_to(sharding, 2)
-  assert_bitwise_equal(out, jax.jit(rowwise)(x))
+  assert_equal_results(out, jax.jit(rowwise)(x))
 
 
 def test_second_call_does_not_retrace_or_replan(monkeypatch):
@@ -134,18 +139,20 @@ def test_second_call_does_not_retrace_or_replan(monkeypatch):
 def test_grad_vmap_and_jvp_applied_outside():
   x, w1, w2 = random_inputs((8, 16), (16, 16), (16, 16))
   f = jaxstreams.jit(two_towers, streams=3)
-  assert_bitwise_equal(jax.jit(jax.grad(f, argnums=(1, 2)))(x, w1, w2),
+  assert_equal_results(jax.jit(jax.grad(f, argnums=(1, 2)))(x, w1, w2),
                        jax.jit(jax.grad(two_towers, argnums=(1, 2)))(x, w1, w2))
   xs = jnp.stack([x, x * 2])
-  assert_bitwise_equal(jax.jit(jax.vmap(f, (0, None, None)))(xs, w1, w2),
+  assert_equal_results(jax.jit(jax.vmap(f, (0, None, None)))(xs, w1, w2),
                        jax.jit(jax.vmap(two_towers, (0, None, None)))(xs, w1, w2))
   tangents = (jnp.ones_like(x), jnp.zeros_like(w1), jnp.zeros_like(w2))
-  assert_bitwise_equal(
+  assert_equal_results(
       jax.jit(lambda *a: jax.jvp(f, a, tangents))(x, w1, w2),
       jax.jit(lambda *a: jax.jvp(two_towers, a, tangents))(x, w1, w2))
-  # Eagerly too (no outer jit).
+  # Eagerly too (no outer jit): the eager gradient of a jitted function is
+  # not bitwise that of the plain one, even on CPU.
+  rtol = 1e-5 if jax.default_backend() == "cpu" else GPU_TOLERANCE
   np.testing.assert_allclose(jax.grad(f)(x, w1, w2),
-                             jax.grad(two_towers)(x, w1, w2), rtol=1e-5)
+                             jax.grad(two_towers)(x, w1, w2), rtol=rtol)
 
 
 def test_regions_stay_calls_under_grad_from_outside():
@@ -168,7 +175,7 @@ def test_closing_over_traced_values():
       a = jnp.sin(x * w)
     return a + w
 
-  assert_bitwise_equal(jax.jit(jax.grad(outer))(w),
+  assert_equal_results(jax.jit(jax.grad(outer))(w),
                        jax.jit(jax.grad(lambda w: (jnp.sin(jnp.ones(3) * w) + w).sum()))(w))
 
 
@@ -193,7 +200,7 @@ def test_lower_and_trace_are_jax_jits():
   f = jaxstreams.jit(two_towers, streams=3)
   lowered = f.lower(x, w1, w2)
   compiled = lowered.compile()
-  assert_bitwise_equal(compiled(x, w1, w2), jax.jit(two_towers)(x, w1, w2))
+  assert_equal_results(compiled(x, w1, w2), jax.jit(two_towers)(x, w1, w2))
   assert f.eval_shape(x, w1, w2).shape == ()
 
 

@@ -1093,6 +1093,7 @@ def test_chooser_with_the_dispatch_gap_tries_workers_at_short_cycles():
     assert chooser.mode == "inline" and not chooser.trials
 
 
+@pytest.mark.cpu_backend
 def test_prefetch_expects_the_dispatch_gap_only_where_it_can_pay(
     monkeypatch):
   # The chooser is told of the gain on CPU with asynchronous dispatch and a
@@ -1194,6 +1195,7 @@ def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(
   assert "iterating the source directly" in message
 
 
+@pytest.mark.cpu_backend
 def test_auto_with_a_large_lookahead_on_cpu_tries_workers_at_short_cycles(
     monkeypatch):
   # Cheap production (5 us) at 105 us cycles: at size=2 it stays inline
@@ -1232,6 +1234,7 @@ def test_short_cycle_warning_leaves_out_async_dispatch_advice_when_sync(
   assert "async_dispatch" not in message and "size=16" not in message
 
 
+@pytest.mark.cpu_backend
 def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
     monkeypatch):
   clock = _FakeClock()
@@ -1279,6 +1282,7 @@ def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
   assert stats["inline"]["items"] == 5
 
 
+@pytest.mark.cpu_backend
 def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
   # The device computes on the host's cores here: a producer that needs a
   # core is not moved to workers, one that waits (blocks) is. Needing a

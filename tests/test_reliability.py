@@ -29,7 +29,7 @@ import jaxstreams.runtime as rt
 from jaxstreams import config
 from jaxstreams.runtime import _ops
 from jaxstreams.stage import staged_plan
-from programs import (assert_bitwise_equal, jaxstreams_threads,
+from programs import (SYNC_ERRORS_GAP, assert_equal_results, jaxstreams_threads,
                       keyboard_interrupt_after, wait_until)
 
 TIMEOUT = 30.0
@@ -68,22 +68,24 @@ def _tower(x):
   return a + jnp.cos(x)
 
 
+@pytest.mark.gpu_gap("stream id 10**6 becomes XLA stream annotation 1000000, and "
+                     "XLA:GPU ran out of memory compiling it (H100, jax 0.11.2)")
 def test_huge_stream_counts_plan_and_run():
   x = jnp.arange(4.0)
   for streams in (10**9, 2**70, np.int64(10**9)):
     plan = jaxstreams.plan(_tower, streams=streams)(x)
     assert plan.streams == int(streams)
-    assert_bitwise_equal(jaxstreams.jit(_tower, streams=streams)(x),
+    assert_equal_results(jaxstreams.jit(_tower, streams=streams)(x),
                          jax.jit(_tower)(x))
 
   def far(x):
     with jaxstreams.stream(10**6):
       return x + 1
-  assert_bitwise_equal(jaxstreams.jit(far, streams=10**9)(x), x + 1)
+  assert_equal_results(jaxstreams.jit(far, streams=10**9)(x), x + 1)
   with pytest.raises(jaxstreams.StreamIdError, match=r"\[0, 1000000\)"):
     jaxstreams.jit(far, streams=10**6)(x)
   config.update("jaxstreams_streams", 10**9)
-  assert_bitwise_equal(jaxstreams.jit(far)(x), x + 1)
+  assert_equal_results(jaxstreams.jit(far)(x), x + 1)
 
 
 def test_empty_pytrees_no_arguments_and_zero_size_arrays():
@@ -99,7 +101,7 @@ def test_empty_pytrees_no_arguments_and_zero_size_arrays():
     want = jax.jit(fun)(*args)
     got = jaxstreams.jit(fun, streams=3)(*args)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-    assert_bitwise_equal(got, want)
+    assert_equal_results(got, want)
     plan = jaxstreams.plan(fun, streams=3)(*args)
     str(plan), plan.to_dot()
   empty = jaxstreams.plan(lambda t: t, streams=3)({})
@@ -280,12 +282,12 @@ def test_serve_non_finite_and_huge_arguments():
   with jaxstreams.serve(lambda x: x + 1, groups=10**9, block=float("inf"),
                         queue_size=1) as server:
     assert server._core.block is True           # inf: wait for room
-    assert_bitwise_equal(server(jnp.ones(2)), jnp.ones(2) + 1)
-    assert_bitwise_equal(server.submit(jnp.ones((0, 3))).result(TIMEOUT),
+    assert_equal_results(server(jnp.ones(2)), jnp.ones(2) + 1)
+    assert_equal_results(server.submit(jnp.ones((0, 3))).result(TIMEOUT),
                          jnp.ones((0, 3)) + 1)
   with jaxstreams.serve(lambda: jnp.arange(3)) as server:
-    assert_bitwise_equal(server(), jnp.arange(3))
-    assert_bitwise_equal(server.submit().result(TIMEOUT), jnp.arange(3))
+    assert_equal_results(server(), jnp.arange(3))
+    assert_equal_results(server.submit().result(TIMEOUT), jnp.arange(3))
   with jaxstreams.serve(lambda t: t) as server:
     assert server({}) == {}
 
@@ -438,7 +440,7 @@ def test_staged_error_at_batch_k(error, mode):
       seen.append(int(i))
       want = jax.jit(_staged_step)(params, {"i": np.int32(i),
                                             "x": np.full((4,), i, np.float32)})
-      assert_bitwise_equal(value, want[1])
+      assert_equal_results(value, want[1])
   assert seen == list(range(k))
   assert source.pulled == list(range(k + 1))
   assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [])
@@ -446,6 +448,7 @@ def test_staged_error_at_batch_k(error, mode):
     runner(params)
 
 
+@pytest.mark.gpu_gap(SYNC_ERRORS_GAP)
 def test_staged_producer_stage_failing_at_batch_k(mode):
   """A producer stage's own computation fails for batch k (in a worker)."""
   def check(i):
@@ -528,9 +531,9 @@ def test_serve_hanging_request_times_out_then_everything_completes():
     server.submit(jnp.ones(3))
   f.release.set()
   assert server.close(timeout=TIMEOUT) is True
-  assert_bitwise_equal(hung.result(0), jnp.ones(_Hold.HANG) * 2.0)
+  assert_equal_results(hung.result(0), jnp.ones(_Hold.HANG) * 2.0)
   for i, fut in enumerate(others):               # none lost, each its own
-    assert_bitwise_equal(fut.result(0), jnp.full((3,), float(i)) * 2.0)
+    assert_equal_results(fut.result(0), jnp.full((3,), float(i)) * 2.0)
   assert server.stats().completed == 6
 
 
@@ -543,9 +546,9 @@ def test_serve_abandoned_with_requests_queued_finishes_them():
   del server                                     # dropped halfway
   gc.collect()
   f.release.set()
-  assert_bitwise_equal(hung.result(TIMEOUT), jnp.ones(_Hold.HANG) + 1.0)
+  assert_equal_results(hung.result(TIMEOUT), jnp.ones(_Hold.HANG) + 1.0)
   for i, fut in enumerate(futures):
-    assert_bitwise_equal(fut.result(TIMEOUT), jnp.full((2,), float(i)) + 1.0)
+    assert_equal_results(fut.result(TIMEOUT), jnp.full((2,), float(i)) + 1.0)
   assert wait_until(lambda: jaxstreams_threads("jaxstreams-serve") == [])
 
 
@@ -560,7 +563,7 @@ def test_serve_keyboard_interrupt_while_a_caller_waits():
     f.release.set()
     hung.result(TIMEOUT)
     # The server lives on and serves the next caller.
-    assert_bitwise_equal(server(jnp.arange(3.0)), jnp.sin(jnp.arange(3.0)))
+    assert_equal_results(server(jnp.arange(3.0)), jnp.sin(jnp.arange(3.0)))
   assert wait_until(lambda: jaxstreams_threads("jaxstreams-serve") == [])
 
 
@@ -585,13 +588,14 @@ def test_serve_keyboard_interrupt_raised_by_one_request_reaches_only_it():
         outcomes.append(fut.result(TIMEOUT))
       except BaseException as e:  # noqa: BLE001
         outcomes.append(e)
-    assert_bitwise_equal(outcomes[0], jnp.ones(2) * 3.0)
-    assert_bitwise_equal(outcomes[2], jnp.ones(4) * 3.0)
+    assert_equal_results(outcomes[0], jnp.ones(2) * 3.0)
+    assert_equal_results(outcomes[2], jnp.ones(4) * 3.0)
     assert isinstance(outcomes[1], KeyboardInterrupt), outcomes[1]
     assert "request 5" in str(outcomes[1])
-    assert_bitwise_equal(server(jnp.ones(3)), jnp.ones(3) * 3.0)
+    assert_equal_results(server(jnp.ones(3)), jnp.ones(3) * 3.0)
 
 
+@pytest.mark.cpu_backend
 def test_runtime_handler_errors_leave_the_same_program_usable():
   rt.init()
   spec = jax.ShapeDtypeStruct((4,), jnp.float32)
@@ -656,7 +660,7 @@ def test_sixteen_threads_different_shapes_traced_once_each(streams):
   for n, results in enumerate(outs):
     want = reference(inputs[n], w)
     for got in results:
-      assert_bitwise_equal(got, want)
+      assert_equal_results(got, want)
 
 
 # ===========================================================================
@@ -712,7 +716,7 @@ def test_long_staged_training_loop_keeps_memory_flat_and_results_exact():
     with pytest.raises(StopIteration):
       runner(w)
   np.testing.assert_array_equal(got_losses, want_losses)
-  assert_bitwise_equal(w, want_w)
+  assert_equal_results(w, want_w)
   growth = rss[LONG_STEPS] - rss[1_000]
   assert growth < 30 * 2**20, f"host RSS grew {growth / 2**20:.1f} MB over " \
       f"{LONG_STEPS - 1_000} steps"

@@ -19,6 +19,9 @@ import pytest
 import jaxstreams.runtime as rt
 from jaxstreams.runtime import _capi, _ops, timeline
 
+# These call the CPU runtime's handlers: programs must run on XLA:CPU.
+pytestmark = pytest.mark.cpu_backend
+
 SLOW_US = 150_000  # a slow producer: 150 ms
 
 # What a failing handler raises from a jitted call: jax turns the handler's

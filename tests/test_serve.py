@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from programs import assert_bitwise_equal, jaxstreams_threads, wait_until
+from programs import assert_equal_results, jaxstreams_threads, wait_until
 
 TIMEOUT = 60
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -106,8 +106,8 @@ def test_results_bitwise_equal_to_jax_jit_with_pytrees_kwargs_scalars():
   tree = {"x": jnp.arange(6.0).reshape(2, 3), "y": np.ones(4, np.int32)}
   expected = jax.jit(f)(tree, 0.5, shift=2)
   with grouped_serve(f, groups=2) as server:
-    assert_bitwise_equal(server(tree, 0.5, shift=2), expected)
-    assert_bitwise_equal(server.submit(tree, 0.5, shift=2).result(TIMEOUT),
+    assert_equal_results(server(tree, 0.5, shift=2), expected)
+    assert_equal_results(server.submit(tree, 0.5, shift=2).result(TIMEOUT),
                          expected)
 
 
@@ -131,7 +131,7 @@ def test_many_threads_mixed_shapes_bitwise_and_one_trace_per_signature():
       got = dict(kv for o in outs for kv in o.result(TIMEOUT))
     stats = server.stats()
   for i, x in enumerate(inputs):
-    assert_bitwise_equal(got[i], expected[i])
+    assert_equal_results(got[i], expected[i])
   assert sorted(traces) == sorted(shapes)          # f traced once per shape
   assert stats.signatures_traced == 3
   assert stats.requests == stats.completed == 24 and stats.failed == 0
@@ -159,7 +159,7 @@ def test_requests_that_arrive_together_share_one_execution():
     held.result(TIMEOUT)
     outs = results(third)
     stats = server.stats()
-  assert_bitwise_equal(outs, [jax.jit(mlp)(x) for x in (b, a, a)])
+  assert_equal_results(outs, [jax.jit(mlp)(x) for x in (b, a, a)])
   assert stats.batch_sizes == {1: 2, 3: 3}
   # gate alone, (a, b, a) once for two batches, then (b, a, a).
   assert stats.programs_traced == 3
@@ -198,12 +198,12 @@ def test_stream_blocks_inside_f_are_flattened_into_the_group():
         lowering_platforms=("cuda",)).as_text()
     assert sorted(set(re.findall(r'_xla_stream_annotation = "(\d+)"',
                                  text))) == ["1", "2"]
-    assert_bitwise_equal(results([server.submit(x, w),
+    assert_equal_results(results([server.submit(x, w),
                                   server.submit(x * 2, w)]),
                          [jax.jit(f)(x, w), jax.jit(f)(x * 2, w)])
     # A jaxstreams.jit function is served as its Python function.
     with grouped_serve(jaxstreams.jit(f, streams=6), groups=2) as jitted:
-      assert_bitwise_equal(jitted(x, w), jax.jit(f)(x, w))
+      assert_equal_results(jitted(x, w), jax.jit(f)(x, w))
 
 
 # ---------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def test_injected_failures_many_threads_each_caller_gets_its_own():
       assert error is not None and f"request {i} is negative" in str(error)
     else:
       assert error is None, (i, error)
-      assert_bitwise_equal(out, good[i])
+      assert_equal_results(out, good[i])
   assert stats.completed == len(good)
   assert stats.failed == 48 - len(good)
 
@@ -272,8 +272,8 @@ def test_failed_batch_falls_back_to_one_by_one():
     futures = [server.submit(x) for x in (ok, bad, ok)]
     gate.open()
     held.result(TIMEOUT)
-    assert_bitwise_equal(futures[0].result(TIMEOUT), jax.jit(f)(ok))
-    assert_bitwise_equal(futures[2].result(TIMEOUT), jax.jit(f)(ok))
+    assert_equal_results(futures[0].result(TIMEOUT), jax.jit(f)(ok))
+    assert_equal_results(futures[2].result(TIMEOUT), jax.jit(f)(ok))
     with pytest.raises(Exception, match="negative"):
       futures[1].result(TIMEOUT)
     assert server.stats().fallbacks == 1
@@ -297,7 +297,7 @@ def test_trace_error_leaves_the_batch_before_it_is_built():
     held.result(TIMEOUT)
     with pytest.raises(TypeError, match="no threes"):
       futures[1].result(TIMEOUT)
-    assert_bitwise_equal(results([futures[0], futures[2]]),
+    assert_equal_results(results([futures[0], futures[2]]),
                          [jnp.ones(2) * 2, jnp.ones(4) * 2])
     # A bad argument is the caller's error too.
     with pytest.raises(TypeError):
@@ -350,7 +350,7 @@ def test_full_queue_raises_or_blocks_as_chosen():
     gate.open()
     thread.join(TIMEOUT)
     assert not thread.is_alive() and len(submitted) == 4
-    assert_bitwise_equal(results(submitted), [jax.jit(mlp)(x)] * 4)
+    assert_equal_results(results(submitted), [jax.jit(mlp)(x)] * 4)
     held.result(TIMEOUT)
 
 
@@ -389,7 +389,7 @@ def test_close_while_busy_finishes_queued_and_refuses_new():
     assert server.closed
     held.result(TIMEOUT)
     for x, fut in accepted:           # every accepted request was finished
-      assert_bitwise_equal(fut.result(0), x * 3.0 + 1.0)
+      assert_equal_results(fut.result(0), x * 3.0 + 1.0)
     assert len(refused) == 6          # every client then saw the close
     assert "closed" in str(refused[0])
     with pytest.raises(jaxstreams.ServerClosedError):
@@ -428,7 +428,7 @@ def test_program_cache_is_bounded():
 
   with grouped_serve(f, groups=1, max_programs=2) as server:
     for n in [1, 2, 3, 1, 2, 3]:
-      assert_bitwise_equal(server(jnp.ones(n)), jnp.ones(n) + 1)
+      assert_equal_results(server(jnp.ones(n)), jnp.ones(n) + 1)
     stats = server.stats()
   assert stats.programs_cached == 2
   assert stats.program_evictions == 4
@@ -462,6 +462,7 @@ def test_argument_errors():
 # Direct mode: where stream groups cannot pay, a request runs as a plain
 # thread would run it.
 
+@pytest.mark.cpu_backend
 def test_auto_on_cpu_runs_each_request_in_its_callers_thread():
   traced_in = []
 
@@ -471,8 +472,8 @@ def test_auto_on_cpu_runs_each_request_in_its_callers_thread():
 
   with jaxstreams.serve(f, groups=4) as server:
     assert server.mode == "direct" and "mode=direct" in repr(server)
-    assert_bitwise_equal(server(jnp.ones(3)), jax.jit(f)(jnp.ones(3)))
-    assert_bitwise_equal(server.submit(jnp.ones(3)).result(TIMEOUT),
+    assert_equal_results(server(jnp.ones(3)), jax.jit(f)(jnp.ones(3)))
+    assert_equal_results(server.submit(jnp.ones(3)).result(TIMEOUT),
                          jax.jit(f)(jnp.ones(3)))
     assert serve_threads() == []                 # no worker threads at all
     stats = server.stats()
@@ -500,7 +501,7 @@ def test_direct_mode_keeps_serves_promises():
     for t in threads:
       t.join(TIMEOUT)
     for n in range(1, 7):
-      assert_bitwise_equal(results[n],
+      assert_equal_results(results[n],
                            jax.jit(f)(jnp.arange(float(n)), shift=n))
     with pytest.raises(ValueError, match="no sevens"):
       server(jnp.ones(7), shift=1)
@@ -663,19 +664,24 @@ def test_tally_counts_every_add_from_many_threads():
   assert reads == sorted(reads)
 
 
-def test_auto_with_streams_runs_a_lone_request_without_the_batch_program(
-    monkeypatch):
+def test_auto_runs_direct_on_a_gpu_too(monkeypatch):
   from jaxstreams.serve import _server
   monkeypatch.setattr(_server, "_platform", lambda: "gpu")
   with jaxstreams.serve(mlp, groups=2) as server:
-    assert server.mode == "grouped"
+    assert server.mode == "direct"
+    reason = server.stats().mode_reason
+    assert "grouped requests measured slower" in reason, reason
+    assert "mode='grouped'" in reason, reason
     x = jnp.ones((1, 8))
-    assert_bitwise_equal(server(x), jax.jit(mlp)(x))   # alone: direct
+    assert_equal_results(server(x), jax.jit(mlp)(x))
     stats = server.stats()
   assert stats.direct == 1 and stats.batches == 0
   assert stats.programs_traced == 0 and stats.completed == 1
+  with jaxstreams.serve(mlp, groups=2, mode="grouped") as server:
+    assert server.mode == "grouped"
   with jaxstreams.serve(mlp, groups=1) as server:
     assert server.mode == "direct"
+    assert "groups=1" in server.stats().mode_reason
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import pytest
 
 import jaxstreams
 from jaxstreams.stage import _auto, _chooser, _clock
-from programs import (FlippingChooser, assert_bitwise_equal,
+from programs import (FlippingChooser, assert_equal_results,
                       jaxstreams_threads, wait_until)
 
 WINDOW = _chooser.WINDOW
@@ -236,6 +236,7 @@ def _loop(clock, runner, params, n, step_us=100):
   return outs
 
 
+@pytest.mark.cpu_backend
 def test_auto_keeps_the_plain_step_and_says_so_once(clock):
   params, data = _params(), _batches(100)
   with pytest.warns(jaxstreams.PerformanceWarning,
@@ -249,7 +250,7 @@ def test_auto_keeps_the_plain_step_and_says_so_once(clock):
       assert repr(runner).endswith("mode='auto' (plain), capacity=1, "
                                    "smart=False>")
   assert len(w) == 1
-  assert_bitwise_equal(got, [jax.jit(step1)(params, b) for b in data])
+  assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
   assert stats["mode"] == "plain" and stats["switches"] == 0
   assert stats["calls"] == 100 and stats["plain"]["calls"] == 100
   assert stats["plain"]["read_us"] == pytest.approx(5)
@@ -268,7 +269,7 @@ def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
       stats = runner.stats()
       assert repr(runner).endswith("mode='auto' (fused), capacity=2, "
                                    "smart=False>")
-  assert_bitwise_equal(got, [jax.jit(step1)(params, b) for b in data])
+  assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
   # Plain, a read takes 1000 us of a 1100 us cycle; staged, the reader
   # reads in its own thread (its own time, on this clock) and a call's
   # cycle is the loop's 100 us.
@@ -289,6 +290,7 @@ def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
   assert jaxstreams_threads("jaxstreams-prefetch") == []
 
 
+@pytest.mark.cpu_backend
 def test_auto_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
                                                           monkeypatch):
   # XLA:CPU: a read that never blocks (numpy work, a copy) needs a core the
@@ -302,7 +304,7 @@ def test_auto_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
                            capacity=2) as runner:
       got = _loop(clock, runner, params, len(data))
       stats = runner.stats()
-  assert_bitwise_equal(got, [jax.jit(step1)(params, b) for b in data])
+  assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
   assert stats["mode"] == "plain" and stats["switches"] == 0, stats
   assert not stats["trials"] and stats["fused"]["calls"] == 0
   assert stats["mode_reason"].startswith("reading a batch mostly needs a core")
@@ -311,6 +313,7 @@ def test_auto_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
   assert jaxstreams_threads("jaxstreams-prefetch") == []
 
 
+@pytest.mark.cpu_backend
 def test_auto_steps_aside_when_reading_turns_cheap(clock):
   params, data, pulled = _params(), _batches(560), []
   source = _source(clock, data, lambda i: 1000 if i < 450 else 5, pulled)
@@ -322,7 +325,7 @@ def test_auto_steps_aside_when_reading_turns_cheap(clock):
         runner(params)
       stats = runner.stats()
   assert len(w) == 1
-  assert_bitwise_equal(got, [jax.jit(step1)(params, b) for b in data])
+  assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
   assert pulled == list(range(560))                  # each batch read once
   assert stats["mode"] == "plain" and stats["switches"] == 8
   assert [t["chose"] for t in stats["trials"]] == ["fused"]
@@ -338,7 +341,7 @@ def test_forced_ways_never_switch_nor_warn(clock, mode, read_us):
                            mode=mode) as runner:
       got = _loop(clock, runner, params, len(data))
       stats = runner.stats()
-  assert_bitwise_equal(got, [jax.jit(step1)(params, b) for b in data])
+  assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
   assert stats["mode"] == mode and stats["switches"] == 0
   assert stats["mode_reason"] == f"mode={mode!r} was asked for"
   assert stats[mode]["calls"] == 60
@@ -360,7 +363,7 @@ def test_a_trial_where_staging_may_hide_device_work(
                            stream=stream) as runner:
       got = _loop(clock, runner, params, len(data))
       stats = runner.stats()
-  assert_bitwise_equal(got, [jax.jit(step1)(params, b) for b in data])
+  assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
   assert len(stats["trials"]) == trials
   if trials:
     assert set(stats["trials"][0]) == {"fused_cycle_us", "plain_cycle_us",
@@ -419,7 +422,7 @@ def test_switching_keeps_results_order_and_each_batch_once(
       runner(params)
     stats = runner.stats()
     schedule = runner.schedule
-  assert_bitwise_equal(got, [jax.jit(step3)(params, b) for b in data])
+  assert_equal_results(got, [jax.jit(step3)(params, b) for b in data])
   assert pulled == list(range(40))
   assert stats["switches"] >= 40 // (every + 1) - 1
   assert stats["fused"]["calls"] > 0 and stats["plain"]["calls"] > 0
@@ -442,7 +445,7 @@ def test_switching_never_reads_a_donated_value_nor_the_callers(monkeypatch,
   placed = [jax.device_put(b) for b in data]          # the caller's arrays
   with jaxstreams.staged(_donating, data=placed) as runner:
     got = [runner(params) for _ in placed]
-  assert_bitwise_equal(got, [jax.jit(_donating)(params, b) for b in data])
+  assert_equal_results(got, [jax.jit(_donating)(params, b) for b in data])
   assert runner.programs_run > 0
   assert not any(x.is_deleted() for b in placed
                  for x in jax.tree_util.tree_leaves(b))
@@ -469,7 +472,7 @@ def test_switching_raises_a_data_error_at_its_call(monkeypatch, every, k):
     runner(params)
   with pytest.raises(StopIteration):
     runner(params)
-  assert_bitwise_equal(got, [jax.jit(step3)(params, b) for b in data[:k]])
+  assert_equal_results(got, [jax.jit(step3)(params, b) for b in data[:k]])
   assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [])
   assert closed.is_set()
 
@@ -511,7 +514,7 @@ def test_staging_anew_takes_the_other_arguments_as_they_are_then(monkeypatch):
   assert runner.stats()["mode"] == "fused"             # switched after call 6
   staged_calls = [runner(wide) for _ in range(3)]      # staging anew: 7-9
   assert runner.programs_run > 0
-  assert_bitwise_equal(plain_calls + staged_calls,
+  assert_equal_results(plain_calls + staged_calls,
         [jax.jit(step1)(narrow, b) for b in data[:6]]
         + [jax.jit(step1)(wide, b) for b in data[6:9]])
   assert runner.stats()["mode"] == "fused"

@@ -23,7 +23,11 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from programs import assert_bitwise_equal, random_inputs
+from programs import assert_equal_results, random_inputs
+
+# These read the GPU program's stream calls (or compare programs that have
+# them): jaxstreams.jit functions are made with the 'streams' lowering.
+pytestmark = pytest.mark.usefixtures("stream_calls")
 
 NUMPY_WEIGHT = np.linspace(-1.0, 1.0, 16 * 16, dtype=np.float32).reshape(16, 16)
 NUMPY_BIAS = np.arange(16, dtype=np.float32) / 7.0
@@ -64,7 +68,7 @@ def test_closure_over_arrays_bitwise_equal_to_jax_jit(constants, auto):
   f = closing_over(*constants)
   x, = random_inputs((8, 16))
   g = jaxstreams.jit(f, streams=2, auto=auto)
-  assert_bitwise_equal(g(x), jax.jit(f)(x))
+  assert_equal_results(g(x), jax.jit(f)(x))
   plan = g.plan(x)
   # One argument; the closed-over arrays are constants, not arguments.
   argument_names = {name for region in plan.regions for name in region.inputs
@@ -84,12 +88,12 @@ def test_gradient_of_closure_bitwise_equal_to_jax_jit(constants, auto):
 
   inside = jax.value_and_grad(loss)
   expected = jax.jit(inside)(x)
-  assert_bitwise_equal(jaxstreams.jit(inside, streams=2, auto=auto)(x),
+  assert_equal_results(jaxstreams.jit(inside, streams=2, auto=auto)(x),
                        expected)
   # jax.grad applied from outside, to a jaxstreams function.
   outside = jax.jit(jax.grad(lambda x: jnp.sum(
       jaxstreams.jit(f, streams=2, auto=auto)(x) ** 2)))
-  assert_bitwise_equal(outside(x), expected[1])
+  assert_equal_results(outside(x), expected[1])
 
 
 @pytest.mark.parametrize("auto", [False, True])
@@ -102,10 +106,10 @@ def test_closure_over_an_outer_jit_tracer(auto):
   def reference(w, b, x):
     return jax.jit(closing_over(w, b))(x)
 
-  assert_bitwise_equal(jax.jit(outer)(w, b, x), jax.jit(reference)(w, b, x))
+  assert_equal_results(jax.jit(outer)(w, b, x), jax.jit(reference)(w, b, x))
   grad = jax.jit(jax.grad(lambda w: outer(w, b, x).sum()))
   expected = jax.jit(jax.grad(lambda w: reference(w, b, x).sum()))
-  assert_bitwise_equal(grad(w), expected(w))
+  assert_equal_results(grad(w), expected(w))
 
 
 def test_nested_jit_with_tags_closing_over_constants_is_inlined():
@@ -122,7 +126,7 @@ def test_nested_jit_with_tags_closing_over_constants_is_inlined():
     return inner(x) + inner(x * 2.0) + b
 
   g = jaxstreams.jit(f, streams=2)
-  assert_bitwise_equal(g(x), jax.jit(f)(x))
+  assert_equal_results(g(x), jax.jit(f)(x))
   plan = g.plan(x)
   assert sum(region.stream == 1 for region in plan.regions) >= 1
   assert const_inputs(plan)
@@ -132,7 +136,7 @@ def test_closure_in_served_function():
   f = closing_over(*jax_constants())
   x, = random_inputs((8, 16), seed=5)
   with jaxstreams.serve(f, groups=2) as server:
-    assert_bitwise_equal(server(x), jax.jit(f)(x))
+    assert_equal_results(server(x), jax.jit(f)(x))
 
 
 @pytest.mark.parametrize("mode", ["fused", "threads"])
@@ -152,7 +156,7 @@ def test_staged_step_closing_over_arrays(constants, mode, smart):
   expected = [jax.jit(step)(scale, batch) for batch in batches]
   with jaxstreams.staged(step, data=iter(batches), smart=smart,
                          mode=mode) as runner:
-    assert_bitwise_equal([runner(scale) for _ in batches], expected)
+    assert_equal_results([runner(scale) for _ in batches], expected)
 
 
 # ---------------------------------------------------------------------------

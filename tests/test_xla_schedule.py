@@ -9,6 +9,10 @@ import jaxstreams
 from jaxstreams.xla.schedule import HloParseError, xla_schedule
 from programs import random_inputs, two_towers
 
+# These read the GPU program's stream calls (or compare programs that have
+# them): jaxstreams.jit functions are made with the 'streams' lowering.
+pytestmark = pytest.mark.usefixtures("stream_calls")
+
 # A region call as XLA prints it: its stream, and the plan region it is.
 _ATTRS = 'frontend_attributes={{_xla_stream_annotation="{s}",inlineable="false",jaxstreams_region="{r}"}}'
 

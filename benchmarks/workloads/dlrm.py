@@ -87,7 +87,8 @@ def make_fn(size, streams):
   return build
 
 
-def build(size, streams, key):
+def model(size, streams, key):
+  """(make_fn, args): the model written against a placement, and its inputs."""
   params = init(key, size)
   b = size["batch"]
   dense = common.normal(jax.random.fold_in(key, 1), (b, DENSE))
@@ -95,10 +96,13 @@ def build(size, streams, key):
                            (size["towers"], b, size["hot"]), 0, size["vocab"])
   labels = (jax.random.uniform(jax.random.fold_in(key, 3), (b,)) < 0.3
             ).astype(jnp.float32)
-  args = (params, dense, ids, labels)
+  return make_fn(size, streams), (params, dense, ids, labels)
+
+
+def build(size, streams, key):
+  fn, args = model(size, streams, key)
   return common.Case(
       workload=NAME, size=size, candidate="jaxstreams",
       baselines=list(common.STANDARD_BASELINES),
-      candidates=common.standard_candidates(make_fn(size, streams), args,
-                                            streams),
+      candidates=common.standard_candidates(fn, args, streams),
       notes=f"{size['towers']} towers over streams 0..{streams - 1}")

@@ -78,14 +78,19 @@ def make_fn(streams):
   return build
 
 
-def build(size, streams, key):
+def model(size, streams, key):
+  """(make_fn, args): the model written against a placement, and its inputs."""
   params = init(key, size["channels"], size["blocks"])
   x = common.normal(jax.random.fold_in(key, 99),
                     (size["batch"], size["hw"], size["hw"], size["channels"]))
-  args = (params, x)
+  return make_fn(streams), (params, x)
+
+
+def build(size, streams, key):
+  fn, args = model(size, streams, key)
   return common.Case(
       workload=NAME, size=size, candidate="jaxstreams",
       baselines=list(common.STANDARD_BASELINES),
-      candidates=common.standard_candidates(make_fn(streams), args, streams),
+      candidates=common.standard_candidates(fn, args, streams),
       notes=f"{BRANCHES} branches per block on streams "
             f"{sorted({common.stream_for(i, streams) for i in range(BRANCHES)})}")

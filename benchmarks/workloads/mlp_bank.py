@@ -49,10 +49,16 @@ def make_fn(streams):
   return build
 
 
-def build(size, streams, key):
+def model(size, streams, key):
+  """(make_fn, args): the model written against a placement, and its inputs."""
   models = init(key, size)
   x = common.normal(jax.random.fold_in(key, 7), (size["batch"], size["d_in"]))
-  cands = common.standard_candidates(make_fn(streams), (models, x), streams)
+  return make_fn(streams), (models, x)
+
+
+def build(size, streams, key):
+  fn, (models, x) = model(size, streams, key)
+  cands = common.standard_candidates(fn, (models, x), streams)
   stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *models)
   vmapped = jax.jit(jax.vmap(mlp, in_axes=(0, None)))
   cands["jax.vmap"] = common.compiled_candidate("jax.vmap", vmapped,

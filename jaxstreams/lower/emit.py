@@ -30,6 +30,14 @@ order into the GPU program (``order_barrier``; nothing on CPU):
 The ``jaxstreams_sequence_points`` option turns this off. It reads the
 ``PartitionedProgram`` (jaxpr variables and equations), never the user's
 ``StreamPlan`` report.
+
+All of the above is the ``streams`` GPU lowering. The default, ``inline``
+(the ``jaxstreams_gpu_lowering`` option), binds every region's equations in
+place, in plan order: the program ``jax.jit`` builds. On an H100 with jax
+0.11.2 stream calls ran the suite's models at 0.78x-1.04x of ``jax.jit``
+(benchmarks/gpu_levers.py, benchmarks/suite.py), so by default jaxstreams
+steps aside on a GPU, as it does on CPU, where one stream runs anyway.
+Profiling always uses stream calls: its timeline shows regions on streams.
 """
 
 from __future__ import annotations
@@ -53,21 +61,24 @@ def region_function(plan: PartitionedProgram, index: int):
                        plan.region_equations(index))
 
 
-def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
-         ) -> list[Any]:
+def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False,
+         gpu_lowering: str = "inline") -> list[Any]:
   """Evaluate ``plan``'s program on flat ``args`` (the traced function's
-  flattened dynamic arguments), emitting the regions as planned. With
-  ``profile``, each region is wrapped in timing markers."""
+  flattened dynamic arguments), emitting the regions as planned: in place
+  (``gpu_lowering="inline"``) or as stream calls (``"streams"``, and always
+  with ``profile``, which wraps each region in timing markers)."""
   program = plan.program
   graph = plan.graph
-  if any(stream != 0 for stream in graph.streams):
+  stream_calls = (profile or gpu_lowering == "streams") and any(
+      stream != 0 for stream in graph.streams)
+  if stream_calls:
     _compat.install_region_rules()
   env: dict[Any, Any] = {}
   for var, value in zip(program.jaxpr.constvars, program.consts):
     env[var] = value
   for var, value in zip(program.jaxpr.invars, args):
     env[var] = value
-  order = _Sequencer.for_plan(plan, env)
+  order = _Sequencer.for_plan(plan, env) if stream_calls else None
 
   for index, stream in enumerate(graph.streams):
     if not _emitted(plan, index):
@@ -87,7 +98,7 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
       fn()   # binds the region's equations into the environment itself
       continue
     inputs = [order.read(v) if order else env[v] for v in graph.inputs[index]]
-    if stream != 0:
+    if stream != 0 and stream_calls:
       fn = _compat.stream_call(fn, stream, index)
     results = fn(*inputs)
     for var, value in zip(graph.outputs[index], results):

@@ -5,9 +5,11 @@ Two ways to run a request, chosen by ``mode`` (see ``serve``):
 * *direct*: the caller's own thread calls ``jax.jit(f)``, exactly what a
   plain thread would do: no hand-off, no batching program. ``mode="auto"``
   picks it where stream groups cannot pay: a platform that runs one stream
-  (XLA:CPU), or ``groups=1``. Being no slower than doing without comes
-  first: a batch of requests on XLA:CPU runs them one after another anyway,
-  after two thread hand-offs they did not need.
+  (XLA:CPU), ``groups=1``, and every GPU measured so far (an H100 with jax
+  0.11.2, where grouped requests lost at every thread count). Being no
+  slower than doing without comes first: a batch of requests on XLA:CPU runs
+  them one after another anyway, after two thread hand-offs they did not
+  need.
 * *grouped*: the request path below.
 
 How a grouped request travels, and why each step is there:
@@ -20,8 +22,7 @@ How a grouped request travels, and why each step is there:
    so that under load requests arrive together and share an execution.
    (A synchronous call that finds nothing running or queued skips the
    queue and runs in the caller's thread: two thread hand-offs would cost a
-   lone small request more than its execution. Under ``mode="auto"`` it
-   runs there as plain ``jax.jit(f)``, without the batching program.)
+   lone small request more than its execution.)
 3. Each request's *signature* (pytree structure, and shape, dtype and weak
    type of each leaf) is traced once: ``f`` becomes a jaxpr. A Python
    exception raised by ``f`` here reaches that request's caller and nobody
@@ -67,7 +68,7 @@ from jax import tree_util
 from jax.interpreters import mlir
 
 from jaxstreams import _checks, _compat, _workers
-from jaxstreams._jit import jit as _streams_jit, spec_of
+from jaxstreams._jit import spec_of, stream_calls_jit as _streams_jit
 from jaxstreams._signature import signature as _leaf_signatures, traced_signature
 from jaxstreams._trace import trace
 from jaxstreams.partition.cut import part_jaxpr
@@ -166,8 +167,7 @@ class ServeStats:
   one after a failed execution. ``mode``: how requests run, ``"direct"``
   (each in its caller's thread as ``jax.jit(f)``) or ``"grouped"``;
   ``mode_reason`` says why. ``direct``: requests run as plain ``jax.jit(f)``
-  calls in their caller's thread (all of them in direct mode; lone ones
-  under ``mode="auto"``).
+  calls in their caller's thread (in direct mode; 0 in grouped mode).
   """
   requests: int
   completed: int
@@ -216,7 +216,8 @@ def _platform() -> str:
 
 
 def _resolve_mode(mode: str, groups: int) -> tuple[str, str]:
-  """``(mode, why)``: ``"direct"`` where stream groups cannot pay."""
+  """``(mode, why)``: ``"direct"`` where stream groups cannot pay, which so
+  far is everywhere it was measured."""
   if mode != "auto":
     return mode, f"mode={mode!r} was asked for"
   platform = _platform()
@@ -225,9 +226,10 @@ def _resolve_mode(mode: str, groups: int) -> tuple[str, str]:
                       "one after another anyway, after two thread hand-offs")
   if groups == 1:
     return "direct", "groups=1: no two requests can run side by side"
-  return "grouped", (f"{platform} runs streams: requests that arrive together "
-                     f"run side by side on up to {groups} stream groups; a "
-                     "lone one runs as jax.jit in its caller's thread")
+  return "direct", (f"on {platform} grouped requests measured slower than "
+                    "threads calling jax.jit (an H100, jax 0.11.2: 0.36x-0.53x "
+                    "of their throughput at 4 to 64 threads); "
+                    "mode='grouped' runs them grouped")
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +267,6 @@ class _Core:
                queue_size: int | None, block: bool | float,
                max_programs: int, name: str, mode: str = "grouped"):
     self.fun = fun
-    self.requested_mode = mode
     self.mode, self.mode_reason = _resolve_mode(mode, groups)
     self.jitted = jax.jit(fun)
     self.groups = groups
@@ -295,8 +296,6 @@ class _Core:
     self.finished_add = self.finished.add
     self.direct = self.mode == "direct"
     self.direct_failed = 0       # under self.lock
-    self.lone_completed = 0      # grouped mode: lone requests run as jax.jit
-    self.lone_failed = 0         # in their caller's thread (under self.lock)
     self.closing = False
     self.workers = _workers.Workers(name)
     self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -504,20 +503,6 @@ class _Core:
         self.counts["requests"] += 1
     if not inline:
       return self.submit(payload).result()
-    if self.requested_mode == "auto":
-      # A lone request would run alone anyway: as a plain thread runs it.
-      ok = False
-      try:
-        out = self.jitted(*args, **kwargs)
-        _wait(out)
-        ok = True
-        return out
-      finally:
-        with self.lock:
-          self.in_flight -= 1
-          self.lone_completed += ok
-          self.lone_failed += not ok
-          self.work.notify_all()
     request = _Request(payload, concurrent.futures.Future())
     request.future.set_running_or_notify_cancel()
     try:
@@ -666,12 +651,10 @@ class _Core:
       c = self.counts
       finished = self.finished.read()
       direct = finished + len(self.running)     # direct mode's requests
-      lone = self.lone_completed + self.lone_failed
       return ServeStats(
           requests=c["requests"] + (direct if self.mode == "direct" else 0),
-          completed=(c["completed"] + finished - self.direct_failed
-                     + self.lone_completed),
-          failed=c["failed"] + self.direct_failed + self.lone_failed,
+          completed=c["completed"] + finished - self.direct_failed,
+          failed=c["failed"] + self.direct_failed,
           batches=c["batches"], batch_sizes=dict(sorted(self.batch_sizes.items())),
           signatures_traced=c["signatures_traced"],
           programs_traced=c["programs_traced"],
@@ -679,19 +662,10 @@ class _Core:
           program_evictions=self.programs.evictions,
           fallbacks=c["fallbacks"], mode=self.mode,
           mode_reason=self.mode_reason,
-          direct=direct if self.mode == "direct" else lone)
+          direct=direct if self.mode == "direct" else 0)
 
 
 _ARRAY_TYPE = _compat.ARRAY_TYPE
-
-
-def _wait(out) -> None:
-  """Waits for a request's result: one array without walking it as a tree
-  (``jax.block_until_ready`` costs about a microsecond more)."""
-  if type(out) is _ARRAY_TYPE:
-    out.block_until_ready()
-  else:
-    jax.block_until_ready(out)
 
 
 def _signature_of_traced(request) -> tuple:
@@ -851,10 +825,11 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
       request signatures, least recently used dropped first); up to
       ``max_programs * groups`` traced request signatures are kept too.
     mode: ``"auto"`` (the default) runs each request in its caller's thread
-      as ``jax.jit(fun)`` where stream groups cannot pay (XLA:CPU, which
-      runs one stream, or ``groups=1``), and groups requests elsewhere,
-      except a lone one, which also runs as ``jax.jit`` in its caller.
-      ``"direct"`` and ``"grouped"`` force one way. In direct mode nothing
+      as ``jax.jit(fun)`` where stream groups cannot pay: XLA:CPU, which runs
+      one stream, ``groups=1``, and so far every GPU measured (an H100 with
+      jax 0.11.2: grouped requests reached 0.36x-0.53x of the throughput of
+      threads calling ``jax.jit``). ``"direct"`` and ``"grouped"`` force one
+      way. In direct mode nothing
       queues: ``queue_size`` bounds the requests running at once, ``submit``
       dispatches in the caller's thread and returns a settled future, and
       ``close()`` waits for running requests. ``server.mode`` and

@@ -49,7 +49,7 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
-from jaxstreams._jit import jit as streams_jit
+from jaxstreams._jit import stream_calls_jit as streams_jit
 from jaxstreams.stage._analysis import FUNC, Split
 from jaxstreams.stage._splits import Splits
 from jaxstreams.stage import _clock

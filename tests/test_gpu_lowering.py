@@ -1,0 +1,73 @@
+"""The jaxstreams_gpu_lowering option: how a plan of several streams runs on a
+GPU. 'inline' (default) is the program jax.jit builds; 'streams' makes each
+off-main region a call on its stream. Read when the function is made."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxstreams
+from programs import (assert_equal_results, cpu_text, cuda_text, random_inputs,
+                      two_towers)
+
+
+@pytest.fixture
+def args():
+  return random_inputs((8, 16), (16, 16), (16, 16))
+
+
+def _stream_calls(text):
+  return text.count("_xla_stream_annotation")
+
+
+def test_default_lowers_a_plan_of_several_streams_as_jax_jit_does(args):
+  f = jaxstreams.jit(two_towers, streams=3)
+  assert len({r.stream for r in f.plan(*args).regions}) == 3
+  text = cuda_text(f, *args)
+  assert _stream_calls(text) == 0
+  assert "optimization_barrier" not in text
+  assert_equal_results(f(*args), jax.jit(two_towers)(*args))
+
+
+def test_streams_lowering_makes_one_call_per_off_main_region(args, stream_calls):
+  f = jaxstreams.jit(two_towers, streams=3)
+  plan = f.plan(*args)
+  assert _stream_calls(cuda_text(f, *args)) == sum(r.is_call for r in plan.regions) > 0
+  assert _stream_calls(cpu_text(f, *args)) == 0      # CPU: inline either way
+  assert_equal_results(f(*args), jax.jit(two_towers)(*args))
+
+
+def test_the_option_is_read_when_the_function_is_made(args):
+  jaxstreams.config.update("jaxstreams_gpu_lowering", "streams")
+  try:
+    calls = jaxstreams.jit(two_towers, streams=3)
+    by_option = jaxstreams.jit(two_towers)      # streams from the option
+  finally:
+    jaxstreams.config.reset("jaxstreams_gpu_lowering")
+  inline = jaxstreams.jit(two_towers, streams=3)
+  # The same function made both ways: neither finds the other's trace.
+  assert _stream_calls(cuda_text(calls, *args)) > 0
+  assert _stream_calls(cuda_text(inline, *args)) == 0
+  assert _stream_calls(cuda_text(calls, *args)) > 0
+  # streams=None: made at the first call with each stream count, under the
+  # option as it is then.
+  jaxstreams.config.update("jaxstreams_streams", 3)
+  try:
+    assert _stream_calls(cuda_text(by_option, *args)) == 0
+  finally:
+    jaxstreams.config.reset("jaxstreams_streams")
+
+
+def test_a_bad_value_names_the_choices():
+  with pytest.raises(ValueError, match=r"jaxstreams_gpu_lowering .* must be one "
+                     r"of inline, streams, got 'fast'"):
+    jaxstreams.config.update("jaxstreams_gpu_lowering", "fast")
+
+
+def test_profiling_lowers_stream_calls_under_the_default(args):
+  f = jaxstreams.jit(two_towers, streams=3)
+  with jaxstreams.profile() as prof:
+    out = f(*args)
+  assert {i.track for i in prof.intervals} == {r.stream for r in f.plan(*args).regions}
+  # The markers change the program a little (as in test_profile).
+  np.testing.assert_allclose(out, jax.jit(two_towers)(*args), rtol=1e-6)
