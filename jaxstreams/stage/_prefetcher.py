@@ -314,9 +314,9 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
       * ``"auto"`` (default): the path ``benchmarks/prefetch.py`` measured
         faster on this backend (``AUTO_TRANSFER``). On CPU that is
         ``"device_put"`` (the stage area adds host copies there and moves no
-        data to another memory). On a GPU it is ``"device_put"`` too: the
-        stage-area path has not been measured on a GPU by this project yet,
-        and ``"auto"`` will pick it only once a measurement supports it.
+        data to another memory). On a GPU it is ``"device_put"`` too: on an
+        H100 (jax 0.11.2) ``jax.device_put`` placed items of 0.25 and 4 MiB
+        faster over a whole run than the stage area's copy stream.
         ``"device_put"`` also whenever ``"stage_area"`` cannot be used (a
         ``sharding`` given, no runtime library for the backend).
 
