@@ -80,8 +80,8 @@ def show_gpu_schedule(fast, plan, args):
     where, compiled = "an H100, compiled without one", fast.lower(
         *target.abstract(*args)).compile()
   schedule = jaxstreams.xla_schedule(compiled, plan=plan)
-  print(f"what XLA:GPU runs ({where}); rows are positions in its schedule, "
-        "not time:")
+  print(f"what XLA:GPU runs with stream calls (jaxstreams_gpu_lowering="
+        f"'streams') ({where}); rows are positions in its schedule, not time:")
   print(schedule, "\n")
   together = [p for p in schedule.compare(plan) if p.scheduled_together]
   print(f"{len(together)} of {len(schedule.compare(plan))} pairs of regions "

@@ -10,6 +10,7 @@ C++ fast path on later calls, and transformations applied from outside.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import threading
@@ -210,6 +211,10 @@ class _Spec:
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
                    else "the jaxstreams_streams option")
 
+  def lowering(self) -> str:
+    """The GPU lowering of a ``jax.jit`` function made now."""
+    return self.gpu_lowering or config.read("jaxstreams_gpu_lowering")
+
   def streams_now(self) -> int:
     if self.streams is not None:
       return self.streams
@@ -234,8 +239,8 @@ class _Spec:
     ``jaxstreams_gpu_lowering`` option is read here, when the ``jax.jit``
     function is made: jax's trace cache does not know the option, so a
     function traced one way must not be found by one made the other way."""
-    lowering = self.gpu_lowering or config.read("jaxstreams_gpu_lowering")
-    staged = _staged_for(self.fun, streams, self.auto, self.source, lowering)
+    staged = _staged_for(self.fun, streams, self.auto, self.source,
+                         self.lowering())
     return jax.jit(staged, **self.jit_kwargs)
 
   def plan(self, *args, **kwargs) -> StreamPlan:
@@ -251,7 +256,7 @@ class _Spec:
     trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
                     if k in _TRACE_ONLY_PARAMETERS}
     jax.jit(plan_only, **trace_kwargs).trace(*args, **kwargs)
-    return report(plans[0])
+    return dataclasses.replace(report(plans[0]), gpu_lowering=self.lowering())
 
 
 def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,

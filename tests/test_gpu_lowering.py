@@ -71,3 +71,16 @@ def test_profiling_lowers_stream_calls_under_the_default(args):
   assert {i.track for i in prof.intervals} == {r.stream for r in f.plan(*args).regions}
   # The markers change the program a little (as in test_profile).
   np.testing.assert_allclose(out, jax.jit(two_towers)(*args), rtol=1e-6)
+
+
+def test_the_plan_says_how_its_regions_run_on_a_gpu(args):
+  text = str(jaxstreams.jit(two_towers, streams=3).plan(*args))
+  assert "on a GPU the regions run inline, as the program jax.jit builds" in text
+  assert "call on stream" not in text
+  jaxstreams.config.update("jaxstreams_gpu_lowering", "streams")
+  try:
+    plan = jaxstreams.jit(two_towers, streams=3).plan(*args)
+  finally:
+    jaxstreams.config.reset("jaxstreams_gpu_lowering")
+  assert plan.gpu_lowering == "streams"
+  assert "call on stream 1" in str(plan) and "run inline" not in str(plan)
