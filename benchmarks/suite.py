@@ -203,7 +203,10 @@ def markdown(report: dict) -> str:
   lines += [
       "Cells are ratio = baseline time / candidate time (above 1.0: the "
       "candidate is faster), with the baseline's median ms in brackets. "
-      "The candidate is jaxstreams; in `staging` it is `jaxstreams.prefetch` "
+      "The candidate is jaxstreams with each off-main region a call on its "
+      "stream (`jaxstreams_gpu_lowering=\"streams\"`; the default, "
+      "`inline`, is the `jax.jit` column's program); in `staging` it is "
+      "`jaxstreams.prefetch` "
       "and the baselines the loop without prefetching and a hand-written "
       "prefetch thread. `mem` is the "
       "candidate's compiled footprint (arguments + outputs + temporaries) "
