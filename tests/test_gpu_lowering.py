@@ -2,7 +2,10 @@
 GPU. 'inline' (default) is the program jax.jit builds; 'streams' makes each
 off-main region a call on its stream. Read when the function is made."""
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -92,3 +95,17 @@ def test_xla_concurrent_scheduling_can_be_asked_for_as_with_jax_jit(args):
   options = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
   f = jaxstreams.jit(two_towers, streams=3, compiler_options=options)
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
+
+
+def test_stream_calls_number_xla_streams_densely(args, stream_calls):
+  def spread(x, w1, w2):
+    with jaxstreams.stream(5):
+      a = jnp.tanh(x @ w1)
+    with jaxstreams.stream(9):
+      b = jnp.sin(x @ w2)
+    return a + b
+  f = jaxstreams.jit(spread, streams=10)
+  assert {r.stream for r in f.plan(*args).regions} == {0, 5, 9}
+  text = cuda_text(f, *args)
+  assert sorted(set(re.findall(r'_xla_stream_annotation = "(\d+)"', text))) == ["1", "2"]
+  assert_equal_results(f(*args), jax.jit(spread)(*args))

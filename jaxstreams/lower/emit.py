@@ -54,6 +54,15 @@ from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
 
 
+def xla_stream(plan: PartitionedProgram, stream: int) -> int:
+  """The XLA:GPU compute stream a region of plan stream ``stream`` runs on:
+  the plan's off-main streams numbered from 1 in order. The plan's ids are
+  the user's, and XLA numbers real streams: a program with stream id 10**6
+  ran out of GPU memory on an H100 (jax 0.11.2)."""
+  used = sorted({s for s in plan.graph.streams if s != 0})
+  return used.index(stream) + 1
+
+
 def region_function(plan: PartitionedProgram, index: int):
   """A function of the region's inputs returning its outputs."""
   graph = plan.graph
@@ -99,7 +108,7 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
       continue
     inputs = [order.read(v) if order else env[v] for v in graph.inputs[index]]
     if stream != 0 and stream_calls:
-      fn = _compat.stream_call(fn, stream, index)
+      fn = _compat.stream_call(fn, xla_stream(plan, stream), index)
     results = fn(*inputs)
     for var, value in zip(graph.outputs[index], results):
       env[var] = value
@@ -316,7 +325,8 @@ class _Sequencer:
       results = fn(*inputs)
       return [packing.pack(results)] if packing is not None else results
 
-    results = _compat.stream_call(body, stream, index)(*operands)
+    results = _compat.stream_call(body, xla_stream(self.plan, stream),
+                                  index)(*operands)
     self.step += 1
     pinned = index in self.calls
     if pinned:
