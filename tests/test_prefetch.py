@@ -1180,12 +1180,17 @@ def _timed_source(clock, n, produce_us):
     yield np.full(2, i, np.float32)
 
 
-def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(
-    monkeypatch):
+@pytest.fixture
+def clock(monkeypatch):
+  """The pipeline's clock, replaced by a _FakeClock for the test."""
+  fake = _FakeClock()
+  monkeypatch.setattr(_clock, "now", fake)
+  return fake
+
+
+def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(clock):
   # The first step compiles (2 s here); the note about short cycles must
   # still come, from the cycles the chooser judged.
-  clock = _FakeClock()
-  monkeypatch.setattr(_clock, "now", clock)
   with pytest.warns(jaxstreams.PerformanceWarning) as record:
     with jaxstreams.prefetch(_timed_source(clock, 300, 5)) as it:
       for i, _ in enumerate(it):
@@ -1197,13 +1202,11 @@ def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(
 
 @pytest.mark.cpu_backend
 def test_auto_with_a_large_lookahead_on_cpu_tries_workers_at_short_cycles(
-    monkeypatch):
+    clock):
   # Cheap production (5 us) at 105 us cycles: at size=2 it stays inline
   # without a trial (the test above); from GAP_TRIAL_SIZE on, with
   # asynchronous dispatch, a trial compares the two ways, and order and
   # items hold across its switches.
-  clock = _FakeClock()
-  monkeypatch.setattr(_clock, "now", clock)
   got = []
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
@@ -1219,11 +1222,9 @@ def test_auto_with_a_large_lookahead_on_cpu_tries_workers_at_short_cycles(
 
 
 def test_short_cycle_warning_leaves_out_async_dispatch_advice_when_sync(
-    monkeypatch):
+    monkeypatch, clock):
   # With jax_cpu_enable_async_dispatch=False already set, the warning does
   # not tell the user to set it.
-  clock = _FakeClock()
-  monkeypatch.setattr(_clock, "now", clock)
   monkeypatch.setattr(_compat, "cpu_dispatch_is_async", lambda: False)
   with pytest.warns(jaxstreams.PerformanceWarning) as record:
     with jaxstreams.prefetch(_timed_source(clock, 300, 5)) as it:
@@ -1235,10 +1236,7 @@ def test_short_cycle_warning_leaves_out_async_dispatch_advice_when_sync(
 
 
 @pytest.mark.cpu_backend
-def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
-    monkeypatch):
-  clock = _FakeClock()
-  monkeypatch.setattr(_clock, "now", clock)
+def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(clock):
   got = []
   with pytest.warns(jaxstreams.PerformanceWarning,
                     match="stepped aside: producing an item takes 5 us "
@@ -1262,9 +1260,7 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
   assert stats["inline"]["produce_us"] == pytest.approx(5)
 
 
-def test_auto_moves_to_workers_where_production_dominates(monkeypatch):
-  clock = _FakeClock()
-  monkeypatch.setattr(_clock, "now", clock)
+def test_auto_moves_to_workers_where_production_dominates(monkeypatch, clock):
   # The source waits (as for storage): it blocks at every item.
   monkeypatch.setattr(_clock, "switches", itertools.count().__next__)
   got = []
@@ -1329,9 +1325,7 @@ def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
     assert _transfer.resolve("device_put", sharding, 2, "t").shares_cores()
 
 
-def test_only_the_public_prefetch_warns(monkeypatch):
-  clock = _FakeClock()
-  monkeypatch.setattr(_clock, "now", clock)
+def test_only_the_public_prefetch_warns(clock):
   with Prefetcher(_timed_source(clock, 150, 5), 2, transform=lambda b: b,
                   num_threads=1, timeout=None,
                   closed_exception_types=(StopIteration,),
