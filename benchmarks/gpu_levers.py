@@ -90,22 +90,26 @@ def compile_ways(make_fn, args):
   ways["jaxstreams (default: inline)"] = inline.lower(*args).compile()
   ways["jaxstreams, inline, CONCURRENT"] = inline.lower(*args).compile(
       compiler_options=common.CONCURRENT_OPTIONS)
-  for points in (True, False):
-    jaxstreams.config.update("jaxstreams_sequence_points", points)
-    try:
-      calls = common.stream_calls_jit(make_fn(common.place_jaxstreams), STREAMS)
-      lowered = calls.lower(*args)
-    finally:
-      jaxstreams.config.reset("jaxstreams_sequence_points")
-    if not points:
-      ways["jaxstreams, stream calls, no sequence points"] = lowered.compile()
-      continue
-    ways["jaxstreams, stream calls"] = lowered.compile()
-    ways["jaxstreams, stream calls, no command buffers"] = lowered.compile(
-        compiler_options=NO_COMMAND_BUFFERS)
-    ways["jaxstreams, stream calls, CONCURRENT"] = lowered.compile(
-        compiler_options=common.CONCURRENT_OPTIONS)
+  calls = _stream_calls(make_fn, args, sequence_points=True)
+  ways["jaxstreams, stream calls"] = calls.compile()
+  ways["jaxstreams, stream calls, no command buffers"] = calls.compile(
+      compiler_options=NO_COMMAND_BUFFERS)
+  ways["jaxstreams, stream calls, CONCURRENT"] = calls.compile(
+      compiler_options=common.CONCURRENT_OPTIONS)
+  ways["jaxstreams, stream calls, no sequence points"] = _stream_calls(
+      make_fn, args, sequence_points=False).compile()
   return ways
+
+
+def _stream_calls(make_fn, args, sequence_points):
+  """The model lowered with each off-main region a call on its stream
+  (jaxstreams_sequence_points is read when the function is traced)."""
+  jaxstreams.config.update("jaxstreams_sequence_points", sequence_points)
+  try:
+    return jaxstreams.jit(make_fn(common.place_jaxstreams), streams=STREAMS,
+                          gpu_lowering="streams").lower(*args)
+  finally:
+    jaxstreams.config.reset("jaxstreams_sequence_points")
 
 
 def sampler(compiled, args, calls):

@@ -103,9 +103,7 @@ def main():
 
   streams = args.towers + 1
   fast = jaxstreams.jit(step, streams=streams)
-  jaxstreams.config.update("jaxstreams_gpu_lowering", "streams")
-  calls = jaxstreams.jit(step, streams=streams)   # read when made
-  jaxstreams.config.reset("jaxstreams_gpu_lowering")
+  calls = jaxstreams.jit(step, streams=streams, gpu_lowering="streams")
   plain = jax.jit(step)
 
   plan = fast.plan(params, x, y)

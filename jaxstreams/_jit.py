@@ -26,7 +26,7 @@ from jaxstreams.lower import emit
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
 
-__all__ = ["jit", "plan", "spec_of", "stream_calls_jit", "StreamJit"]
+__all__ = ["jit", "plan", "spec_of", "StreamJit"]
 
 _JIT_PARAMETERS = frozenset(
     name for name, p in inspect.signature(jax.jit).parameters.items()
@@ -42,7 +42,8 @@ def _check_streams(streams: Any, source: str) -> int:
 
 
 def jit(fun: Callable | None = None, *, streams: int | None = None,
-        auto: bool | None = None, **jit_kwargs: Any):
+        auto: bool | None = None, gpu_lowering: str | None = None,
+        **jit_kwargs: Any):
   """Like ``jax.jit``, with a stream plan of the function's stream blocks.
 
   Usable as ``@jaxstreams.jit``, ``@jaxstreams.jit(streams=4)`` or
@@ -56,11 +57,13 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   (``None`` reads the ``jaxstreams_auto`` option). Plan options are read when
   the function is traced.
 
-  How a plan of several streams runs on a GPU is the ``jaxstreams_gpu_lowering``
-  option's, read when the function is made: ``"inline"`` (default), the
-  program ``jax.jit`` builds, since stream calls measured slower than it on
-  an H100 (jax 0.11.2); ``"streams"``, each off-main region as a call on its
-  CUDA stream. On CPU both are the program ``jax.jit`` builds.
+  ``gpu_lowering`` is how a plan of several streams runs on a GPU:
+  ``"inline"``, the program ``jax.jit`` builds, since stream calls measured
+  slower than it on an H100 (jax 0.11.2); ``"streams"``, each off-main
+  region as a call on its CUDA stream. ``None`` reads the
+  ``jaxstreams_gpu_lowering`` option (default ``"inline"``) when the
+  ``jax.jit`` function is made: with ``streams`` given, now. On CPU both are
+  the program ``jax.jit`` builds.
 
   With ``streams`` given, the result *is* a ``jax.jit`` function (of the
   planned program) with a ``plan`` method, so calls cost what ``jax.jit``
@@ -69,36 +72,33 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   wrapping the same function again with the same options reuses its traces
   and compiled programs.
   """
-  return _jit(fun, streams, auto, jit_kwargs, gpu_lowering=None)
-
-
-def stream_calls_jit(fun: Callable, *, streams: int, **jit_kwargs: Any):
-  """``jaxstreams.jit`` whose regions are stream calls on a GPU whatever the
-  ``jaxstreams_gpu_lowering`` option says: for the programs whose point is
-  their streams and whose own ``mode="auto"`` measures whether they pay
-  (``serve``'s grouped batches, ``staged``'s fused and threaded producers)."""
-  return _jit(fun, streams, None, jit_kwargs, gpu_lowering="streams")
-
-
-def _jit(fun: Callable | None, streams: int | None, auto: bool | None,
-         jit_kwargs: dict[str, Any], gpu_lowering: str | None):
   if streams is not None:
     _check_streams(streams, "jaxstreams.jit")
   if auto is not None and not isinstance(auto, bool):
     raise TypeError(f"jaxstreams.jit: auto must be True, False or None (read "
                     f"the jaxstreams_auto option), got {auto!r}")
+  if gpu_lowering is not None and gpu_lowering not in config.GPU_LOWERINGS:
+    raise ValueError(f"jaxstreams.jit: gpu_lowering must be one of "
+                     f"{', '.join(map(repr, config.GPU_LOWERINGS))} or None "
+                     f"(read the jaxstreams_gpu_lowering option), got "
+                     f"{gpu_lowering!r}")
   unknown = sorted(set(jit_kwargs) - _JIT_PARAMETERS)
   if unknown:
     raise TypeError(f"jaxstreams.jit got unexpected keyword argument(s) "
-                    f"{', '.join(unknown)}; it takes streams= and the keywords "
-                    f"of jax.jit: {', '.join(sorted(_JIT_PARAMETERS))}")
+                    f"{', '.join(unknown)}; it takes streams=, auto=, "
+                    f"gpu_lowering= and the keywords of jax.jit: "
+                    f"{', '.join(sorted(_JIT_PARAMETERS))}")
   if fun is None:
-    return lambda f: _jit(f, streams, auto, jit_kwargs, gpu_lowering)
+    return lambda f: jit(f, streams=streams, auto=auto,
+                         gpu_lowering=gpu_lowering, **jit_kwargs)
   _compat.hide_package_frames()
   # jax.jit's own checks and messages for what it does not take (a
   # non-callable, a generator function, bad static_argnums, ...): the
   # function jax.jit traces later is jaxstreams', which would hide them.
   jax.jit(fun, **jit_kwargs)
+  if streams is not None and gpu_lowering is None:
+    # Its jax.jit function is made now: its plan must report what it runs.
+    gpu_lowering = config.read("jaxstreams_gpu_lowering")
   spec = _Spec(fun, streams, auto, dict(jit_kwargs), gpu_lowering)
   if streams is None:
     wrapper = StreamJit(spec)
@@ -212,7 +212,8 @@ class _Spec:
                    else "the jaxstreams_streams option")
 
   def lowering(self) -> str:
-    """The GPU lowering of a ``jax.jit`` function made now."""
+    """The GPU lowering of the ``jax.jit`` functions made from this spec now
+    (fixed when ``streams`` was given)."""
     return self.gpu_lowering or config.read("jaxstreams_gpu_lowering")
 
   def streams_now(self) -> int:
@@ -334,6 +335,7 @@ class StreamJit:
 
 
 def plan(fun: Callable, *, streams: int | None = None, auto: bool | None = None,
+         gpu_lowering: str | None = None,
          **jit_kwargs: Any) -> Callable[..., StreamPlan]:
   """``jaxstreams.plan(f, streams=4)(*args)``: the ``StreamPlan`` of ``f``.
 
@@ -342,12 +344,14 @@ def plan(fun: Callable, *, streams: int | None = None, auto: bool | None = None,
   """
   spec = spec_of(fun)
   if spec is not None:
-    if streams is None and auto is None and not jit_kwargs:
+    if streams is None and auto is None and gpu_lowering is None and not jit_kwargs:
       return spec.plan
     fun, jit_kwargs = spec.fun, {**spec.jit_kwargs, **jit_kwargs}
     streams = streams if streams is not None else spec.streams
     auto = auto if auto is not None else spec.auto
-  return jit(fun, streams=streams, auto=auto, **jit_kwargs).plan
+    gpu_lowering = gpu_lowering or spec.gpu_lowering
+  return jit(fun, streams=streams, auto=auto, gpu_lowering=gpu_lowering,
+             **jit_kwargs).plan
 
 
 def _function_name(fun: Callable) -> str:

@@ -107,7 +107,8 @@ GPU_LOWERING = _define(Option(
     "each off-main region as a call on its own CUDA stream with dependency "
     "events (what jaxstreams.profile always does). Read when a jaxstreams.jit "
     "function is made (with streams=None: at its first call with each stream "
-    "count). Changes nothing on CPU, which runs one stream.",
+    "count); jaxstreams.jit(gpu_lowering=...) chooses for one function. "
+    "Changes nothing on CPU, which runs one stream.",
     _gpu_lowering_value))
 
 

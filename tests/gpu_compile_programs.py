@@ -80,9 +80,7 @@ def schedule_of(name, target, compiler_options=None, sequence_points=True):
   options = {"compiler_options": compiler_options} if compiler_options else {}
   # The schedule of the regions as stream calls (the default lowering is the
   # program jax.jit builds, which has none).
-  jaxstreams.config.update("jaxstreams_gpu_lowering", "streams")
-  jitted = jaxstreams.jit(fn, streams=streams, **options)
-  jaxstreams.config.reset("jaxstreams_gpu_lowering")
+  jitted = jaxstreams.jit(fn, streams=streams, gpu_lowering="streams", **options)
   jaxstreams.config.update("jaxstreams_sequence_points", sequence_points)
   try:
     plan = jitted.plan(*args)

@@ -61,6 +61,17 @@ def test_the_option_is_read_when_the_function_is_made(args):
     jaxstreams.config.reset("jaxstreams_streams")
 
 
+def test_the_keyword_chooses_for_one_function(args):
+  f = jaxstreams.jit(two_towers, streams=3, gpu_lowering="streams")
+  assert _stream_calls(cuda_text(f, *args)) > 0
+  assert f.plan(*args).gpu_lowering == "streams"
+  assert jaxstreams.plan(f, gpu_lowering="inline")(*args).gpu_lowering == "inline"
+  assert jaxstreams.plan(f, streams=4)(*args).gpu_lowering == "streams"
+  with pytest.raises(ValueError, match=r"jaxstreams.jit: gpu_lowering must be one "
+                     r"of 'inline', 'streams' or None .* got 'fast'"):
+    jaxstreams.jit(two_towers, streams=3, gpu_lowering="fast")
+
+
 def test_a_bad_value_names_the_choices():
   with pytest.raises(ValueError, match=r"jaxstreams_gpu_lowering .* must be one "
                      r"of inline, streams, got 'fast'"):
@@ -82,9 +93,10 @@ def test_the_plan_says_how_its_regions_run_on_a_gpu(args):
   assert "call on stream" not in text
   jaxstreams.config.update("jaxstreams_gpu_lowering", "streams")
   try:
-    plan = jaxstreams.jit(two_towers, streams=3).plan(*args)
+    f = jaxstreams.jit(two_towers, streams=3)
   finally:
     jaxstreams.config.reset("jaxstreams_gpu_lowering")
+  plan = f.plan(*args)    # the option changed since: the plan is of what f runs
   assert plan.gpu_lowering == "streams"
   assert "call on stream 1" in str(plan) and "run inline" not in str(plan)
 

@@ -226,20 +226,13 @@ def standard_candidates(make_fn: Callable[[Callable], Callable], args,
     cands["compute_on"] = not_applicable("compute_on")
     cands["compute_on"].annotated_calls = annotated_calls(hand, args)
   cands["jaxstreams"] = compiled_candidate(
-      "jaxstreams", stream_calls_jit(make_fn(place_jaxstreams), streams),
+      "jaxstreams",
+      # Each off-main region a call on its stream: what the suite measures
+      # (the default lowering, inline, is the jax.jit column's program).
+      jaxstreams.jit(make_fn(place_jaxstreams), streams=streams,
+                     gpu_lowering="streams"),
       args, count_annotations=True)
   return cands
-
-
-def stream_calls_jit(fn: Callable, streams: int):
-  """``jaxstreams.jit(fn, streams=streams)`` with the ``streams`` GPU lowering,
-  each off-main region a call on its stream: what the suite measures (the
-  default lowering, ``inline``, is the ``jax.jit`` column's program)."""
-  jaxstreams.config.update("jaxstreams_gpu_lowering", "streams")
-  try:
-    return jaxstreams.jit(fn, streams=streams)
-  finally:
-    jaxstreams.config.reset("jaxstreams_gpu_lowering")
 
 
 STANDARD_BASELINES = ["jax.jit", "XLA CONCURRENT", "compute_on"]

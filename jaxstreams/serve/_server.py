@@ -68,7 +68,7 @@ from jax import tree_util
 from jax.interpreters import mlir
 
 from jaxstreams import _checks, _compat, _workers
-from jaxstreams._jit import spec_of, stream_calls_jit as _streams_jit
+from jaxstreams._jit import jit as _streams_jit, spec_of
 from jaxstreams._signature import signature as _leaf_signatures, traced_signature
 from jaxstreams._trace import trace
 from jaxstreams.partition.cut import part_jaxpr
@@ -636,7 +636,9 @@ class _Core:
       return tuple(results)
 
     run_batch.__name__ = run_batch.__qualname__ = f"serve_{_name(self.fun)}"
-    return _streams_jit(run_batch, streams=groups + 1)
+    # Stream calls whatever jaxstreams_gpu_lowering says: the groups are the
+    # point of grouped mode, which runs only when asked for.
+    return _streams_jit(run_batch, streams=groups + 1, gpu_lowering="streams")
 
   def program_for(self, key: tuple):
     with self.cache_lock:

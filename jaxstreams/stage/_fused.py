@@ -49,7 +49,7 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
-from jaxstreams._jit import stream_calls_jit as streams_jit
+from jaxstreams._jit import jit as streams_jit
 from jaxstreams.stage._analysis import FUNC, Split
 from jaxstreams.stage._splits import Splits
 from jaxstreams.stage import _clock
@@ -157,7 +157,9 @@ def _fused_program(cache: dict, consumer: Split | None,
     return outs, produced
 
   fused.__name__ = fused.__qualname__ = "jaxstreams_staged_step"
-  program = streams_jit(fused, streams=streams,
+  # The producer on its own stream whatever jaxstreams_gpu_lowering says:
+  # mode="auto" measures whether the fused program pays.
+  program = streams_jit(fused, streams=streams, gpu_lowering="streams",
                         donate_argnums=_donated(consumer, stages))
   cache[key] = program
   return program

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import jax
 from jax import tree_util
 
-from jaxstreams._jit import stream_calls_jit as streams_jit
+from jaxstreams._jit import jit as streams_jit
 from jaxstreams.stage import _clock
 from jaxstreams.stage._analysis import FUNC, Split
 from jaxstreams.stage._chooser import Meter
@@ -47,7 +47,9 @@ def jit_parts(stream: int | None, consumer_jit: Callable
         def run(*xs, body=body):
           with stream_scope(stream):
             return body(*xs)
-        fns.append(streams_jit(run, streams=stream + 1))
+        # The producer on its stream whatever jaxstreams_gpu_lowering says:
+        # mode="auto" measures whether that pays.
+        fns.append(streams_jit(run, streams=stream + 1, gpu_lowering="streams"))
     fns.append(consumer_jit(split.bodies[-1]))
     split.fns = fns
   return jit
