@@ -19,13 +19,10 @@ Loops, in the same run:
   default ``mode="auto"`` (the JSON records the way it chose);
 * ``workers``: over ``jaxstreams.prefetch(data, mode="workers")``, worker
   threads always (what ``auto`` steps aside from, for reference);
-* ``workers16``: the same with ``size=16``: a worker refills the lookahead
-  once per 8 items instead of every other item, so the consumer's thread
-  does least between two steps (see benchmarks/cpu_dispatch_gap.py for why
-  that matters to short steps on XLA:CPU);
+* ``workers16``: the same with ``size=16`` (a longer lookahead: more room
+  for a worker's late wake-ups);
 * ``auto16``: ``jaxstreams.prefetch(data, size=16)``, the default mode with
-  that lookahead (on XLA:CPU with asynchronous dispatch it then also tries
-  workers at short cycles);
+  that lookahead;
 * ``staged``: ``jaxstreams.staged(step, data=data)`` with the batch's
   preprocessing in ``jaxstreams.stage(...)``, called once per batch: the
   default ``mode="auto"`` (the JSON records the way it chose, and its
@@ -40,7 +37,9 @@ Loops, in the same run:
 host waits for the device every step (the usual loop that logs its loss);
 "no read" reads only the last result.
 
-Method (benchmarks/_common.py): per case, ``--rounds`` rounds; a round runs
+Method (benchmarks/_common.py): per case, ``--rounds`` rounds (three times
+as many for steps under 1 ms, whose rounds scatter most: per-round ratios
+of 0.8x to 1.1x at 0.1 ms on the shared 2-core machine); a round runs
 each loop once over all ``--steps`` batches (for steps under 1 ms, as many
 as take about as long: ``--steps`` / step ms, 4000 at 0.1 ms; a fifth at
 10 ms), in alternating order. Reported:
@@ -74,6 +73,7 @@ import _common  # noqa: E402
 
 STEP_MS = (0.1, 0.3, 1.0, 3.0, 10.0)
 IO_STEP_MS = (1.0, 3.0, 10.0)      # steps the io producer is run with
+SHORT_STEP_ROUNDS = 3              # rounds x this under 1 ms steps
 GOAL = 0.97                        # free producer: prefetch, staged / plain
 
 
@@ -226,7 +226,8 @@ def main():
   info = _common.machine()
   print(f"device: {info['device_kind']} ({info['platform']}), jax "
         f"{info['jax']}, {info['cpu_cores']} cores, load "
-        f"{info['load_average_at_start']}; {args.rounds} rounds, median; "
+        f"{info['load_average_at_start']}; {args.rounds} rounds ("
+        f"{args.rounds * SHORT_STEP_ROUNDS} under 1 ms), median; "
         f"ratio = plain / loop, paired per round (> 1: faster)")
   header = (f"{'step':>7} {'producer':>8} {'read':>4} {'plain us':>9} "
             + " ".join(f"{name:>9}" for name in LOOPS[1:])
@@ -252,11 +253,12 @@ def main():
           warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
           measure(step, w, batches[:8], read, 0.0, 1)   # compile, warm
           load_before = _common.load()
-          samples, chose = measure(step, w, batches, read, io_ms, args.rounds)
+          rounds = args.rounds * (SHORT_STEP_ROUNDS if target < 1 else 1)
+          samples, chose = measure(step, w, batches, read, io_ms, rounds)
         median = {name: statistics.median(v) for name, v in samples.items()}
         ratios = {name: _common.paired(samples["plain"], samples[name])
                   for name in LOOPS[1:]}
-        row = {"step_ms_target": target, "iters": iters,
+        row = {"step_ms_target": target, "iters": iters, "rounds": rounds,
                "producer": producer, "io_ms": io_ms,
                "read_every_step": read, "steps": steps,
                "seconds_per_step_median": median,
@@ -297,7 +299,8 @@ def main():
           + ("_quick" if args.quick else ""))
   text = (f"# {'quiet' if args.quiet else 'not marked quiet'}; load at start "
           f"{info['load_average_at_start']}, at end "
-          f"{result['load_average_at_end']}; {args.rounds} rounds x "
+          f"{result['load_average_at_end']}; {args.rounds} rounds "
+          f"({args.rounds * SHORT_STEP_ROUNDS} under 1 ms) x "
           f"{args.steps} steps\n" + "\n".join(lines) + "\n")
   print(f"saved {_common.save(args.out, name, result, text)} and .txt")
 

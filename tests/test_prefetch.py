@@ -945,6 +945,40 @@ def test_chooser_trial_keeps_workers_when_they_are_faster():
   assert chooser.news is None
 
 
+def _trial_with_stalls(every, stall_us):
+  """A trial at 0.1 ms cycles, workers 10% faster, where every ``every``-th
+  counted item of each workers window takes ``stall_us`` longer."""
+  chooser = Chooser(size=2)
+  _feed(chooser, 2 + WINDOW, cycle_us=100, produce_us=40)
+  assert chooser.trial is not None
+  count = 0
+  while chooser.trial is not None:
+    cycle = 100
+    if chooser.mode == "workers" and not chooser.skip:
+      count += 1
+      cycle = 90 + (stall_us if count % every == 0 else 0)
+    _feed(chooser, 1, cycle_us=cycle, produce_us=40)
+  return chooser
+
+
+def test_chooser_trial_is_not_decided_by_one_preempted_item():
+  # One item per workers window preempted for a millisecond (a shared
+  # machine): the window's mean would lose by half; the trial still sees
+  # the workers' 10%.
+  chooser = _trial_with_stalls(every=WINDOW, stall_us=1000)
+  assert chooser.mode == "workers"
+  assert chooser.trials[-1]["workers_won"] == 3
+  assert chooser.trials[-1]["workers_cycle_us"] == pytest.approx(90)
+
+
+def test_chooser_trial_counts_a_stall_that_recurs():
+  # Every 4th item waits 200 us under workers: that is their cost, and
+  # the trial finds them slower.
+  chooser = _trial_with_stalls(every=4, stall_us=200)
+  assert chooser.mode == "inline"
+  assert chooser.trials[-1]["workers_won"] == 0
+
+
 def test_chooser_trial_steps_aside_when_workers_are_no_faster():
   chooser = Chooser(size=2)
   _feed(chooser, 2 + WINDOW, cycle_us=200, produce_us=44)
@@ -1096,8 +1130,8 @@ def test_chooser_with_the_dispatch_gap_tries_workers_at_short_cycles():
 @pytest.mark.cpu_backend
 def test_prefetch_expects_the_dispatch_gap_only_where_it_can_pay(
     monkeypatch):
-  # The chooser is told of the gain on CPU with asynchronous dispatch and a
-  # lookahead from GAP_TRIAL_SIZE on, in mode="auto" only.
+  # The chooser is told of the gain on CPU with asynchronous dispatch, at
+  # any lookahead, in mode="auto" only.
   items = [np.ones(2, np.float32)] * 3
 
   def gain(**kwargs):
@@ -1105,13 +1139,12 @@ def test_prefetch_expects_the_dispatch_gap_only_where_it_can_pay(
       chooser = it._pipeline.meter.chooser
       return None if chooser is None else chooser.unseen_gain
 
-  size = _lookahead.GAP_TRIAL_SIZE
-  assert gain(size=size) is True
-  assert gain(size=size - 1) is False
-  assert gain() is False                      # the default size=2
-  assert gain(size=size, mode="inline") is None
+  assert gain() is True                       # the default size=2
+  assert gain(size=1) is True
+  assert gain(size=16) is True
+  assert gain(mode="inline") is None
   monkeypatch.setattr(_compat, "cpu_dispatch_is_async", lambda: False)
-  assert gain(size=size) is False
+  assert gain() is False
 
 
 def test_busy_tells_waiting_from_needing_a_core():
@@ -1143,16 +1176,38 @@ def test_chooser_trial_gap_doubles():
   chooser = Chooser(size=1)
   gaps = []
   for _ in range(3):
-    _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300)
-    before = chooser.next_trial
+    for _ in range(10_000):      # until the next trial starts
+      _feed(chooser, 1, cycle_us=1000, produce_us=300)
+      if chooser.trial is not None:
+        break
     _trial(chooser, workers_cycle_us=750, inline_cycle_us=1000,
            produce_us=300)
+    assert chooser.mode == "workers"
     gaps.append(chooser.next_trial - chooser.judged)
     # Back to inline: production turns cheap under workers.
     _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=1)
-    assert chooser.mode == "inline", before
-    _feed(chooser, chooser.next_trial, cycle_us=100, produce_us=1)
+    assert chooser.mode == "inline"
   assert gaps[1] > gaps[0] and gaps[2] > gaps[1]
+  # After a won trial, also RECHECK_S apart (333 items of 750 us).
+  assert abs(gaps[0] - round(_chooser.RECHECK_S / 750e-6)) <= WINDOW
+
+
+def test_chooser_rechecks_a_won_trial_no_sooner_than_recheck_s():
+  # At 0.1 ms cycles, FIRST_TRIAL_GAP items would be 26 ms: the re-check
+  # after workers won waits RECHECK_S instead; after a lost trial, only
+  # the item gap applies (inline may be the worse way).
+  won = Chooser(size=2, unseen_gain=True, unseen_cycle_s=1e-3)
+  _feed(won, 2 + WINDOW, cycle_us=100, produce_us=3)
+  _trial(won, workers_cycle_us=90, inline_cycle_us=100, produce_us=3)
+  assert won.mode == "workers"
+  expected = round(_chooser.RECHECK_S / 90e-6)
+  assert abs(won.next_trial - won.judged - expected) <= WINDOW
+  lost = Chooser(size=2, unseen_gain=True, unseen_cycle_s=1e-3)
+  _feed(lost, 2 + WINDOW, cycle_us=100, produce_us=3)
+  _trial(lost, workers_cycle_us=110, inline_cycle_us=100, produce_us=3)
+  assert lost.mode == "inline"
+  expected = _chooser.FIRST_TRIAL_GAP
+  assert abs(lost.next_trial - lost.judged - expected) <= WINDOW
 
 
 # mode="auto" in an iterator: a fake clock ------------------------------------
@@ -1188,9 +1243,12 @@ def clock(monkeypatch):
   return fake
 
 
-def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(clock):
+def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(
+    monkeypatch, clock):
   # The first step compiles (2 s here); the note about short cycles must
-  # still come, from the cycles the chooser judged.
+  # still come, from the cycles the chooser judged. (Synchronous dispatch:
+  # no trial of workers, whose fake cycles would win it.)
+  monkeypatch.setattr(_compat, "cpu_dispatch_is_async", lambda: False)
   with pytest.warns(jaxstreams.PerformanceWarning) as record:
     with jaxstreams.prefetch(_timed_source(clock, 300, 5)) as it:
       for i, _ in enumerate(it):
@@ -1201,17 +1259,14 @@ def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(clock):
 
 
 @pytest.mark.cpu_backend
-def test_auto_with_a_large_lookahead_on_cpu_tries_workers_at_short_cycles(
-    clock):
-  # Cheap production (5 us) at 105 us cycles: at size=2 it stays inline
-  # without a trial (the test above); from GAP_TRIAL_SIZE on, with
-  # asynchronous dispatch, a trial compares the two ways, and order and
-  # items hold across its switches.
+def test_auto_on_cpu_tries_workers_at_short_cycles(clock):
+  # Cheap production (5 us) at 105 us cycles: with asynchronous dispatch
+  # on CPU, a trial compares the two ways (at the default size), and order
+  # and items hold across its switches.
   got = []
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
-    with jaxstreams.prefetch(_timed_source(clock, 300, 5),
-                             size=_lookahead.GAP_TRIAL_SIZE) as it:
+    with jaxstreams.prefetch(_timed_source(clock, 300, 5)) as it:
       for item in it:
         got.append(int(item[0]))
         clock.advance(100)
@@ -1219,6 +1274,30 @@ def test_auto_with_a_large_lookahead_on_cpu_tries_workers_at_short_cycles(
   assert got == list(range(300))
   assert stats["trials"] and stats["switches"] >= 2
   assert stats["workers"]["items"] > 0 and stats["inline"]["items"] > 0
+
+
+@pytest.mark.cpu_backend
+def test_a_lost_trial_at_short_cycles_steps_aside_once_and_says_what_helps(
+    clock):
+  # Workers make the (fake) step three times longer: the trial that
+  # asynchronous dispatch on CPU gets at short cycles loses, and the one
+  # warning says so and what helps there.
+  got = []
+  with pytest.warns(jaxstreams.PerformanceWarning) as record:
+    with jaxstreams.prefetch(_timed_source(clock, 400, 5)) as it:
+      for item in it:
+        got.append(int(item[0]))
+        clock.advance(100 if it._pipeline.inline else 300)
+      stats = it.stats()
+  assert len(record) == 1
+  message = str(record[0].message)
+  assert "a trial found workers no faster" in message
+  assert "auto tries workers at such cycles" in message
+  assert "jax_cpu_enable_async_dispatch=False" in message
+  assert got == list(range(400))
+  assert stats["mode"] == "inline" and stats["trials"]
+  assert all(t["workers_won"] == 0 for t in stats["trials"])
+  assert stats["workers"]["items"] > 0
 
 
 def test_short_cycle_warning_leaves_out_async_dispatch_advice_when_sync(
@@ -1236,7 +1315,11 @@ def test_short_cycle_warning_leaves_out_async_dispatch_advice_when_sync(
 
 
 @pytest.mark.cpu_backend
-def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(clock):
+def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
+    monkeypatch, clock):
+  # Synchronous dispatch: nothing unseen to try workers for (the test
+  # below has the trial asynchronous dispatch gets).
+  monkeypatch.setattr(_compat, "cpu_dispatch_is_async", lambda: False)
   got = []
   with pytest.warns(jaxstreams.PerformanceWarning,
                     match="stepped aside: producing an item takes 5 us "
@@ -1251,9 +1334,6 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(clock):
   # costs least.
   message = str(record[0].message)
   assert "iterating the source directly" in message
-  # On CPU with asynchronous dispatch (the default), what helps there.
-  assert "with size=16 (any size from 8) auto also tries workers" in message
-  assert "jax_cpu_enable_async_dispatch=False" in message
   assert got == list(range(300))
   assert stats["mode"] == "inline" and stats["switches"] == 0
   assert stats["inline"]["items"] == 300 and it.threads == []
@@ -1325,7 +1405,9 @@ def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
     assert _transfer.resolve("device_put", sharding, 2, "t").shares_cores()
 
 
-def test_only_the_public_prefetch_warns(clock):
+def test_only_the_public_prefetch_warns(monkeypatch, clock):
+  # It steps aside without a trial (synchronous dispatch): a warning.
+  monkeypatch.setattr(_compat, "cpu_dispatch_is_async", lambda: False)
   with Prefetcher(_timed_source(clock, 150, 5), 2, transform=lambda b: b,
                   num_threads=1, timeout=None,
                   closed_exception_types=(StopIteration,),

@@ -98,7 +98,7 @@ def test_chooser_keeps_the_plain_step_where_reading_is_cheap():
 def _until_trial(chooser, cycle_us, read_us):
   """Feeds calls until a trial starts (at most a few gaps); returns how
   many judged calls had passed."""
-  for _ in range(4 * _chooser.FIRST_TRIAL_GAP):
+  for _ in range(20_000):     # (RECHECK_S at short cycles: thousands)
     _feed(chooser, 1, cycle_us, read_us)
     if chooser.trial is not None:
       return chooser.judged + chooser.n

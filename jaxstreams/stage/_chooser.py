@@ -7,8 +7,10 @@ program per call), and that machinery has a cost per item: hand-offs, its
 competition for the CPU, for ``staged`` the bookkeeping of the fused
 program. Where what it hides is cheap, it loses: ``prefetch`` with a worker
 ran a loop of sub-millisecond steps that reads each result at 0.2x-0.85x of
-the plain loop, ``staged`` at 0.4x-0.7x (benchmarks/prefetch_sweep.py, the
-shared 2-core development machine). So each starts *inline*, as the plain
+the plain loop while the consumer woke it (0.90x-1.07x since it polls, and
+0.91x-0.94x where the loop does not read each result), ``staged`` at
+0.4x-0.7x (benchmarks/prefetch_sweep.py, the shared 2-core development
+machine). So each starts *inline*, as the plain
 loop runs (``prefetch``: items produced in the consumer's thread;
 ``staged``: the plain step on batches read in the caller's thread), and
 moves to its *overlap* way only once its own measurements say the work
@@ -47,11 +49,21 @@ SHORT_CYCLE_US = 1000.0   # cycles under which the consumer's own time
                           # 0.96x at 0.3 ms, 0.94x-0.98x at 1 ms, and from
                           # 3 ms on within 1-2% (benchmarks/prefetch_sweep.py)
 FIRST_TRIAL_GAP = 256  # judged items between trials (doubling each time)
+RECHECK_S = 0.25       # after a trial overlap won, the next one no sooner
+                       # than this: a re-check runs its inline windows in
+                       # the way that lost; at 0.1 ms cycles, 256 items
+                       # apart, re-checks cost a 4000-item loop about 1.5%
 EARLY_ITEMS = 4        # a trial's overlap window is also looked at after
 EARLY_LOSS = 1.5       # this many items, and the trial ends, lost, if its
                        # cycle is this many times the last inline window's:
                        # a short loop (an epoch of 32 steps) must not spend
                        # most of itself in a way that is plainly worse
+TRIAL_TRIM = 8         # a trial window's cycle: the mean without its
+                       # longest 1/8 of cycles (2 of 16). One preempted
+                       # item (a millisecond on a shared machine) swung
+                       # windows of 0.1 ms cycles by half and lost trials
+                       # that every other window of them won; a stall
+                       # that recurs (every 4th item waits) still counts
 
 
 class Words(NamedTuple):
@@ -110,12 +122,14 @@ class Chooser:
   * A trial alternates overlap and inline windows of ``WINDOW`` items
     (``TRIAL_ROUNDS`` pairs; the first items after a switch to overlap,
     while it fills up, and in inline windows the items overlap had made,
-    are not counted) and keeps the way whose mean cycle won in most rounds.
+    are not counted) and keeps the way whose cycle (a window's mean
+    without its longest ``1 / TRIAL_TRIM``) won in most rounds.
     An overlap window whose first ``EARLY_ITEMS`` items already take
     ``EARLY_LOSS`` times the last inline window's cycle ends the trial at
     once, lost. Trials are spaced ``FIRST_TRIAL_GAP`` judged items apart,
-    doubling, and another one only starts once production's share has at
-    least doubled since the last: a trial costs items in the worse way.
+    doubling (after one overlap won, also ``RECHECK_S`` seconds at least),
+    and another one only starts once production's share has at least
+    doubled since the last: a trial costs items in the worse way.
   * Overlap taken at once is looked at the same way: if its first
     ``EARLY_ITEMS`` items take ``EARLY_LOSS`` times the cycle of the inline
     items that chose it, it goes back inline, recorded as a trial it lost
@@ -186,6 +200,8 @@ class Chooser:
     self.judged += self.n
     self.n, self.cycle, self.produce, self.busy, self.waited, self.wait = (
         0, 0.0, 0.0, 0.0, 0, 0.0)   # (``busy``: not in ``produce``)
+    self.cycles: list[float] | None = (None if self.trial is None
+                                       else [])   # a trial window's, each
     if self.trial is None:
       self.check_at = (2 if self.inline
                        else EARLY_ITEMS if self.sure_cycle else WINDOW)
@@ -206,6 +222,8 @@ class Chooser:
       return False     # made by overlap before the switch: not inline's cost
     self.n += 1
     self.cycle += cycle
+    if self.cycles is not None:
+      self.cycles.append(cycle)
     if self.shares_cores and busy:
       busy = min(busy, produce)   # (two clocks: a hair apart)
       produce -= busy     # not worth hiding here: counted apart
@@ -318,7 +336,7 @@ class Chooser:
 
   def _trial_window(self) -> bool:
     words = self.words
-    cycle = self.cycle / self.n
+    cycle = _trimmed_mean(self.cycles)
     overlap = [c for mode, c in self.trial if mode == words.overlap]
     inline = [c for mode, c in self.trial if mode == words.inline]
     if self.n < WINDOW:          # the early look at an overlap window
@@ -355,7 +373,11 @@ class Chooser:
                         f"{words.overlap}_won": wins, "rounds": rounds,
                         "chose": chose, "stopped_early": early})
     self.trial = None
-    self.next_trial = self.judged + self.gap
+    gap = self.gap
+    won_cycle = statistics.median(overlap)
+    if chose == words.overlap and won_cycle > 0:
+      gap = max(gap, round(RECHECK_S / won_cycle))
+    self.next_trial = self.judged + gap
     self.gap *= 2
     result = words.result.format(overlap_us=o_us, inline_us=i_us, wins=wins,
                                  rounds=rounds)
@@ -379,6 +401,13 @@ class Chooser:
       if cycle is None:
         cycle = self.cycle / self.n if self.n else 0.0
       self.news_cycle = cycle
+
+
+def _trimmed_mean(cycles: list[float]) -> float:
+  """The mean of ``cycles`` without the longest ``1 / TRIAL_TRIM`` of
+  them."""
+  kept = sorted(cycles)[:len(cycles) - len(cycles) // TRIAL_TRIM]
+  return sum(kept) / len(kept)
 
 
 class Tally:

@@ -8,9 +8,11 @@ The pipeline, and the guarantees it keeps (both ways, and across a switch):
   the iterable; the consumer gives the slot back when it receives that item.
   With ``size`` slots, at most ``size`` items have been pulled and not yet
   delivered, so memory is ``size`` items whatever the speed of either side.
-  A worker waiting for a slot is woken once the lookahead is half empty and
-  then fills it (half the wake-ups, each a system call on both sides, at
-  the default ``size=2``).
+  A worker waiting for a slot looks for one again after short sleeps
+  (``POLL_*``) before it parks: in a loop of short steps the consumer
+  then only takes a ready item and never has to wake a worker (a system
+  call between two steps). A parked worker is woken once the lookahead is
+  half empty and then fills it.
 * **Order.** Pulls from the iterable are serialised (iterators are not
   thread-safe) and numbered; results are delivered by number, so the order is
   the iterable's even when ``num_threads > 1`` workers place items at once.
@@ -49,13 +51,26 @@ from jaxstreams.stage._transfer import Transfer
 # What next_if_ready returns when the next item is not ready.
 NOT_READY = object()
 
-# From this lookahead on, a worker is woken at most once per 4 items
-# (``refill_below``), so the consumer's thread between two steps does
-# little more than take a ready item: on XLA:CPU with asynchronous dispatch
-# that can make workers pay where producing an item is cheap (the chooser's
-# ``unseen_gain``). Measured at 0.1 ms steps reading every result: workers
-# 0.95x-0.97x of the plain loop with a lookahead of 8 to 64, 0.81x with 2.
-GAP_TRIAL_SIZE = 8
+# How a worker waits for a free slot: it sleeps ``POLL_FIRST_S``, then twice
+# as long each time up to ``POLL_MAX_S``, and looks again, for ``POLL_FOR_S``;
+# only then does it park on the condition, which the consumer must signal.
+# Why: the consumer's thread, between reading one step's result and
+# dispatching the next, is where a short step's loop spends what it loses,
+# and on XLA:CPU with asynchronous dispatch even a few microseconds there
+# cost the next step up to about 20 us more (benchmarks/cpu_dispatch_gap.py);
+# waking a worker is a system call there, every other item at ``size=2``.
+# Measured at 0.1 ms steps reading every result (2-core CPU, jax 0.10.2,
+# one run of 21 rounds): a hand-written worker woken by the consumer
+# 0.83x of the plain loop, one that polls 1.05x; prefetch's own workers
+# 0.90x before they polled, 1.05x after. So on XLA:CPU with asynchronous
+# dispatch ``mode="auto"`` tries workers at short cycles even where
+# producing an item is cheap (the chooser's ``unseen_gain``). Polling costs the worker a
+# wake-up per sleep while the lookahead is full: at most about 12 per
+# ``POLL_FOR_S`` (sleeps last 50-70 us longer than asked here: the kernel's
+# timer slack), and none once parked.
+POLL_FIRST_S = 20e-6
+POLL_MAX_S = 320e-6
+POLL_FOR_S = 2e-3
 
 # Result kinds stored per item number.
 _VALUE, _ERROR, _END, _SKIP = "value", "error", "end", "skip"
@@ -132,6 +147,7 @@ class Pipeline:
     self.work = threading.Condition(self.lock)   # workers: a slot, the right
                                                  # to pull, a switch, a stop
     self.consumers_waiting = 0
+    self.workers_parked = 0     # workers waiting on ``work`` (not polling)
     self.free_slots = size
     self.refill_below = (size - 1) // 2   # ready items under which to wake
     self.next_pull = 0          # number of the next item to pull
@@ -224,7 +240,7 @@ class Pipeline:
         # in order (a stage area is a FIFO) while threads place at once.
         ticket = self.next_ticket
         self.next_ticket += 1
-      if not self.inline:
+      if not self.inline and self.workers_parked:
         self.work.notify_all()    # (inline, the workers are parked)
     return kind, item, ticket
 
@@ -241,14 +257,36 @@ class Pipeline:
           self.source_done = True
       return kind, exc
 
+  def _wait_for_work(self) -> None:
+    """Waits (under self.lock) for a slot and the right to pull (pulls are
+    serialised to keep order), parked while the consumer produces inline.
+    For a slot it polls first (see ``POLL_FOR_S``)."""
+    sleep_s, poll_until = POLL_FIRST_S, None
+    while not self.stopped and not self.source_done and (
+        self.free_slots == 0 or self.pulling or self.inline):
+      if self.free_slots == 0 and not self.pulling and not self.inline:
+        now = time.monotonic()    # not _clock: tests fake that one
+        if poll_until is None:
+          poll_until = now + POLL_FOR_S
+        if now < poll_until:
+          self.lock.release()
+          try:
+            time.sleep(sleep_s)
+          finally:
+            self.lock.acquire()
+          sleep_s = min(2 * sleep_s, POLL_MAX_S)
+          continue
+      self.workers_parked += 1
+      try:
+        self.work.wait()
+      finally:
+        self.workers_parked -= 1
+      sleep_s, poll_until = POLL_FIRST_S, None
+
   def _work_loop(self) -> None:
     while True:
       with self.lock:
-        # A slot, and the right to pull (pulls are serialised to keep order);
-        # parked while the consumer produces inline.
-        while not self.stopped and not self.source_done and (
-            self.free_slots == 0 or self.pulling or self.inline):
-          self.work.wait()
+        self._wait_for_work()
         if self.stopped or self.source_done:
           return
         self.free_slots -= 1
@@ -287,7 +325,8 @@ class Pipeline:
           kind, value, produced = self.results.pop(number)
           self.next_out += 1
           self.free_slots += 1
-          if len(self.results) <= self.refill_below:
+          if (self.workers_parked
+              and len(self.results) <= self.refill_below):
             self.work.notify_all()    # half empty: a worker refills it
           if self.consumers_waiting:
             self.cond.notify_all()

@@ -19,9 +19,9 @@ then place, as the plain loop would) until the iterator's measurements of
 itself say producing one is worth hiding (``_chooser``); then workers take
 over, and they step aside again when production turns cheap. One
 exception, found by trials: on XLA:CPU with asynchronous dispatch, the
-consumer's own time between short steps costs more than it takes, and with
-a lookahead of ``GAP_TRIAL_SIZE`` or more a worker can take the placement
-out of it. ``mode="workers"`` / ``"inline"`` force one way; ``stats()``
+consumer's own time between short steps costs more than it takes, and a
+worker (which polls for a free slot rather than be woken from there) can
+take the placement out of it. ``mode="workers"`` / ``"inline"`` force one way; ``stats()``
 says which way it runs and why.
 
 Where each piece lives: ``_prefetch_checks`` (the arguments),
@@ -43,7 +43,7 @@ from jaxstreams import _checks, _compat
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.stage import _prefetch_checks, _transfer
 from jaxstreams.stage._chooser import SHORT_CYCLE_US
-from jaxstreams.stage._lookahead import GAP_TRIAL_SIZE, Pipeline
+from jaxstreams.stage._lookahead import Pipeline
 from jaxstreams.stage._prefetch_checks import FUNC
 from jaxstreams.stage._transfer import FunctionTransfer, Transfer
 
@@ -156,7 +156,7 @@ class Prefetcher:
         closed_exception_types, ignored_exception_types,
         _describe(iterable), name, mode, reason, upstream=upstream,
         owned=owned, shares_cores=shares_cores,
-        unseen_gain=self._dispatch_gap and size >= GAP_TRIAL_SIZE)
+        unseen_gain=self._dispatch_gap)
     self._finalizer = weakref.finalize(self, _stop_unjoined, self._pipeline)
 
   def __iter__(self) -> Prefetcher:
@@ -194,15 +194,12 @@ class Prefetcher:
         if self._dispatch_gap:
           short += (" (on CPU with asynchronous dispatch, a step started "
                     "more than a few microseconds after the previous "
-                    "result was read costs up to about 20 us more")
-          if self.size < GAP_TRIAL_SIZE:
-            short += (f"; with size=16 (any size from {GAP_TRIAL_SIZE}) "
-                      f"auto also tries workers, which keep the placement "
-                      f"off this thread and won in loops that read each "
-                      f"result")
-          short += ("; in a loop that reads each result, "
-                    "jax_cpu_enable_async_dispatch=False avoids most of "
-                    "that)")
+                    "result was read costs up to about 20 us more; "
+                    "auto tries workers at such cycles, which keep the "
+                    "placement off this thread, and keeps them where a "
+                    "trial finds them faster; in a loop that reads each "
+                    "result, jax_cpu_enable_async_dispatch=False avoids "
+                    "most of that)")
       warnings.warn(
           f"jaxstreams.prefetch does not pay here and stepped aside: {news}"
           f"{short} (Prefetcher.stats() has the figures; "
