@@ -7,8 +7,8 @@ program per call), and that machinery has a cost per item: hand-offs, its
 competition for the CPU, for ``staged`` the bookkeeping of the fused
 program. Where what it hides is cheap, it loses: ``prefetch`` with a worker
 ran a loop of sub-millisecond steps that reads each result at 0.2x-0.85x of
-the plain loop while the consumer woke it (0.90x-1.07x since it polls, and
-0.91x-0.94x where the loop does not read each result), ``staged`` at
+the plain loop while the consumer woke it (0.96x-1.07x since it polls,
+0.87x-0.95x where the loop does not read each result), ``staged`` at
 0.4x-0.7x (benchmarks/prefetch_sweep.py, the shared 2-core development
 machine). So each starts *inline*, as the plain
 loop runs (``prefetch``: items produced in the consumer's thread;

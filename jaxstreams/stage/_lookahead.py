@@ -62,7 +62,7 @@ NOT_READY = object()
 # Measured at 0.1 ms steps reading every result (2-core CPU, jax 0.10.2,
 # one run of 21 rounds): a hand-written worker woken by the consumer
 # 0.83x of the plain loop, one that polls 1.05x; prefetch's own workers
-# 0.90x before they polled, 1.05x after. So on XLA:CPU with asynchronous
+# 0.90x before they polled, 0.96x-1.07x after (several runs). So on XLA:CPU with asynchronous
 # dispatch ``mode="auto"`` tries workers at short cycles even where
 # producing an item is cheap (the chooser's ``unseen_gain``). Polling costs the worker a
 # wake-up per sleep while the lookahead is full: at most about 12 per
