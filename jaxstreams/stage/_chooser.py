@@ -10,10 +10,10 @@ ran a loop of sub-millisecond steps that reads each result at 0.2x-0.85x of
 the plain loop while the consumer woke it (0.96x-1.07x since it polls,
 0.87x-0.95x where the loop does not read each result), ``staged`` at
 0.4x-0.7x (benchmarks/prefetch_sweep.py, the shared 2-core development
-machine). So each starts *inline*, as the plain
-loop runs (``prefetch``: items produced in the consumer's thread;
-``staged``: the plain step on batches read in the caller's thread), and
-moves to its *overlap* way only once its own measurements say the work
+machine). So each starts *inline*, as the plain loop runs (``prefetch``:
+items produced in the consumer's thread; ``staged``: the plain step on
+batches read in the caller's thread), and moves to its *overlap* way only
+once its own measurements say the work
 worth hiding (producing an item, reading a batch) is a share of the cycle
 *and* more than the machinery costs: a fast consumer (a loop that does not
 wait for its results) makes even a cheap item a large share of a short

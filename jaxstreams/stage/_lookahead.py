@@ -62,12 +62,12 @@ NOT_READY = object()
 # Measured at 0.1 ms steps reading every result (2-core CPU, jax 0.10.2,
 # one run of 21 rounds): a hand-written worker woken by the consumer
 # 0.83x of the plain loop, one that polls 1.05x; prefetch's own workers
-# 0.90x before they polled, 0.96x-1.07x after (several runs). So on XLA:CPU with asynchronous
-# dispatch ``mode="auto"`` tries workers at short cycles even where
-# producing an item is cheap (the chooser's ``unseen_gain``). Polling costs the worker a
-# wake-up per sleep while the lookahead is full: at most about 12 per
-# ``POLL_FOR_S`` (sleeps last 50-70 us longer than asked here: the kernel's
-# timer slack), and none once parked.
+# 0.90x before they polled, 0.96x-1.07x after (several runs). So on
+# XLA:CPU with asynchronous dispatch ``mode="auto"`` tries workers at short
+# cycles even where producing an item is cheap (the chooser's
+# ``unseen_gain``). Polling costs the worker a wake-up per sleep while the
+# lookahead is full: about 8 per ``POLL_FOR_S`` (sleeps last 50-70 us
+# longer than asked here: the kernel's timer slack), and none once parked.
 POLL_FIRST_S = 20e-6
 POLL_MAX_S = 320e-6
 POLL_FOR_S = 2e-3
