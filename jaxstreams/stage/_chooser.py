@@ -200,8 +200,7 @@ class Chooser:
     self.judged += self.n
     self.n, self.cycle, self.produce, self.busy, self.waited, self.wait = (
         0, 0.0, 0.0, 0.0, 0, 0.0)   # (``busy``: not in ``produce``)
-    self.cycles: list[float] | None = (None if self.trial is None
-                                       else [])   # a trial window's, each
+    self.cycles: list[float] = []   # in a trial, the window's, each
     if self.trial is None:
       self.check_at = (2 if self.inline
                        else EARLY_ITEMS if self.sure_cycle else WINDOW)
@@ -222,7 +221,7 @@ class Chooser:
       return False     # made by overlap before the switch: not inline's cost
     self.n += 1
     self.cycle += cycle
-    if self.cycles is not None:
+    if self.trial is not None:
       self.cycles.append(cycle)
     if self.shares_cores and busy:
       busy = min(busy, produce)   # (two clocks: a hair apart)

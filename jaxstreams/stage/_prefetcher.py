@@ -16,10 +16,10 @@ each result ran at 0.2x-0.85x of the plain loop with one while the
 consumer woke it every other item at ``size=2``, and one that does not
 read each result still runs at 0.87x-0.95x now that workers poll. So by
 default (``mode="auto"``) the consumer's own thread produces each item at
-``next()`` (*inline*: pull,
-then place, as the plain loop would) until the iterator's measurements of
-itself say producing one is worth hiding (``_chooser``); then workers take
-over, and they step aside again when production turns cheap. One
+``next()`` (*inline*: pull, then place, as the plain loop would) until the
+iterator's measurements of itself say producing one is worth hiding
+(``_chooser``); then workers take over, and they step aside again when
+production turns cheap. One
 exception, found by trials: on XLA:CPU with asynchronous dispatch, the
 consumer's own time between short steps costs more than it takes, and a
 worker (which polls for a free slot rather than be woken from there) can
