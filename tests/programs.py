@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
+from jaxstreams.stage import _chooser
 
 
 def random_inputs(*shapes, seed=0):
@@ -181,25 +182,41 @@ class FlippingChooser:
   ways every ``every`` items (prefetch) or calls (staged) it is shown, so
   that every promise is checked across switches: ``monkeypatch.setattr(
   module, "Chooser", FlippingChooser)``, or a ``functools.partial`` of it
-  with another ``every``."""
+  with another ``every``. (Its windows, as the ``Meter`` sums them, are
+  ``every`` items of the way it runs, and each ends in a switch.)"""
 
   def __init__(self, size, words, verify=False, unseen_gain=False,
                shares_cores=False, unseen_cycle_s=float("inf"), every=2):
     del size, verify, unseen_gain, shares_cores, unseen_cycle_s
-    self.words, self.every = words, every
+    self.words = words
     self.mode, self.inline = words.inline, True
     self.reason, self.news, self.news_cycle = "switching (test)", None, 0.0
-    self.switches, self.trials, self.seen = 0, [], 0
+    self.switches, self.trials = 0, []
     self.busy_from = float("inf")     # never asks for busy times
+    self.skip, self.check_at, self.windows, self.trial = 0, every, 0, None
 
-  def observe(self, cycle, produce, inline_made, wait, busy=0.0):
-    self.seen += 1
-    if self.seen % self.every:
-      return False
+  def judge(self, n, cycle, produce, busy, waited, wait, cycles):
     self.inline = not self.inline
     self.mode = self.words.inline if self.inline else self.words.overlap
     self.switches += 1
+    self.windows += 1
     return True
+
+
+def meter_for(chooser):
+  """The ``Meter`` through which a test shows ``chooser`` made-up items
+  (and which takes its ``news``): one per chooser, whose clock (``last``)
+  starts at 0 so that the first item shown has a cycle too."""
+  meter = _meters.get(id(chooser))
+  if meter is None or meter.chooser is not chooser:
+    ways = (chooser.words.overlap, chooser.words.inline)
+    meter = _chooser.Meter(ways, chooser, ("items", "own_us", "produce_us"))
+    meter.last = 0.0
+    _meters[id(chooser)] = meter
+  return meter
+
+
+_meters = {}
 
 
 def three_chains(x, w):

@@ -24,7 +24,7 @@ import pytest
 
 import jaxstreams
 from jaxstreams.stage import _auto, _chooser, _clock
-from programs import (FlippingChooser, assert_equal_results,
+from programs import (FlippingChooser, assert_equal_results, meter_for,
                       jaxstreams_threads, wait_until)
 
 WINDOW = _chooser.WINDOW
@@ -69,11 +69,14 @@ def _chooser_for(unseen_gain=False):
 
 
 def _feed(chooser, n, cycle_us, read_us, made=None):
-  """Shows ``chooser`` n calls; returns the ways it switched to."""
+  """Shows ``chooser`` n calls of the way it runs, through the ``Meter``
+  the runner shows them through; returns the ways it switched to."""
+  meter = meter_for(chooser)
   switched = []
   for _ in range(n):
     inline_made = chooser.inline if made is None else made
-    if chooser.observe(cycle_us * US, read_us * US, inline_made, 0.0):
+    if meter.count(chooser.mode, 0.0, 0.0, read_us * US, inline_made,
+                   meter.last + cycle_us * US):
       switched.append(chooser.mode)
   return switched
 
@@ -89,10 +92,11 @@ def test_chooser_keeps_the_plain_step_where_reading_is_cheap():
   assert chooser.mode == "plain" and chooser.reason.startswith("judging")
   assert _feed(chooser, 2 + 10 * WINDOW, cycle_us=120, read_us=1) == []
   assert chooser.mode == "plain" and not chooser.trials
+  # (Judged over windows of STEADY_S after the first: 83 calls of 120 us.)
   assert chooser.reason.startswith("reading a batch takes 1 us (1 us of "
-                                   "120 us, over 16 calls), less than")
+                                   "120 us, over 83 calls), less than")
   assert "the plain step runs on batches read in the caller's thread" in (
-      chooser.news)
+      meter_for(chooser).news)
 
 
 def _until_trial(chooser, cycle_us, read_us):
@@ -110,7 +114,7 @@ def test_chooser_stages_at_once_where_reading_dominates_then_checks():
   assert _feed(chooser, 4, cycle_us=1500, read_us=1000) == ["fused"]
   assert chooser.reason.startswith("reading a batch is 67% of a cycle")
   assert "staged calls must come out faster" in chooser.reason
-  assert chooser.news is None
+  assert meter_for(chooser).news is None
   # Staging's own cost is not known: a trial checks it, a gap later.
   due = chooser.next_trial
   assert due - chooser.judged == _chooser.FIRST_TRIAL_GAP
@@ -118,12 +122,12 @@ def test_chooser_stages_at_once_where_reading_dominates_then_checks():
   assert chooser.mode == "fused"
   _trial(chooser, fused_cycle_us=600, plain_cycle_us=1500, read_us=1000)
   assert chooser.mode == "fused" and chooser.trials[-1]["chose"] == "fused"
-  assert chooser.news is None
+  assert meter_for(chooser).news is None
   # Reading turns cheap: staging steps aside (its refill after the trial's
   # last switch not counted).
   assert _feed(chooser, 2 + WINDOW, cycle_us=150, read_us=2) == ["plain"]
   assert chooser.reason.startswith("reading a batch fell to 1.3% of a cycle")
-  assert chooser.news == chooser.reason
+  assert meter_for(chooser).news == chooser.reason
 
 
 def test_chooser_tries_at_once_when_staging_did_not_shorten_the_cycle():
@@ -143,10 +147,9 @@ def test_chooser_keeps_the_plain_step_when_staging_loses_its_trial():
   _until_trial(chooser, cycle_us=1700, read_us=1000)   # ... then a trial
   _trial(chooser, fused_cycle_us=1700, plain_cycle_us=1500, read_us=1000)
   assert chooser.mode == "plain" and chooser.trials[-1]["fused_won"] == 0
-  assert chooser.news.startswith("the plain step runs on batches read in the "
-                                 "caller's thread, a trial found staging no "
-                                 "faster (median cycle 1700 us staged, 1500 "
-                                 "us plain")
+  assert meter_for(chooser).news.startswith(
+      "the plain step runs on batches read in the caller's thread, a trial "
+      "found staging no faster (median cycle 1700 us staged, 1500 us plain")
 
 
 def test_chooser_checks_staging_again_while_it_runs():
@@ -169,10 +172,10 @@ def test_chooser_with_unseen_gain_tries_staging_even_where_reading_is_cheap():
   assert chooser.reason.startswith("trial: the producer runs on a stream of "
                                    "its own")
   _trial(chooser, fused_cycle_us=150, plain_cycle_us=200, read_us=1)
-  assert chooser.mode == "fused" and chooser.news is None
+  assert chooser.mode == "fused" and meter_for(chooser).news is None
   assert chooser.trials == [{"fused_cycle_us": pytest.approx(150),
                              "plain_cycle_us": pytest.approx(200),
-                             "fused_won": 3, "rounds": 3, "chose": "fused",
+                             "fused_won": 2, "rounds": 2, "chose": "fused",
                              "stopped_early": False}]
   assert chooser.reason.startswith("staged: a trial found it faster")
   # Cheap reading does not make it step aside (the gain is not in reading);
@@ -182,7 +185,8 @@ def test_chooser_with_unseen_gain_tries_staging_even_where_reading_is_cheap():
   _until_trial(chooser, cycle_us=150, read_us=1)
   _trial(chooser, fused_cycle_us=250, plain_cycle_us=200, read_us=1)
   assert chooser.mode == "plain" and chooser.trials[-1]["chose"] == "plain"
-  assert chooser.news and "a trial found staging no faster" in chooser.news
+  news = meter_for(chooser).news
+  assert news and "a trial found staging no faster" in news
 
 
 def test_chooser_without_unseen_gain_never_tries_cheap_reading():
@@ -275,13 +279,13 @@ def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
   # cycle is the loop's 100 us.
   assert stats["trials"] == [{"fused_cycle_us": pytest.approx(100),
                               "plain_cycle_us": pytest.approx(1100),
-                              "fused_won": 3, "rounds": 3, "chose": "fused",
+                              "fused_won": 2, "rounds": 2, "chose": "fused",
                              "stopped_early": False}]
   assert stats["mode"] == "fused"
   assert stats["mode_reason"].startswith("staged: a trial found it faster")
-  # Staged at once (reading is 91% of a cycle); a gap later, three trial
-  # rounds of both ways, staged first, then staged again.
-  assert stats["switches"] == 7
+  # Staged at once (reading is 91% of a cycle); a gap later, trial rounds
+  # of both ways, staged first (two: staged won both), then staged again.
+  assert stats["switches"] == 5
   # The fused programs (the latest 64) consumed batches in order, the last
   # one among them (the trial ran some plain).
   consumed = [int(name[1:]) for program in runner.schedule
@@ -315,7 +319,7 @@ def test_auto_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
 
 @pytest.mark.cpu_backend
 def test_auto_steps_aside_when_reading_turns_cheap(clock):
-  params, data, pulled = _params(), _batches(560), []
+  params, data, pulled = _params(), _batches(800), []
   source = _source(clock, data, lambda i: 1000 if i < 450 else 5, pulled)
   with pytest.warns(jaxstreams.PerformanceWarning,
                     match="stepped aside: reading a batch fell to") as w:
@@ -326,8 +330,8 @@ def test_auto_steps_aside_when_reading_turns_cheap(clock):
       stats = runner.stats()
   assert len(w) == 1
   assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
-  assert pulled == list(range(560))                  # each batch read once
-  assert stats["mode"] == "plain" and stats["switches"] == 8
+  assert pulled == list(range(800))                  # each batch read once
+  assert stats["mode"] == "plain" and stats["switches"] == 6
   assert [t["chose"] for t in stats["trials"]] == ["fused"]
   assert jaxstreams_threads("jaxstreams-prefetch") == []
 
@@ -424,7 +428,10 @@ def test_switching_keeps_results_order_and_each_batch_once(
     schedule = runner.schedule
   assert_equal_results(got, [jax.jit(step3)(params, b) for b in data])
   assert pulled == list(range(40))
-  assert stats["switches"] >= 40 // (every + 1) - 1
+  # A switch every ``every`` judged calls; after one to plain, the calls
+  # on batches the pipeline held (its 3 stages and ``capacity``) are not
+  # judged.
+  assert stats["switches"] >= 40 // (every + 3 + capacity) - 1
   assert stats["fused"]["calls"] > 0 and stats["plain"]["calls"] > 0
   assert stats["fused"]["calls"] + stats["plain"]["calls"] == 40
   _check_schedule(schedule, 3)

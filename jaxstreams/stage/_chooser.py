@@ -49,10 +49,21 @@ SHORT_CYCLE_US = 1000.0   # cycles under which the consumer's own time
                           # 0.96x at 0.3 ms, 0.94x-0.98x at 1 ms, and from
                           # 3 ms on within 1-2% (benchmarks/prefetch_sweep.py)
 FIRST_TRIAL_GAP = 256  # judged items between trials (doubling each time)
-RECHECK_S = 0.25       # after a trial overlap won, the next one no sooner
+RECHECK_S = 1.0        # after a trial overlap won, the next one no sooner
                        # than this: a re-check runs its inline windows in
-                       # the way that lost; at 0.1 ms cycles, 256 items
-                       # apart, re-checks cost a 4000-item loop about 1.5%
+                       # the way that lost. At 0.1 ms cycles, 256 items
+                       # apart, re-checks cost a 4000-item loop about 1.5%;
+                       # 0.25 s apart, 1%-2% more than 1 s apart (three
+                       # interleaved runs of 15-41 rounds, 2-core machine)
+STEADY_S = 0.01        # a window outside a trial (after an inline one's
+                       # first look) holds WINDOW items or as many as take
+                       # this long, whichever is more: judging one costs
+                       # the consumer's thread microseconds, which at
+                       # 0.1 ms steps that read every result cost the loop
+                       # 3.5%-5% when judged every 16th item (auto held in
+                       # workers against mode="workers", two runs of 41
+                       # rounds, 2-core machine); every 10 ms, auto ran
+                       # within 0.5%-4% of mode="workers" (five runs)
 EARLY_ITEMS = 4        # a trial's overlap window is also looked at after
 EARLY_LOSS = 1.5       # this many items, and the trial ends, lost, if its
                        # cycle is this many times the last inline window's:
@@ -98,12 +109,16 @@ class Chooser:
   """The decision, from what the consumer measures for each item it
   receives: its *cycle* (from one item's delivery to the next: the step,
   and the hand-off or the production) and the time spent *producing* the
-  item (in the consumer's thread when inline, elsewhere otherwise). Plain
-  bookkeeping, no clock and no thread, so tests drive it with made-up
-  times. ``mode`` is ``words.inline`` or ``words.overlap``; ``size`` is how
-  many items the overlap way holds ahead (its first ``size + 1`` items after
-  a switch show it filling up, not its steady cost).
+  item (in the consumer's thread when inline, elsewhere otherwise), summed
+  over a *window* of items by the ``Meter`` and judged once it holds
+  ``check_at`` of them (``judge``). Plain bookkeeping, no clock and no
+  thread, so tests drive it with made-up times. ``mode`` is
+  ``words.inline`` or ``words.overlap``; ``size`` is how many items the
+  overlap way holds ahead (its first ``size + 1`` items after a switch show
+  it filling up, not its steady cost).
 
+  * Windows hold ``WINDOW`` items; outside trials, after an inline
+    window's first look, as many as take ``STEADY_S`` if that is more.
   * Inline first. After ``WINDOW`` items, production's share of a cycle is
     the most overlap could save. Under ``TRY_SHARE``, or when an item
     takes under ``TRY_US`` to produce, it stays inline (overlap's own cost
@@ -123,7 +138,8 @@ class Chooser:
     (``TRIAL_ROUNDS`` pairs; the first items after a switch to overlap,
     while it fills up, and in inline windows the items overlap had made,
     are not counted) and keeps the way whose cycle (a window's mean
-    without its longest ``1 / TRIAL_TRIM``) won in most rounds.
+    without its longest ``1 / TRIAL_TRIM``) won in most rounds; it ends
+    as soon as one way has won most of them (two rounds of three).
     An overlap window whose first ``EARLY_ITEMS`` items already take
     ``EARLY_LOSS`` times the last inline window's cycle ends the trial at
     once, lost. Trials are spaced ``FIRST_TRIAL_GAP`` judged items apart,
@@ -174,7 +190,6 @@ class Chooser:
     self.mode = words.inline
     self.inline = True
     self.reason = words.judging.format(window=WINDOW)
-    self.skip = WARMUP_ITEMS
     self.trial: list[tuple[str, float]] | None = None
     self.inline_cycle = 0.0    # in a trial: the last inline window's cycle
     self.sure_cycle = 0.0      # overlap taken at once: the inline cycle it
@@ -191,48 +206,45 @@ class Chooser:
     self.news_cycle = 0.0      # ... and the inline cycle it saw (seconds)
     self._told = False
     self.n = 0
+    self.windows = 0
+    self.steady = WINDOW       # items in a steady window (STEADY_S)
     self._reset()
+    self.skip = WARMUP_ITEMS
 
   def _reset(self) -> None:
-    """A new window. Inline (not in a trial) it is first judged at its
-    second item, so a producer that clearly needs hiding gets overlap soon;
-    otherwise once full."""
+    """A new window (``windows`` counts them, for the ``Meter``). Inline
+    (not in a trial) it is first judged at its second item, so a producer
+    that clearly needs hiding gets overlap soon; otherwise once full."""
     self.judged += self.n
-    self.n, self.cycle, self.produce, self.busy, self.waited, self.wait = (
-        0, 0.0, 0.0, 0.0, 0, 0.0)   # (``busy``: not in ``produce``)
-    self.cycles: list[float] = []   # in a trial, the window's, each
+    self.windows += 1
+    if self.n and self.cycle > 0:
+      self.steady = max(WINDOW, round(STEADY_S * self.n / self.cycle))
+    self.n = 0
+    self.skip = 0              # items that pass before the window starts
     if self.trial is None:
       self.check_at = (2 if self.inline
-                       else EARLY_ITEMS if self.sure_cycle else WINDOW)
+                       else EARLY_ITEMS if self.sure_cycle else self.steady)
     else:
       self.check_at = WINDOW if self.inline else EARLY_ITEMS
 
-  def observe(self, cycle: float, produce: float, inline_made: bool,
-              wait: float, busy: float = 0.0) -> bool:
-    """One item received: its cycle and production time, whether it was
-    made inline, how long the consumer waited for it, and of its
-    production the time that needed a core (``busy``; 0 where not
-    measured), in seconds.
-    Returns whether ``mode`` changed. (Runs for every item: lean.)"""
-    if self.skip:
-      self.skip -= 1
-      return False
-    if self.inline and not inline_made:
-      return False     # made by overlap before the switch: not inline's cost
-    self.n += 1
-    self.cycle += cycle
-    if self.trial is not None:
-      self.cycles.append(cycle)
-    if self.shares_cores and busy:
-      busy = min(busy, produce)   # (two clocks: a hair apart)
+  def judge(self, n: int, cycle: float, produce: float, busy: float,
+            waited: int, wait: float, cycles: list[float] | None) -> bool:
+    """The window so far, once it holds ``check_at`` items (the ``Meter``
+    sums them: the chooser sees no single item, so that the consumer's
+    thread pays next to nothing per item for it): ``n`` items, their cycles and
+    production summed, of that production the time that needed a core
+    (``busy``; 0 where not measured), how many the consumer waited for
+    and how long, in seconds; in a trial also each item's cycle.
+    Returns whether ``mode`` changed; after it, ``windows`` says whether
+    a new window starts (after ``skip`` items) and ``check_at`` when the
+    window is judged next."""
+    if self.shares_cores:
       produce -= busy     # not worth hiding here: counted apart
-      self.busy += busy
-    self.produce += produce
-    if wait:
-      self.waited += 1
-      self.wait += wait
-    if self.n < self.check_at:
-      return False
+    else:
+      busy = 0.0
+    self.n, self.cycle, self.produce, self.busy = n, cycle, produce, busy
+    self.waited, self.wait = waited, wait
+    self.cycles = cycles or []
     return self._judge()
 
   def _judge(self) -> bool:
@@ -254,7 +266,7 @@ class Chooser:
           self.gap *= 2
         return changed
       if self.n < WINDOW:
-        self.check_at = WINDOW
+        self.check_at = self.steady
         return False
       worth = (share >= max(TRY_SHARE, 2 * self.tried_share)
                and produce_us >= TRY_US)
@@ -316,13 +328,12 @@ class Chooser:
     self.mode = mode
     self.inline = mode == self.words.inline
     self._reset()
-    if not changed:
-      return False
-    self.switches += 1
-    # Overlap starts empty: its first items after the switch show it
-    # filling up, not its steady cost.
-    self.skip = 0 if self.inline else self.size + 1
-    return True
+    if changed:
+      self.switches += 1
+      # Overlap starts empty: its first items after the switch show it
+      # filling up, not its steady cost.
+      self.skip = 0 if self.inline else self.size + 1
+    return changed
 
   def _start_trial(self, share: float, unseen: bool) -> bool:
     self.trial = []
@@ -346,13 +357,17 @@ class Chooser:
       self.check_at = WINDOW
       return False
     self.trial.append((self.mode, cycle))
+    (overlap if self.mode == words.overlap else inline).append(cycle)
     if self.inline:
       self.inline_cycle = cycle
-    if len(self.trial) < 2 * TRIAL_ROUNDS:
-      other = words.inline if self.mode == words.overlap else words.overlap
-      return self._switch(other, self.reason)
-    (overlap if self.mode == words.overlap else inline).append(cycle)
-    return self._end_trial(overlap, inline, early=False)
+      # A round ends with its inline window; once one way has won most of
+      # the TRIAL_ROUNDS, the rounds left cannot change the result.
+      wins = sum(o < i for o, i in zip(overlap, inline))
+      decided = max(wins, len(inline) - wins) > TRIAL_ROUNDS // 2
+      if decided or len(inline) == TRIAL_ROUNDS:
+        return self._end_trial(overlap, inline, early=False)
+    return self._switch(words.inline if self.mode == words.overlap
+                        else words.overlap, self.reason)
 
   def _end_trial(self, overlap: list[float], inline: list[float],
                  early: bool) -> bool:
@@ -412,8 +427,8 @@ def _trimmed_mean(cycles: list[float]) -> float:
 class Tally:
   """What a consumer counts of one way (seconds, summed over its items)."""
 
-  __slots__ = ("items", "waited", "wait_s", "own_s", "produce_s", "cycle_s",
-               "cycles")
+  __slots__ = ("items", "waited", "wait_s", "own_s", "produce_s", "busy_s",
+               "cycle_s", "cycles")
 
   def __init__(self):
     self.items = 0          # items delivered to the consumer
@@ -421,15 +436,34 @@ class Tally:
     self.wait_s = 0.0       # the consumer's time waiting for them
     self.own_s = 0.0        # its own time besides waiting and producing
     self.produce_s = 0.0    # producing them (wherever that ran)
+    self.busy_s = 0.0       # ... of which a core was busy (where measured)
     self.cycle_s = 0.0      # from one delivery to the next
     self.cycles = 0         # cycles measured (not before the first item)
+
+  def sums(self) -> tuple[int, float, float, float, int, float]:
+    """What a chooser's window is the difference of: items (those with a
+    cycle: all but the very first), cycle, produce, busy, waited, wait."""
+    return (self.cycles, self.cycle_s, self.produce_s, self.busy_s,
+            self.waited, self.wait_s)
 
 
 class Meter:
   """What a consumer measures of itself: per way, a ``Tally``; from one
   delivery to the next, the cycle; and the ``Chooser`` they are shown
   (None where the way is fixed). ``names`` are the keys ``report`` gives the
-  count of items, the own time and the production time per item."""
+  count of items, the own time and the production time per item.
+
+  The chooser judges *windows*, never single items: a window's sums are
+  the difference of its way's tally between the window's start and its
+  last item, so an item costs the consumer's thread a few comparisons
+  more than a fixed way does. (On XLA:CPU with asynchronous dispatch, the
+  consumer's time between two short steps costs the next step several
+  times over: showing the chooser each item cost a loop of 0.1 ms steps
+  that reads every result 1.6%-6% against ``mode="workers"`` in four
+  interleaved runs of 31-61 rounds on the 2-core machine, jax 0.10.2; the
+  windows' own judging, ``STEADY_S``.) Items the chooser must not judge
+  (not ``judged``; in its inline way, ones it did not make) are summed
+  apart and left out."""
 
   def __init__(self, ways: tuple[str, ...], chooser: Chooser | None,
                names: tuple[str, str, str]):
@@ -443,6 +477,20 @@ class Meter:
     # (``_clock.reading`` / ``_clock.busy``): the last one took long
     # enough for the chooser to want it.
     self.time_busy = False
+    self.busy_from = chooser.busy_from if chooser else float("inf")
+    # The chooser's window: the tally of its way (``watched``), the count
+    # of that tally's cycles at which to act next (``due``: the window starts
+    # there while ``begin`` is None, else it is judged), the tally's sums
+    # where the window began, the sums of its items left out, and in a
+    # trial each item's cycle.
+    self.watched: Tally | None = None
+    self.due = 0
+    self.begin: tuple | None = None
+    self.left_out = (0, 0.0, 0.0, 0.0, 0, 0.0)
+    self.cycles: list[float] | None = None
+    self.windows = -1                 # the chooser's window being summed
+    if chooser is not None:
+      self._follow()
 
   def count(self, way: str, took: float, wait: float, produce: float,
             inline_made: bool, now: float, judged: bool = True,
@@ -451,10 +499,7 @@ class Meter:
     spent ``took`` on it, ``wait`` of that waiting, and producing it took
     ``produce`` (in ``took`` when ``inline_made``; ``busy`` of it needed a
     core, where measured); shown to the chooser when ``judged``. Returns
-    whether the chooser's mode changed."""
-    chooser = self.chooser
-    self.time_busy = (chooser is not None and inline_made
-                      and produce >= chooser.busy_from)
+    whether the chooser's mode changed. (Runs for every item: lean.)"""
     tally = self.tallies[way]
     tally.items += 1
     if wait > 0:
@@ -462,19 +507,78 @@ class Meter:
       tally.wait_s += wait
     tally.own_s += took - wait - (produce if inline_made else 0.0)
     tally.produce_s += produce
+    if busy:
+      tally.busy_s += min(busy, produce)    # (two clocks: a hair apart)
     last, self.last = self.last, now
     if last is None:
       return False
     cycle = now - last
     tally.cycle_s += cycle
     tally.cycles += 1
-    if chooser is None or not judged:
+    if tally is not self.watched:
+      return False                # no chooser, or not the way it runs
+    if not judged or (self.chooser.inline and not inline_made):
+      self._leave_out(cycle, wait, produce, busy)
       return False
-    changed = chooser.observe(cycle, produce, inline_made, wait, busy)
-    if chooser.news is not None:
-      self.news, chooser.news = chooser.news, None
-      self.news_cycle = chooser.news_cycle
-    return changed
+    if inline_made:
+      self.time_busy = produce >= self.busy_from
+    if self.cycles is not None:
+      self.cycles.append(cycle)
+    if tally.cycles < self.due:
+      return False
+    return self._act()
+
+  def _leave_out(self, cycle: float, wait: float, produce: float,
+                 busy: float) -> None:
+    """An item of the watched way the chooser does not judge: one compiling
+    the step, or (inline) one made by the other way before the switch."""
+    self.due += 1
+    if self.begin is not None:
+      items, cycles, produced, busied, waited, waits = self.left_out
+      self.left_out = (items + 1, cycles + cycle, produced + produce,
+                       busied + min(busy, produce), waited + (wait > 0),
+                       waits + wait)
+
+  def _act(self) -> bool:
+    """The watched tally reached ``due``: the window starts, or the chooser
+    judges it."""
+    chooser = self.chooser
+    if self.begin is None:        # the items to skip have passed
+      self.begin = self.watched.sums()
+      self.due = self.watched.cycles + chooser.check_at
+      self.cycles = [] if chooser.trial is not None else None
+    else:
+      now, begin, out = self.watched.sums(), self.begin, self.left_out
+      n, cycle, produced, busy, waited, wait = (
+          a - b - c for a, b, c in zip(now, begin, out))
+      changed = chooser.judge(n, cycle, produced, busy, waited, wait,
+                              self.cycles)
+      self._follow()
+      if chooser.news is not None:
+        self.news, chooser.news = chooser.news, None
+        self.news_cycle = chooser.news_cycle
+      return changed
+    return False
+
+  def _follow(self) -> None:
+    """After the chooser judged: the same window goes on to its next
+    ``check_at``, or a new one starts, in its way, after ``skip`` items."""
+    chooser = self.chooser
+    tally = self.tallies[chooser.mode]
+    if chooser.windows == self.windows and tally is self.watched:
+      self.due = self.begin[0] + self.left_out[0] + chooser.check_at
+      return
+    self.windows = chooser.windows
+    self.watched = tally
+    self.left_out = (0, 0.0, 0.0, 0.0, 0, 0.0)
+    self.cycles = None
+    if chooser.skip:
+      self.begin, self.due = None, tally.cycles + chooser.skip
+    else:
+      self.begin = tally.sums()
+      self.due = tally.cycles + chooser.check_at
+      if chooser.trial is not None:
+        self.cycles = []
 
   def report(self, mode: str, reason: str) -> dict[str, Any]:
     """``stats()``: the way it runs now and why (the chooser's reason, or

@@ -336,13 +336,13 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
         the host's own cores (XLA:CPU), only production that waits
         (storage, a network) counts: production that needs a core
         (copying, numpy work) would compete with the step there. There,
-        with asynchronous dispatch (XLA:CPU's default) and a ``size`` of
-        at least 8, cycles under 1 ms also get trials however cheap
-        production is: a step dispatched a few microseconds after the
-        previous result was read costs more than that time
-        (``benchmarks/cpu_dispatch_gap.py``), and workers, woken once per
-        few items, take the placement out of it; in a loop that reads each
-        result they won (README).
+        with asynchronous dispatch (XLA:CPU's default), cycles under 1 ms
+        also get trials however cheap production is: a step dispatched a
+        few microseconds after the previous result was read costs more
+        than that time (``benchmarks/cpu_dispatch_gap.py``), and workers,
+        which poll for room rather than be woken from ``next()``, take the
+        placement out of it; in a loop that reads each result they won
+        (README).
         One ``jaxstreams.PerformanceWarning`` the first time it decides to
         step aside. With a ``timeout``, always workers (only a wait for
         another thread can time out).
