@@ -231,10 +231,10 @@ class Chooser:
             waited: int, wait: float, cycles: list[float] | None) -> bool:
     """The window so far, once it holds ``check_at`` items (the ``Meter``
     sums them: the chooser sees no single item, so that the consumer's
-    thread pays next to nothing per item for it): ``n`` items, their cycles and
-    production summed, of that production the time that needed a core
-    (``busy``; 0 where not measured), how many the consumer waited for
-    and how long, in seconds; in a trial also each item's cycle.
+    thread pays next to nothing per item for it): ``n`` items, their
+    cycles and production summed, of that production the time that needed
+    a core (``busy``; 0 where not measured), how many the consumer waited
+    for and how long, in seconds; in a trial also each item's cycle.
     Returns whether ``mode`` changed; after it, ``windows`` says whether
     a new window starts (after ``skip`` items) and ``check_at`` when the
     window is judged next."""
@@ -542,23 +542,28 @@ class Meter:
   def _act(self) -> bool:
     """The watched tally reached ``due``: the window starts, or the chooser
     judges it."""
-    chooser = self.chooser
     if self.begin is None:        # the items to skip have passed
-      self.begin = self.watched.sums()
-      self.due = self.watched.cycles + chooser.check_at
-      self.cycles = [] if chooser.trial is not None else None
-    else:
-      now, begin, out = self.watched.sums(), self.begin, self.left_out
-      n, cycle, produced, busy, waited, wait = (
-          a - b - c for a, b, c in zip(now, begin, out))
-      changed = chooser.judge(n, cycle, produced, busy, waited, wait,
-                              self.cycles)
-      self._follow()
-      if chooser.news is not None:
-        self.news, chooser.news = chooser.news, None
-        self.news_cycle = chooser.news_cycle
-      return changed
-    return False
+      self._begin()
+      return False
+    chooser = self.chooser
+    now, begin, out = self.watched.sums(), self.begin, self.left_out
+    n, cycle, produced, busy, waited, wait = (
+        a - b - c for a, b, c in zip(now, begin, out))
+    changed = chooser.judge(n, cycle, produced, busy, waited, wait,
+                            self.cycles)
+    self._follow()
+    if chooser.news is not None:
+      self.news, chooser.news = chooser.news, None
+      self.news_cycle = chooser.news_cycle
+    return changed
+
+  def _begin(self) -> None:
+    """The window starts here, after the watched tally's latest item; in a
+    trial it also collects each item's cycle."""
+    tally, chooser = self.watched, self.chooser
+    self.begin = tally.sums()
+    self.due = tally.cycles + chooser.check_at
+    self.cycles = [] if chooser.trial is not None else None
 
   def _follow(self) -> None:
     """After the chooser judged: the same window goes on to its next
@@ -571,14 +576,11 @@ class Meter:
     self.windows = chooser.windows
     self.watched = tally
     self.left_out = (0, 0.0, 0.0, 0.0, 0, 0.0)
-    self.cycles = None
     if chooser.skip:
-      self.begin, self.due = None, tally.cycles + chooser.skip
+      self.begin, self.cycles = None, None
+      self.due = tally.cycles + chooser.skip
     else:
-      self.begin = tally.sums()
-      self.due = tally.cycles + chooser.check_at
-      if chooser.trial is not None:
-        self.cycles = []
+      self._begin()
 
   def report(self, mode: str, reason: str) -> dict[str, Any]:
     """``stats()``: the way it runs now and why (the chooser's reason, or
