@@ -52,8 +52,14 @@ benchmarks/results/prefetch_sweep_<platform>[_quick].json and .txt.
 (``jax_cpu_enable_async_dispatch=False``, set before the backend starts);
 its results are saved with ``_sync_dispatch`` in their name.
 
+``--step-ms 0.1,0.3`` runs only those of the step sizes (so that a session
+with a time limit per command, such as a lent GPU's, can run the sweep in
+parts); a part is saved with the steps in its name
+(``prefetch_sweep_gpu_steps0.1-0.3``).
+
   python benchmarks/prefetch_sweep.py [--quick] [--steps 400] [--rounds 7]
-      [--producers free,io] [--cpu-sync-dispatch] [--quiet] [--out DIR]
+      [--producers free,io] [--step-ms 0.1,0.3,1,3,10] [--cpu-sync-dispatch]
+      [--quiet] [--out DIR]
 """
 
 import os
@@ -211,6 +217,9 @@ def main():
   parser.add_argument("--steps", type=int, default=400)
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--producers", default="free,io")
+  parser.add_argument("--step-ms", default=None,
+                      help="comma-separated step sizes, of "
+                           + ",".join(f"{ms:g}" for ms in STEP_MS))
   parser.add_argument("--cpu-sync-dispatch", action="store_true",
                       help="jax_cpu_enable_async_dispatch=False")
   args = parser.parse_args()
@@ -219,6 +228,16 @@ def main():
   if args.quick:
     args.steps, args.rounds = 150, 3
   producers = args.producers.split(",")
+  step_ms = STEP_MS
+  if args.step_ms is not None:
+    try:
+      step_ms = tuple(float(ms) for ms in args.step_ms.split(","))
+    except ValueError:
+      step_ms = ()
+    if not step_ms or not set(step_ms) <= set(STEP_MS):
+      parser.error(f"--step-ms: a comma-separated list of "
+                   f"{', '.join(f'{ms:g}' for ms in STEP_MS)}, got "
+                   f"{args.step_ms!r}")
 
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
@@ -234,7 +253,7 @@ def main():
             + "   prefetch, auto16, staged chose")
   print(header)
   rows, lines = [], [header]
-  for target in STEP_MS:
+  for target in step_ms:
     iters = calibrate(w, jnp.ones(batch_shape), target)
     step = jax.jit(make_step(iters))
     # Loops of about the same length in time under 1 ms (4000 steps of
@@ -289,6 +308,7 @@ def main():
             "quiet_machine": args.quiet, "quick": args.quick,
             "cpu_sync_dispatch": args.cpu_sync_dispatch,
             "steps": args.steps, "rounds": args.rounds,
+            "step_ms": list(step_ms),
             "goal_free_producer_over_plain": GOAL, "rows": rows,
             "note": ("paired_ratio_to_plain: median over rounds of plain's "
                      "time per step over the loop's in the same round; "
@@ -296,6 +316,8 @@ def main():
                      "and the load averages)")}
   name = (f"prefetch_sweep_{info['platform']}"
           + ("_sync_dispatch" if args.cpu_sync_dispatch else "")
+          + ("" if step_ms == STEP_MS else
+             "_steps" + "-".join(f"{ms:g}" for ms in step_ms))
           + ("_quick" if args.quick else ""))
   text = (f"# {'quiet' if args.quiet else 'not marked quiet'}; load at start "
           f"{info['load_average_at_start']}, at end "

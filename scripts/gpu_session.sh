@@ -7,7 +7,13 @@
 #   bash scripts/gpu_session.sh build tests     # only the steps named
 #
 # Steps: info probe build gputests tests sanitizer suite levers serve
-#        overhead sweep prefetch demo
+#        overhead sweep sweeplong prefetch demo
+#
+# One call runs at most 10 minutes and a session gets 30 in all, so a
+# session runs them in parts, for instance:
+#   info probe build gputests | tests | serve sweep | sweeplong prefetch
+# (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 5,
+# three times that under 1 ms; sweeplong: 1 to 10 ms, LONG_ROUNDS, default 3)
 #
 # Each step writes its log to $LOGS/<step>.txt (default benchmarks/results/gpu)
 # and the benchmarks save their JSON there too. The device tool returns at
@@ -105,7 +111,7 @@ step_sanitizer() {
 
 export py
 export -f step_info step_probe step_build step_gputests step_tests step_sanitizer
-all_steps=(info probe build gputests tests sanitizer suite levers serve overhead sweep prefetch demo)
+all_steps=(info probe build gputests tests sanitizer suite levers serve overhead sweep sweeplong prefetch demo)
 steps=("$@")
 [ ${#steps[@]} = 0 ] && steps=("${all_steps[@]}")
 for s in "${steps[@]}"; do
@@ -122,7 +128,10 @@ for s in "${steps[@]}"; do
     serve)     run_step serve 200 "$py" benchmarks/serve.py --quiet --out "$logs" ;;
     overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --out "$logs" ;;
     sweep)     run_step sweep 420 "$py" benchmarks/prefetch_sweep.py --quiet \
-                 --rounds "${SWEEP_ROUNDS:-3}" --out "$logs" ;;
+                 --step-ms 0.1,0.3 --rounds "${SWEEP_ROUNDS:-5}" --out "$logs" ;;
+    sweeplong) run_step sweeplong 540 "$py" benchmarks/prefetch_sweep.py \
+                 --quiet --step-ms 1,3,10 --rounds "${LONG_ROUNDS:-3}" \
+                 --out "$logs" ;;
     prefetch)  run_step prefetch 200 "$py" benchmarks/prefetch.py --out "$logs" ;;
     demo)      run_step demo 120 "$py" examples/streams_demo.py ;;
     *) echo "unknown step: $s (steps: ${all_steps[*]})" >&2; exit 2 ;;
