@@ -165,10 +165,7 @@ class Prefetcher:
   def __iter__(self) -> Prefetcher:
     return self
 
-  def __next__(self) -> Any:
-    return self._get(True)
-
-  def _get(self, wait: bool) -> Any:
+  def _get(self, wait: bool = True) -> Any:
     pipeline = self._pipeline
     try:
       item = pipeline.get(self.timeout, wait)
@@ -181,6 +178,9 @@ class Prefetcher:
     if pipeline.meter.news is not None:
       self._tell()
     return item
+
+  # One call per item, not two (see Pipeline.get's ready item).
+  __next__ = _get
 
   def _tell(self) -> None:
     """The one ``PerformanceWarning``: prefetching stepped aside."""

@@ -61,18 +61,18 @@ class Transfer:
   items are produced inline (tickets are 0, 1, 2... in pull order, one per
   item pulled; ``wait``: return only once the copies are done, as a worker
   does so that an item handed out is on the device and the lookahead bound
-  counts device memory); ``deliver(value)`` runs in the consumer, under the
-  pipeline's lock, in item order, with what ``place`` returned; ``stop()``
-  may run on any thread and only signals; ``release()`` runs once, when no
-  worker is left and nothing more will be delivered."""
+  counts device memory); ``deliver(value)``, where a transfer has one,
+  runs in the consumer, under the pipeline's lock, in item order, with what
+  ``place`` returned (None: the consumer receives that itself, with no
+  call per item); ``stop()`` may run on any thread and only signals;
+  ``release()`` runs once, when no worker is left and nothing more will be
+  delivered."""
 
   name = "custom"
+  deliver: Callable[[Any], Any] | None = None
 
   def place(self, ticket: int, item: Any, wait: bool) -> Any:
     raise NotImplementedError
-
-  def deliver(self, value: Any) -> Any:
-    return value
 
   def stop(self) -> None:
     pass
