@@ -186,8 +186,9 @@ class FlippingChooser:
   ``every`` items of the way it runs, and each ends in a switch.)"""
 
   def __init__(self, size, words, verify=False, unseen_gain=False,
-               shares_cores=False, unseen_cycle_s=float("inf"), every=2):
-    del size, verify, unseen_gain, shares_cores, unseen_cycle_s
+               shares_cores=False, unseen_cycle_s=float("inf"),
+               steady_s=0.0, every=2):
+    del size, verify, unseen_gain, shares_cores, unseen_cycle_s, steady_s
     self.words = words
     self.mode, self.inline = words.inline, True
     self.reason, self.news, self.news_cycle = "switching (test)", None, 0.0

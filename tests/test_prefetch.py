@@ -837,7 +837,8 @@ def test_stats_say_which_way_it_runs(way):
 # How mode="auto" chooses: the chooser fed made-up times ----------------------
 
 # The chooser as prefetch words it.
-Chooser = functools.partial(_chooser.Chooser, words=_lookahead.WORDS)
+Chooser = functools.partial(_chooser.Chooser, words=_lookahead.WORDS,
+                            steady_s=_lookahead.STEADY_S)
 WINDOW = _chooser.WINDOW
 US = 1e-6
 
@@ -860,15 +861,21 @@ def _feed(chooser, n, cycle_us, produce_us, inline_made=None, wait_us=0.0,
 def test_chooser_stays_inline_where_production_is_cheap():
   chooser = Chooser(size=2)
   assert chooser.mode == "inline" and "judging" in chooser.reason
-  # A small share of the cycle ...
-  assert _feed(chooser, 2 + 10 * WINDOW, cycle_us=1000, produce_us=50) == []
+  # A small share of the cycle (after the first window of WINDOW items,
+  # windows of _lookahead.STEADY_S: 100 items of 1 ms) ...
+  steady = round(_lookahead.STEADY_S / 1e-3)
+  assert _feed(chooser, 2 + WINDOW + steady, cycle_us=1000,
+               produce_us=50) == []
   assert chooser.mode == "inline" and not chooser.trials
-  assert "5.0% of a cycle (50 us of 1000 us" in chooser.reason
-  assert meter_for(chooser).news == chooser.reason   # told once ...
+  assert (f"5.0% of a cycle (50 us of 1000 us, over {steady} items)"
+          in chooser.reason)
+  # ... told once, at the first window.
+  assert meter_for(chooser).news == chooser.reason.replace(
+      f"over {steady} items", f"over {WINDOW} items")
   meter_for(chooser).news = None
   # ... or a large share, but less than a worker costs (a consumer that
   # does not wait for its results has short cycles).
-  assert _feed(chooser, 3 * WINDOW, cycle_us=20, produce_us=15) == []
+  assert _feed(chooser, steady, cycle_us=20, produce_us=15) == []
   assert chooser.mode == "inline"
   assert "takes 15 us (15 us of 20 us" in chooser.reason
   assert meter_for(chooser).news is None             # ... and only once
@@ -914,12 +921,16 @@ def test_chooser_steps_aside_when_production_turns_cheap():
 def test_chooser_keeps_workers_while_the_consumer_waits_for_them():
   chooser = Chooser(size=2)
   _feed(chooser, 4, cycle_us=1000, produce_us=600)
-  _feed(chooser, 3 + 4 * WINDOW, cycle_us=1000, produce_us=10, wait_us=2)
+  # The lookahead fills (3 items), a first window, then two of STEADY_S.
+  steady = round(_lookahead.STEADY_S / 1e-3)
+  _feed(chooser, 3 + WINDOW + 2 * steady, cycle_us=1000, produce_us=10,
+        wait_us=2)
   assert chooser.mode == "workers"
   # Unless it waits as long as producing takes: inline would cost no more.
-  assert _feed(chooser, WINDOW, cycle_us=1000, produce_us=10,
+  assert _feed(chooser, steady, cycle_us=1000, produce_us=10,
                wait_us=11) == ["inline"]
-  assert "the consumer waited for 16 of 16 items" in chooser.reason
+  assert (f"the consumer waited for {steady} of {steady} items"
+          in chooser.reason)
 
 
 def _trial(chooser, workers_cycle_us, inline_cycle_us, produce_us):
@@ -1019,11 +1030,12 @@ def test_chooser_trial_steps_aside_when_workers_are_no_faster():
   # The same production share does not start another trial ...
   assert _feed(chooser, 50 * WINDOW, cycle_us=200, produce_us=44) == []
   assert "a trial found workers no faster at 22%" in chooser.reason
-  # (Windows of STEADY_S here: 50 items of 200 us.)
-  assert chooser.steady == 50
-  assert _feed(chooser, 3 * 50, cycle_us=200, produce_us=80) == []
+  # (Windows of _lookahead.STEADY_S here: 500 items of 200 us.)
+  steady = round(_lookahead.STEADY_S / 200e-6)
+  assert chooser.steady == steady
+  assert _feed(chooser, 3 * steady, cycle_us=200, produce_us=80) == []
   # ... doubled, it does (once enough items have passed since the last).
-  for _ in range(2 * 50):
+  for _ in range(2 * steady):
     if _feed(chooser, 1, cycle_us=200, produce_us=90):
       break
   assert chooser.trial is not None and chooser.reason.startswith("trial")

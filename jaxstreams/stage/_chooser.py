@@ -63,7 +63,9 @@ STEADY_S = 0.01        # a window outside a trial (after an inline one's
                        # 3.5%-5% when judged every 16th item (auto held in
                        # workers against mode="workers", two runs of 41
                        # rounds, 2-core machine); every 10 ms, auto ran
-                       # within 0.5%-4% of mode="workers" (five runs)
+                       # within 0.5%-4% of mode="workers" (five runs).
+                       # The default (staged's); prefetch, whose judging
+                       # was measured apart, passes its own (steady_s)
 EARLY_ITEMS = 4        # a trial's overlap window is also looked at after
 EARLY_LOSS = 1.5       # this many items, and the trial ends, lost, if its
                        # cycle is this many times the last inline window's:
@@ -118,7 +120,7 @@ class Chooser:
   it filling up, not its steady cost).
 
   * Windows hold ``WINDOW`` items; outside trials, after an inline
-    window's first look, as many as take ``STEADY_S`` if that is more.
+    window's first look, as many as take ``steady_s`` if that is more.
   * Inline first. After ``WINDOW`` items, production's share of a cycle is
     the most overlap could save. Under ``TRY_SHARE``, or when an item
     takes under ``TRY_US`` to produce, it stays inline (overlap's own cost
@@ -176,8 +178,10 @@ class Chooser:
 
   def __init__(self, size: int, words: Words, verify: bool = False,
                unseen_gain: bool = False, shares_cores: bool = False,
-               unseen_cycle_s: float = float("inf")):
+               unseen_cycle_s: float = float("inf"),
+               steady_s: float = STEADY_S):
     self.size = size
+    self.steady_s = steady_s
     self.words = words
     self.verify = verify
     self.unseen_gain = unseen_gain
@@ -207,7 +211,7 @@ class Chooser:
     self._told = False
     self.n = 0
     self.windows = 0
-    self.steady = WINDOW       # items in a steady window (STEADY_S)
+    self.steady = WINDOW       # items in a steady window (steady_s)
     self._reset()
     self.skip = WARMUP_ITEMS
 
@@ -218,7 +222,7 @@ class Chooser:
     self.judged += self.n
     self.windows += 1
     if self.n and self.cycle > 0:
-      self.steady = max(WINDOW, round(STEADY_S * self.n / self.cycle))
+      self.steady = max(WINDOW, round(self.steady_s * self.n / self.cycle))
     self.n = 0
     self.skip = 0              # items that pass before the window starts
     if self.trial is None:
