@@ -59,7 +59,7 @@ def measure(sync_dispatch: bool, step_ms: float, steps: int,
 
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.standard_normal((32, 32)) / 6, jnp.float32)
-  iters = prefetch_sweep.calibrate(w, jnp.ones((16, 32)), step_ms)
+  iters, _ = prefetch_sweep.calibrate(w, jnp.ones((16, 32)), step_ms)
   step = jax.jit(prefetch_sweep.make_step(iters))
   batches = [rng.standard_normal((16, 32)).astype(np.float32)
              for _ in range(steps)]

@@ -95,36 +95,69 @@ def make_step(iters):
   return step
 
 
-def _ms_per_step(w, batch, iters, n=30):
-  """The median of ``n`` timed calls (a median: load bursts on a shared
-  machine make a mean too long)."""
+def _ms_per_step(w, batch, iters, batches=5, batch_s=0.01):
+  """The step's time in a loop like the sweep's (each result read before
+  the next call), after a warm-up: the median over ``batches`` runs of
+  back-to-back calls lasting about ``batch_s`` each. Single calls timed
+  apart measured a 1-iteration step at 25 to 86 us across processes on the
+  2-core machine (threads waking from idle); a median of loops does not
+  lean on one wake-up, and a median, not a mean, rides out load bursts."""
   f = jax.jit(make_step(iters))
   f(w, batch).block_until_ready()
-  times = []
-  for _ in range(n):
-    t0 = time.perf_counter()
+  calls, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < batch_s:      # warm-up; also sizes a run
     f(w, batch).block_until_ready()
-    times.append(time.perf_counter() - t0)
+    calls += 1
+  times = []
+  for _ in range(batches):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      f(w, batch).block_until_ready()
+    times.append((time.perf_counter() - t0) / calls)
   return statistics.median(times) * 1e3
 
 
-def calibrate(w, batch, target_ms, tolerance=0.1, checks=4):
-  """Iterations of the loop body giving a step of about ``target_ms``: the
-  fixed cost (1 iteration) and the cost per iteration (256), linearly; then
-  the step is timed at that count and the line corrected through it, until
-  it is within ``tolerance`` of the target (at most ``checks`` times). A
-  load burst while one point was timed put a "0.3 ms" step at 0.1 ms in one
-  run (2-core machine) without the check."""
-  fixed = _ms_per_step(w, batch, 1)
-  per_iter = max((_ms_per_step(w, batch, 256, n=10) - fixed) / 255, 1e-6)
-  iters = max(1, round((target_ms - fixed) / per_iter))
+def calibrate(w, batch, target_ms, tolerance=0.1, checks=5):
+  """Iterations of the loop body giving a step of about ``target_ms``, and
+  the step time measured at that count. A first guess from the line
+  through 1 and 256 iterations; then each guess is timed, and the next one
+  interpolated between the timed counts nearest the target from below and
+  above (or along the first line when the target is not yet bracketed),
+  until one is within ``tolerance`` of the target (at most ``checks``
+  times). What is returned was timed: the count timed closest to the
+  target. A load burst while one point was timed put a "0.3 ms" step at
+  0.1 ms in one run (2-core machine) without the check, and correcting from
+  a mistimed 1-iteration point, then returning the last correction
+  untimed, put a "0.1 ms" step at 33 us in another. Still only roughly:
+  on that machine one process timed the same step at 0.79 to 1.23 ms in
+  consecutive measurements, which is why each row records the plain
+  loop's own time per step."""
+  timed = {1: _ms_per_step(w, batch, 1),
+           256: _ms_per_step(w, batch, 256)}
+  per_iter = max((timed[256] - timed[1]) / 255, 1e-6)
+  iters = max(1, round(1 + (target_ms - timed[1]) / per_iter))
   for _ in range(checks):
-    got = _ms_per_step(w, batch, iters)
-    if abs(got - target_ms) <= tolerance * target_ms or iters == 1:
+    if iters not in timed:
+      timed[iters] = _ms_per_step(w, batch, iters)
+    if abs(timed[iters] - target_ms) <= tolerance * target_ms:
       break
-    per_iter = max((got - fixed) / max(iters - 1, 1), 1e-6)
-    iters = max(1, round((target_ms - fixed) / per_iter))
-  return iters
+    below = [n for n, ms in timed.items() if ms < target_ms]
+    above = [n for n, ms in timed.items() if ms > target_ms]
+    if not below:                  # one iteration already takes too long
+      break
+    lo = max(below, key=timed.get)
+    hi = min(above, key=timed.get) if above else None
+    if hi is not None and hi > lo + 1:
+      iters = round(lo + (hi - lo) * (target_ms - timed[lo])
+                    / (timed[hi] - timed[lo]))
+    elif hi is None:
+      iters = max(lo + 1, round(lo + (target_ms - timed[lo]) / per_iter))
+    else:                          # bracketed by neighbours (or noise)
+      break
+    if iters in timed:             # no new count to time
+      break
+  iters = min(timed, key=lambda n: abs(timed[n] - target_ms))
+  return iters, timed[iters]
 
 
 def run_plain(step, w, data, read):
@@ -265,7 +298,7 @@ def main():
   print(header)
   rows, lines = [], [header]
   for target in step_ms:
-    iters = calibrate(w, jnp.ones(batch_shape), target)
+    iters, calibrated_ms = calibrate(w, jnp.ones(batch_shape), target)
     step = jax.jit(make_step(iters))
     # Loops of about the same length in time under 1 ms (4000 steps of
     # 0.1 ms by default): a few hundred steps is too short a loop for a
@@ -288,7 +321,8 @@ def main():
         median = {name: statistics.median(v) for name, v in samples.items()}
         ratios = {name: _common.paired(samples["plain"], samples[name])
                   for name in LOOPS[1:]}
-        row = {"step_ms_target": target, "iters": iters, "rounds": rounds,
+        row = {"step_ms_target": target, "iters": iters,
+               "step_ms_calibrated": calibrated_ms, "rounds": rounds,
                "producer": producer, "io_ms": io_ms,
                "read_every_step": read, "steps": steps,
                "seconds_per_step_median": median,
