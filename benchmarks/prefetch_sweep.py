@@ -122,7 +122,8 @@ def calibrate(w, batch, target_ms, tolerance=0.1, checks=5):
   the step time measured at that count. A first guess from the line
   through 1 and 256 iterations; then each guess is timed, and the next one
   interpolated between the timed counts nearest the target from below and
-  above (or along the first line when the target is not yet bracketed),
+  above (the largest count timed short and the smallest timed long; or
+  along the first line when the target is not yet bracketed),
   until one is within ``tolerance`` of the target (at most ``checks``
   times). What is returned was timed: the count timed closest to the
   target. A load burst while one point was timed put a "0.3 ms" step at
@@ -145,8 +146,8 @@ def calibrate(w, batch, target_ms, tolerance=0.1, checks=5):
     above = [n for n, ms in timed.items() if ms > target_ms]
     if not below:                  # one iteration already takes too long
       break
-    lo = max(below, key=timed.get)
-    hi = min(above, key=timed.get) if above else None
+    lo = max(below)                # the bracket: counts, not times, so
+    hi = min(above) if above else None     # one mistimed point drops out
     if hi is not None and hi > lo + 1:
       iters = round(lo + (hi - lo) * (target_ms - timed[lo])
                     / (timed[hi] - timed[lo]))
