@@ -1,6 +1,6 @@
-"""The benchmark scripts' own logic: prefetch_sweep's step calibration, and
-that cpu_dispatch_gap's measuring process runs. Correctness only: the
-calibration is driven with made-up step times, and no timing is asserted.
+"""The benchmark scripts: prefetch_sweep's step calibration, driven with
+made-up step times, and every script but the suite (test_benchmark_suite.py)
+run at about its smallest. Correctness only: no timing is asserted.
 """
 
 import importlib.util
@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jaxstreams
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -74,17 +76,58 @@ def test_calibration_stops_at_one_iteration_when_that_is_too_long(
   assert len(timed) == 2           # the two points of the first line only
 
 
-def test_dispatch_gap_measuring_process_reports_every_gap():
+# Each script at about its smallest run (seconds each), into a temporary
+# directory: that it runs to the end and saves what it says it saves.
+# Benchmarks are run on purpose, not by CI; this catches a change to a shared
+# helper or to jaxstreams that breaks one of them.
+SMALLEST_RUNS = {
+    "serve": (["--seconds", "0.05", "--rounds", "1", "--threads", "1,4"],
+              "serve_{platform}.json"),
+    "prefetch_sweep": (["--steps", "5", "--rounds", "1", "--step-ms", "0.1,1"],
+                       "prefetch_sweep_{platform}_steps0.1-1.json"),
+    "cpu_dispatch_gap": (["--steps", "3", "--rounds", "1"],
+                         "cpu_dispatch_gap_{platform}_jax*.json"),
+    "prefetch": (["--steps", "5", "--repeats", "1", "--transfer-steps", "5",
+                  "--transfer-mb", "0.25"], "prefetch_{platform}.json"),
+    "jit_overhead": (["--calls", "20", "--batches", "2"],
+                     "jit_overhead_{platform}.json"),
+    "planning": (["--sizes", "100", "--reps", "1"], "planning_{platform}.json"),
+    "gpu_levers": (["--quick"], "gpu_levers_{platform}_jax*_quick.json"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(SMALLEST_RUNS))
+def test_benchmark_script_runs_and_saves(script, tmp_path):
+  args, saved = SMALLEST_RUNS[script]
+  saved = saved.format(platform=jax.devices()[0].platform)
   env = dict(os.environ)
+  env.pop("JAXSTREAMS_STREAMS", None)
+  # The jaxstreams this test imported (the installed one under
+  # scripts/test.sh, with its runtime library), not whatever the script's
+  # directory would find.
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+      p for p in (str(pathlib.Path(jaxstreams.__file__).parent.parent),
+                  env.get("PYTHONPATH")) if p)
   proc = subprocess.run(
-      [sys.executable, str(BENCHMARKS / "cpu_dispatch_gap.py"), "--child",
-       "sync", "--steps", "3", "--rounds", "1"],
+      [sys.executable, str(BENCHMARKS / f"{script}.py"), *args,
+       "--out", str(tmp_path)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
-  gap = _load("cpu_dispatch_gap")
-  assert set(result["per_step_us"]) == {str(g) for g in gap.GAPS_US}
-  assert result["extra_us"]["0"] == 0.0
-  assert isinstance(result["iters"], int) and result["iters"] >= 1
+  assert proc.returncode == 0, (
+      f"{script} exited with {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}"
+      f"\nstderr:\n{proc.stderr[-4000:]}")
+  files = list(tmp_path.glob(saved))
+  assert len(files) == 1, (saved, sorted(p.name for p in tmp_path.iterdir()))
+  result = json.loads(files[0].read_text())
+  assert "machine" in result or "device" in result, sorted(result)
+  if script == "cpu_dispatch_gap":
+    gaps = {str(g) for g in _load("cpu_dispatch_gap").GAPS_US}
+    for dispatch in ("async_dispatch", "sync_dispatch"):
+      assert set(result[dispatch]["per_step_us"]) == gaps
+      assert result[dispatch]["extra_us"]["0"] == 0.0
+  if script == "prefetch_sweep":
+    rows = result["rows"]
+    assert {(r["step_ms_target"], r["producer"], r["read_every_step"])
+            for r in rows} == {(0.1, "free", True), (0.1, "free", False),
+                               (1.0, "free", True), (1.0, "free", False),
+                               (1.0, "io", True), (1.0, "io", False)}
+    assert all(r["step_ms_calibrated"] > 0 for r in rows)
