@@ -19,10 +19,17 @@ BENCHMARKS = ROOT / "benchmarks"
 
 
 def _load(name):
+  """The script as a module, with sys.path as it was: a script puts its own
+  directory first (for _common), which would otherwise stay there for every
+  test after this one (benchmarks/ holds modules named serve, prefetch)."""
   spec = importlib.util.spec_from_file_location(
       f"_benchmark_{name}", BENCHMARKS / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  saved = list(sys.path)
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path[:] = saved
   return module
 
 
