@@ -9,10 +9,10 @@
 
 The pipeline, one subpackage each: ``tag`` (``stream()`` blocks mark
 equations), ``assign`` (each equation gets a stream), ``partition`` (regions
-and the ``StreamPlan``), ``lower`` (by default the program ``jax.jit``
-builds; with the ``streams`` GPU lowering each off-main region becomes one
-call that XLA:GPU runs on its own stream, which measured slower on an H100
-with jax 0.11.2), and ``runtime`` (the native FFI library).
+and the ``StreamPlan``), ``lower`` (how the plan runs on a GPU: XLA's
+concurrent CUDA graphs, stream calls, or the fastest way timed at the first
+call; ``jaxstreams.lower.gpu``), ``runtime`` (the native FFI library) and
+``xla`` (what XLA:GPU compiles and launches, seen without a GPU).
 """
 
 from jaxstreams import config
@@ -24,7 +24,8 @@ from jaxstreams.serve import QueueFullError, Server, ServerClosedError, serve
 from jaxstreams.runtime.profile import profile
 from jaxstreams.tag import colocate_with, stream
 from jaxstreams.stage import prefetch, stage, staged
-from jaxstreams.xla import GpuTargetError, HloParseError, gpu_target, xla_schedule
+from jaxstreams.xla import (GpuTargetError, GraphLogError, HloParseError,
+                            gpu_target, xla_graphs, xla_schedule)
 
 __version__ = "0.1.0"
 
@@ -34,4 +35,5 @@ __all__ = ["Dependency", "PlannedEquation", "Region", "RulesFileError",
            "profile", "stream"]
 __all__ += ["QueueFullError", "Server", "ServerClosedError", "serve"]
 __all__ += ["PerformanceWarning", "prefetch", "stage", "staged"]
-__all__ += ["GpuTargetError", "HloParseError", "gpu_target", "xla_schedule"]
+__all__ += ["GpuTargetError", "GraphLogError", "HloParseError", "gpu_target",
+            "xla_graphs", "xla_schedule"]

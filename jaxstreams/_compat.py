@@ -302,12 +302,31 @@ def nested_jaxpr(params: dict):
 _region_rules_installed = False
 
 
+def _find_top_level_check() -> Callable[[], bool]:
+  from jax._src import core
+  return core.trace_state_clean
+
+
+# Whether no trace is active: a call here is a top-level call, which jax
+# compiles itself (and where it accepts compiler options). jax.grad, jax.vmap
+# and an enclosing jit each make the call a traced one.
+at_top_level = _find_top_level_check()
+
+
 def jit_disabled() -> bool:
   """Whether ``jax.disable_jit()`` is in force."""
   return bool(jax.config.jax_disable_jit)
 
 
 _package_frames_hidden = False
+
+
+def api_boundary(fun: Callable) -> Callable:
+  """``fun`` as a boundary of jax's traceback filtering (as jax marks
+  ``jax.jit`` functions): an error raised below it reaches the user with
+  jax's and jaxstreams' frames filtered out. Internal to jax."""
+  from jax._src import traceback_util
+  return traceback_util.api_boundary(fun)
 
 
 def hide_package_frames() -> None:
@@ -456,6 +475,39 @@ def cpu_dispatch_is_async() -> bool:
     return bool(jax.config.read("jax_cpu_enable_async_dispatch"))
   except (AttributeError, KeyError, ValueError):
     return True
+
+
+# ---------------------------------------------------------------------------
+# Compiling a lowered program again, elsewhere (the CUDA graph view compiles
+# in a child process, where XLA's log is on).
+
+def lowered_compiler_options(lowered) -> dict[str, Any]:
+  """The ``compiler_options`` a ``Lowered``'s ``compile()`` will use (those
+  of the ``jax.jit`` that lowered it). jax keeps them on its internal
+  lowering object; empty where this jax keeps them elsewhere."""
+  lowering = getattr(lowered, "_lowering", None)
+  return dict(getattr(lowering, "_compiler_options_kvs", ()) or ())
+
+
+def compile_module_text(text: str, device, compiler_options: dict) -> Any:
+  """Compile the StableHLO module ``text`` (``Lowered.as_text()``) for
+  ``device`` with ``compiler_options``, as ``Lowered.compile`` would for one
+  device; returns XLA's executable (``hlo_modules()``,
+  ``get_compiled_memory_stats()``). jax has no public call that compiles
+  module text, so this goes through the client of the device: for a
+  topology's device, the compile-only client of deviceless compilation."""
+  from jax._src import compiler
+  from jax._src.interpreters import mlir
+  from jax._src.lib import xla_client
+  from jax._src.lib.mlir import ir
+  options = compiler.get_compile_options(
+      num_replicas=1, num_partitions=1,
+      env_options_overrides=dict(compiler_options))
+  with mlir.make_ir_context():
+    module = ir.Module.parse(text)
+    return device.client.compile(
+        module, executable_devices=xla_client.DeviceList((device,)),
+        compile_options=options)
 
 
 # ---------------------------------------------------------------------------

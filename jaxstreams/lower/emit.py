@@ -31,13 +31,13 @@ The ``jaxstreams_sequence_points`` option turns this off. It reads the
 ``PartitionedProgram`` (jaxpr variables and equations), never the user's
 ``StreamPlan`` report.
 
-All of the above is the ``streams`` GPU lowering. The default, ``inline``
-(the ``jaxstreams_gpu_lowering`` option), binds every region's equations in
-place, in plan order: the program ``jax.jit`` builds. On an H100 with jax
-0.11.2 stream calls ran the suite's models at 0.78x-1.04x of ``jax.jit``
-(benchmarks/gpu_levers.py, benchmarks/suite.py), so by default jaxstreams
-steps aside on a GPU, as it does on CPU, where one stream runs anyway.
-Profiling always uses stream calls: its timeline shows regions on streams.
+All of the above is for stream calls (the ``streams`` programs). The
+``inline`` program binds every region's equations in place, in plan order:
+the program ``jax.jit`` builds. Which program runs, with which compiler
+options, is ``jaxstreams.lower.gpu``'s choice. Every region's equations are
+emitted inside a name scope (``REGION_SCOPE``), so that XLA's kernels can be
+traced back to their plan region in either program. Profiling always uses
+stream calls: its timeline shows regions on streams.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ import numpy as np
 from jaxstreams import _compat, config
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
+
+# The name scope around each region's equations. XLA keeps it in each
+# instruction's op_name, so a kernel of a region emitted in place (no call
+# of its own) is still traced back to its plan region (jaxstreams.xla_graphs).
+REGION_SCOPE = "jaxstreams_region_{index}"
 
 
 def xla_stream(plan: PartitionedProgram, stream: int) -> int:
@@ -92,26 +97,8 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
   for index, stream in enumerate(graph.streams):
     if not _emitted(plan, index):
       continue  # nothing reads it: jax.jit would drop it too
-    if order is not None and stream == 0:
-      fn = order.main_region(index)
-    else:
-      fn = region_function(plan, index)
-    if profile:
-      from jaxstreams.runtime import profile as profiling
-      region_id = profiling.new_region_id(f"{plan.function_name}/R{index}")
-      fn = profiling.wrap_region(fn, region_id, stream)
-    if order is not None and stream != 0:
-      order.call(fn, index)
-      continue
-    if order is not None and not profile:
-      fn()   # binds the region's equations into the environment itself
-      continue
-    inputs = [order.read(v) if order else env[v] for v in graph.inputs[index]]
-    if stream != 0 and stream_calls:
-      fn = _compat.stream_call(fn, xla_stream(plan, stream), index)
-    results = fn(*inputs)
-    for var, value in zip(graph.outputs[index], results):
-      env[var] = value
+    with jax.named_scope(REGION_SCOPE.format(index=index)):
+      _emit_region(plan, index, env, order, profile, stream_calls)
   if profile:
     from jaxstreams.runtime import profile as profiling
     profiling.completion_token()
@@ -119,6 +106,33 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
   return [v.val if isinstance(v, jcore.Literal)
           else (order.read(v) if order else env[v])
           for v in program.jaxpr.outvars]
+
+
+def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
+                 profile: bool, stream_calls: bool) -> None:
+  """Emit region ``index`` into ``env`` (or through ``order``)."""
+  graph = plan.graph
+  stream = graph.streams[index]
+  if order is not None and stream == 0:
+    fn = order.main_region(index)
+  else:
+    fn = region_function(plan, index)
+  if profile:
+    from jaxstreams.runtime import profile as profiling
+    region_id = profiling.new_region_id(f"{plan.function_name}/R{index}")
+    fn = profiling.wrap_region(fn, region_id, stream)
+  if order is not None and stream != 0:
+    order.call(fn, index)
+    return
+  if order is not None and not profile:
+    fn()   # binds the region's equations into the environment itself
+    return
+  inputs = [order.read(v) if order else env[v] for v in graph.inputs[index]]
+  if stream != 0 and stream_calls:
+    fn = _compat.stream_call(fn, xla_stream(plan, stream), index)
+  results = fn(*inputs)
+  for var, value in zip(graph.outputs[index], results):
+    env[var] = value
 
 
 def _emitted(plan: PartitionedProgram, index: int) -> bool:

@@ -1,11 +1,15 @@
-"""What XLA:GPU will run: compile for a GPU without one (``gpu_target``) and
-read the compiled schedule of the regions jaxstreams emits (``xla_schedule``)."""
+"""What XLA:GPU will run: compile for a GPU without one (``gpu_target``),
+read the compiled schedule of the regions jaxstreams emits
+(``xla_schedule``) and the CUDA graphs XLA launches (``xla_graphs``)."""
 
+from jaxstreams.xla.graph import (CudaGraph, GraphLogError, Kernel, OutsideGraph,
+                                  XlaGraphs, xla_graphs)
 from jaxstreams.xla.schedule import (AsyncRegion, HloParseError, PairCheck,
                                      XlaSchedule, xla_schedule)
 from jaxstreams.xla.target import (BUILTIN_TARGETS, GpuTarget, GpuTargetError,
                                    gpu_target, install_command)
 
-__all__ = ["AsyncRegion", "BUILTIN_TARGETS", "GpuTarget", "GpuTargetError",
-           "HloParseError", "PairCheck", "XlaSchedule", "gpu_target",
-           "install_command", "xla_schedule"]
+__all__ = ["AsyncRegion", "BUILTIN_TARGETS", "CudaGraph", "GpuTarget",
+           "GpuTargetError", "GraphLogError", "HloParseError", "Kernel",
+           "OutsideGraph", "PairCheck", "XlaGraphs", "XlaSchedule", "gpu_target",
+           "install_command", "xla_graphs", "xla_schedule"]

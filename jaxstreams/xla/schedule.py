@@ -40,6 +40,8 @@ class Instruction:
   opcode: str
   operands: tuple[str, ...]
   attributes: str
+  operand_text: str = ""    # the text between the opcode's parentheses
+  root: bool = False        # its computation's ROOT
 
   def frontend_attribute(self, key: str) -> str | None:
     match = re.search(rf'\b{re.escape(key)}="([^"]*)"', self.attributes)
@@ -289,7 +291,8 @@ def parse_instruction(line: str) -> Instruction:
     raise HloParseError(f"unbalanced operand list in: {line.strip()[:120]!r}")
   operand_text = after[op_match.end():index]
   operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
-  return Instruction(name, opcode, operands, after[index + 1:])
+  return Instruction(name, opcode, operands, after[index + 1:], operand_text,
+                     line.lstrip().startswith("ROOT "))
 
 
 def _computations(text: str) -> tuple[str, dict[str, list[Instruction]]]:

@@ -161,19 +161,27 @@ def gpu_target(name: str) -> GpuTarget:
   """The GPU ``name`` ("h100", "h200", or a path to a GpuTargetConfigProto
   text file) as a compile target. Raises GpuTargetError naming what to
   install when the CUDA plugin or ptxas is missing."""
+  return target_from_config(*target_config(name))
+
+
+def target_config(name: str) -> tuple[str, str]:
+  """``(name, GpuTargetConfigProto text)`` of a built-in target or a file,
+  without making a topology (which needs the CUDA plugin in this process)."""
   key = str(name).lower()
   if key in BUILTIN_TARGETS:
-    return _make_target(key, BUILTIN_TARGETS[key])
+    return key, BUILTIN_TARGETS[key]
   path = pathlib.Path(name)
   if path.is_file():
-    return _make_target(path.name, path.read_text())
+    return path.name, path.read_text()
   raise ValueError(
       f"unknown GPU target {name!r}: give one of {sorted(BUILTIN_TARGETS)} or the "
       "path of a GpuTargetConfigProto text file")
 
 
 @functools.lru_cache(maxsize=None)
-def _make_target(name: str, config_text: str) -> GpuTarget:
+def target_from_config(name: str, config_text: str) -> GpuTarget:
+  """The target described by ``config_text`` (a GpuTargetConfigProto in
+  text format), called ``name``; made once per process."""
   _check_plugin()
   _check_ptxas()
   from jax.experimental import topologies
