@@ -1,45 +1,52 @@
-"""What XLA:GPU's options do to jaxstreams' regions, on a GPU.
+"""Every GPU way of running the suite's programs, timed in one run on a GPU.
 
-The suite measured jaxstreams' stream calls slower than jax.jit on an H100
-(jax 0.11.2), and its profiled regions ran one after the other. This script
-times, in one run, each model's program compiled several ways, to tell which
-lever matters:
+What decides jaxstreams' default GPU lowering (``jaxstreams.lower.gpu``):
+each model's program compiled every way, timed in interleaved rounds:
 
-* ``jax.jit`` with XLA's defaults (the reference), with command buffers off
-  (``xla_gpu_enable_command_buffer=""``: no CUDA graphs), and with
-  ``xla_gpu_command_buffer_scheduling_mode=CONCURRENT``;
-* ``jaxstreams.jit`` with its default GPU lowering (``inline``: the program
-  jax.jit builds), alone and with CONCURRENT;
-* ``jaxstreams.jit`` with the ``streams`` lowering (each off-main region a
-  call on its stream): with XLA's defaults, command buffers off, CONCURRENT,
-  and without sequence points (``jaxstreams_sequence_points``).
+* ``jax.jit`` with XLA's defaults (the reference), with XLA's CONCURRENT
+  command-buffer scheduling, and with command buffers off (no CUDA graphs);
+* ``jaxstreams.jit`` forced to each way (``gpu_lowering=``: ``inline``,
+  ``concurrent``, ``streams``, ``streams_concurrent``);
+* ``jaxstreams.jit`` as it runs by default: its first call on a GPU times the
+  candidates and keeps the fastest (the decision and its cost are recorded;
+  the autotune cache is off for the run, so it really times).
 
-Models: K independent chains of small matmuls (each chain on its own stream;
-the case streams exist for), and the suite's Inception-style, DLRM-style and
-MLP-bank models at one size each. Method: every program compiled ahead of
-time; a sample is ``calls`` calls each ended by ``block_until_ready``;
-``--rounds`` rounds in alternating order; reported: each program's median ms
-and the paired ratio jax.jit (defaults) / program (above 1: faster). The
-JSON records, per program, its call-start count and how many command-buffer
-computations the compiled program holds.
+Models: K independent chains of small matmuls (the case streams exist for),
+the suite's Inception-style, DLRM-style (training) and MLP-bank models at one
+size each, the demo's two-tower training step, and a negative control (one
+chain, nothing to overlap). Method: every program compiled ahead of time; a
+sample is ``calls`` calls each ended by ``block_until_ready``; ``--rounds``
+rounds in alternating order; reported: each program's median ms and the
+paired ratio jax.jit (defaults) / program (above 1: faster).
 
-  python benchmarks/gpu_levers.py [--rounds 15] [--quick] [--out DIR]
+Overlap evidence (``--trace``): each program run under ``jax.profiler``; from
+the trace, the share of GPU kernel time during which another kernel ran too
+(0 where everything ran in sequence).
+
+  python benchmarks/gpu_levers.py [--rounds 15] [--trace] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
 import os
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "examples"))
 import _common  # noqa: E402
-from workloads import common, dlrm, inception, mlp_bank  # noqa: E402
+from workloads import common, control, dlrm, inception, mlp_bank  # noqa: E402
 
 import jaxstreams  # noqa: E402
+from jaxstreams.lower import gpu  # noqa: E402
 
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 STREAMS = 4
@@ -66,6 +73,24 @@ def chains_model(size, streams, key):
   return make_fn, (ws, x)
 
 
+def demo_model(size, streams, key):
+  """The demo's two-tower training step (its stream blocks are its own)."""
+  import streams_demo
+  params = streams_demo.init(size["towers"], size["width"], size["depth"], key)
+  x = jnp.ones((size["batch"], size["width"]))
+  y = jnp.ones((size["batch"], 1))
+  step = streams_demo.make_step(size["towers"])
+  return (lambda place: step), (params, x, y)
+
+
+def control_model(size, streams, key):
+  n = size["n"]
+  ks = jax.random.split(key, size["depth"] + 1)
+  ws = [common.normal(k, (n, n), n ** -0.5) for k in ks[1:]]
+  x = common.normal(ks[0], (size["batch"], n))
+  return control.make_fn(size), (ws, x)
+
+
 MODELS = [
     ("chains", chains_model, dict(chains=4, depth=40, n=256, batch=8)),
     ("inception", inception.model, dict(batch=8, hw=17, channels=64, blocks=4)),
@@ -73,43 +98,37 @@ MODELS = [
                               dim=32, hot=4, hidden=128)),
     ("mlp_bank", mlp_bank.model, dict(models=8, batch=32, width=128, depth=3,
                                       d_in=64, d_out=8)),
+    ("demo", demo_model, dict(towers=2, width=256, depth=2, batch=64)),
+    ("control", control_model, dict(placement="one stream", n=512, batch=512,
+                                    depth=8)),
 ]
+QUICK_SIZES = {"chains": dict(chains=2, depth=2, n=16, batch=4),
+               "demo": dict(towers=2, width=16, depth=1, batch=4)}
 
 
 def compile_ways(make_fn, args):
-  """name -> compiled program, for every way this script compares."""
+  """name -> compiled program, and what the default chose, for every way."""
   plain = jax.jit(make_fn(common.place_none))
   ways = {
       "jax.jit": plain.lower(*args).compile(),
-      "jax.jit, no command buffers": plain.lower(*args).compile(
-          compiler_options=NO_COMMAND_BUFFERS),
       "jax.jit, CONCURRENT": plain.lower(*args).compile(
           compiler_options=common.CONCURRENT_OPTIONS),
+      "jax.jit, no command buffers": plain.lower(*args).compile(
+          compiler_options=NO_COMMAND_BUFFERS),
   }
-  inline = jaxstreams.jit(make_fn(common.place_jaxstreams), streams=STREAMS)
-  ways["jaxstreams (default: inline)"] = inline.lower(*args).compile()
-  ways["jaxstreams, inline, CONCURRENT"] = inline.lower(*args).compile(
-      compiler_options=common.CONCURRENT_OPTIONS)
-  calls = _stream_calls(make_fn, args, sequence_points=True)
-  ways["jaxstreams, stream calls"] = calls.compile()
-  ways["jaxstreams, stream calls, no command buffers"] = calls.compile(
-      compiler_options=NO_COMMAND_BUFFERS)
-  ways["jaxstreams, stream calls, CONCURRENT"] = calls.compile(
-      compiler_options=common.CONCURRENT_OPTIONS)
-  ways["jaxstreams, stream calls, no sequence points"] = _stream_calls(
-      make_fn, args, sequence_points=False).compile()
-  return ways
-
-
-def _stream_calls(make_fn, args, sequence_points):
-  """The model lowered with each off-main region a call on its stream
-  (jaxstreams_sequence_points is read when the function is traced)."""
-  jaxstreams.config.update("jaxstreams_sequence_points", sequence_points)
-  try:
-    return jaxstreams.jit(make_fn(common.place_jaxstreams), streams=STREAMS,
-                          gpu_lowering="streams").lower(*args)
-  finally:
-    jaxstreams.config.reset("jaxstreams_sequence_points")
+  for way in gpu.WAYS:
+    forced = jaxstreams.jit(make_fn(common.place_jaxstreams), streams=STREAMS,
+                            gpu_lowering=way)
+    ways[f"jaxstreams {way}"] = forced.lower(*args).compile()
+  default = jaxstreams.jit(make_fn(common.place_jaxstreams), streams=STREAMS)
+  start = time.perf_counter()
+  jax.block_until_ready(default(*args))   # on a GPU: times the candidates
+  first_call_s = time.perf_counter() - start
+  plan = default.plan(*args)
+  ways["jaxstreams default"] = default.lower(*args).compile()
+  chosen = {"way": plan.gpu_lowering, "reason": plan.gpu_reason,
+            "first_call_s": first_call_s}
+  return ways, chosen
 
 
 def sampler(compiled, args, calls):
@@ -121,15 +140,59 @@ def sampler(compiled, args, calls):
   return sample
 
 
+def kernel_overlap(trace: dict) -> dict:
+  """From a Chrome/Perfetto trace: the device's kernel spans (events of the
+  processes named like a GPU), their busy time, and the share of it during
+  which two or more ran at once."""
+  gpu_pids = {e["pid"] for e in trace.get("traceEvents", ())
+              if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+  spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+                 for e in trace.get("traceEvents", ())
+                 if e.get("ph") == "X" and e.get("pid") in gpu_pids
+                 and float(e.get("dur", 0)) > 0)
+  edges = sorted([(s, 1) for s, _ in spans] + [(t, -1) for _, t in spans])
+  busy = overlapped = 0.0
+  active, last = 0, None
+  for t, delta in edges:
+    if last is not None and active:
+      busy += t - last
+      if active > 1:
+        overlapped += t - last
+    active += delta
+    last = t
+  return {"kernels": len(spans), "busy_us": busy,
+          "overlapped_share": overlapped / busy if busy else 0.0}
+
+
+def traced_overlap(compiled, args, calls: int) -> dict:
+  """Run ``calls`` calls under jax.profiler and read the overlap back."""
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(compiled(*args))
+    found = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+    if not found:
+      return {"error": "no perfetto trace written"}
+    with gzip.open(found[0], "rt") as f:
+      return kernel_overlap(json.load(f))
+
+
 def main():
-  p = _common.parser(__doc__.splitlines()[0], "3 rounds, the chains model only")
+  p = _common.parser(__doc__.splitlines()[0],
+                     "3 rounds, the two smallest models at tiny sizes")
   p.add_argument("--rounds", type=int, default=15)
   p.add_argument("--target-ms", type=float, default=20.0)
+  p.add_argument("--trace", action="store_true",
+                 help="profile each program and report kernel overlap")
   args_ = p.parse_args()
   if jax.default_backend() != "gpu" and not args_.quick:
     raise SystemExit("gpu_levers.py measures XLA:GPU options: it needs a GPU "
                      "(--quick runs it anywhere, to check that it works)")
-  models = MODELS[:1] if args_.quick else MODELS
+  # Time the candidates at every default function's first call.
+  jaxstreams.config.update("jaxstreams_autotune_cache", "none")
+  models = ([(n, m, QUICK_SIZES[n]) for n, m, _ in MODELS if n in QUICK_SIZES]
+            if args_.quick else MODELS)
   rounds = 3 if args_.quick else args_.rounds
   result = {"machine": _common.machine(), "rounds": rounds, "cases": []}
   lines = [f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
@@ -137,7 +200,7 @@ def main():
            "defaults) / program, paired per round (> 1: faster)"]
   for name, model, size in models:
     make_fn, args = model(size, STREAMS, jax.random.PRNGKey(0))
-    ways = compile_ways(make_fn, args)
+    ways, chosen = compile_ways(make_fn, args)
     reference = ways["jax.jit"]
     jax.block_until_ready(reference(*args))
     start = time.perf_counter()
@@ -148,19 +211,25 @@ def main():
       jax.block_until_ready(compiled(*args))
     samples = _common.rounds(
         {w: sampler(c, args, calls) for w, c in ways.items()}, rounds)
-    case = {"model": name, "size": size, "calls_per_sample": calls, "ways": {}}
-    lines.append(f"\n{name} {size}")
+    case = {"model": name, "size": size, "calls_per_sample": calls,
+            "default_chose": chosen, "ways": {}}
+    lines.append(f"\n{name} {size}\n  default chose {chosen['way']!r} "
+                 f"(first call {chosen['first_call_s']:.2f} s): {chosen['reason']}")
     for way, compiled in ways.items():
       text = compiled.as_text()
       ms = sorted(samples[way])[len(samples[way]) // 2]
       ratio = _common.paired(samples["jax.jit"], samples[way])
-      case["ways"][way] = {
-          "median_ms": ms, "ratio_vs_jax_jit": ratio, "samples_ms": samples[way],
-          "call_starts": text.count("call-start("),
-          "command_buffers": text.count("command_buffer")}
-      lines.append(f"  {way:46s} {ms:8.3f} ms  {ratio:6.3f}x  call-starts "
-                   f"{text.count('call-start('):3d}  command-buffer mentions "
-                   f"{text.count('command_buffer'):3d}")
+      entry = {"median_ms": ms, "ratio_vs_jax_jit": ratio,
+               "samples_ms": samples[way],
+               "call_starts": text.count("call-start(")}
+      line = f"  {way:32s} {ms:8.3f} ms  {ratio:6.3f}x"
+      if args_.trace:
+        entry["overlap"] = traced_overlap(compiled, args, min(calls, 20))
+        share = entry["overlap"].get("overlapped_share")
+        line += (f"  kernels overlapped {share:5.1%}" if share is not None
+                 else f"  trace: {entry['overlap'].get('error')}")
+      case["ways"][way] = entry
+      lines.append(line)
     result["cases"].append(case)
   text = "\n".join(lines) + "\n"
   print(text)

@@ -6,6 +6,11 @@ of calls (each batch ends with block_until_ready on the last result),
 alternating the wrappers batch by batch so machine noise hits both alike, and
 report the median time per call and the ratio to jax.jit.
 
+The first call is reported apart: trace, plan and compile of a function with
+two regions, and on a GPU the timing of its candidate ways
+(``jaxstreams.lower.autotune``, with the on-disk cache off so that it runs):
+the cost a user pays once per function, against ``jax.jit``'s first call.
+
   python benchmarks/jit_overhead.py [--calls 2000] [--batches 31] [--out DIR]
 """
 
@@ -30,6 +35,24 @@ def tiny_with_region(x):
   with jaxstreams.stream(1):
     y = x * 2
   return y + 1
+
+
+def two_regions(n):
+  """A fresh function with two independent regions (fresh: nothing cached)."""
+  def f(x, w):
+    with jaxstreams.stream(1):
+      a = jnp.tanh(x @ w)
+    with jaxstreams.stream(2):
+      b = jnp.sin(x @ w.T)
+    return (a * b).sum()
+  return f
+
+
+def first_call_seconds(make_jit, x, w) -> float:
+  fn = make_jit(two_regions(0))
+  start = time.perf_counter()
+  jax.block_until_ready(fn(x, w))
+  return time.perf_counter() - start
 
 
 def time_batch(fn, x, calls):
@@ -65,6 +88,15 @@ def main():
     for name, fn in candidates.items():
       samples[name].append(time_batch(fn, x, args.calls))
   medians = {name: statistics.median(s) for name, s in samples.items()}
+  jaxstreams.config.update("jaxstreams_autotune_cache", "none")
+  xm, wm = jnp.ones((256, 256)), jnp.ones((256, 256))
+  first_jax, first_ours = [], []
+  for _ in range(3):
+    first_jax.append(first_call_seconds(jax.jit, xm, wm))
+    first_ours.append(first_call_seconds(
+        lambda f: jaxstreams.jit(f, streams=3), xm, wm))
+  first = {"jax.jit": statistics.median(first_jax),
+           "jaxstreams.jit(streams=3), two regions": statistics.median(first_ours)}
   baselines = {"jaxstreams.jit(streams=1)": "jax.jit",
                "jaxstreams.jit(streams from option)": "jax.jit",
                "jaxstreams.jit(streams=2), region": "jax.jit, two-part function"}
@@ -76,6 +108,9 @@ def main():
       "calls_per_batch": args.calls, "batches": args.batches,
       "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},
       "ratio_to_baseline": {k: medians[k] / medians[b] for k, b in baselines.items()},
+      "first_call_s": first,
+      "first_call_ratio": first["jaxstreams.jit(streams=3), two regions"]
+                          / first["jax.jit"],
   }
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
   for name, seconds in medians.items():
@@ -83,6 +118,10 @@ def main():
     if name in baselines:
       line += f"   x{medians[name] / medians[baselines[name]]:.3f} vs {baselines[name]}"
     print(line)
+  print(f"  first call, two regions: jax.jit {first['jax.jit'] * 1e3:.1f} ms, "
+        f"jaxstreams.jit {first['jaxstreams.jit(streams=3), two regions'] * 1e3:.1f}"
+        f" ms (x{result['first_call_ratio']:.2f}; on a GPU this includes "
+        "timing the candidate ways)")
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"jit_overhead_{device.platform}.json")
   with open(path, "w") as f:

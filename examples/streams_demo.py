@@ -1,13 +1,12 @@
 """jaxstreams at work: a two-tower training step placed on three streams.
 
-Prints the stream plan; what XLA:GPU makes of it with each region a call on
-its stream (the ``streams`` lowering: on a GPU, its compiled program; without
-one, the program XLA compiles for an H100 when the CUDA plugin is installed,
-else the regions as lowered for CUDA); checks the results against jax.jit;
-and, on a GPU, times jax.jit, jaxstreams.jit as it runs by default (the
-``inline`` lowering: jax.jit's program, since stream calls measured slower on
-an H100 with jax 0.11.2), with stream calls, and XLA's own concurrent
-command-buffer scheduling.
+Prints the stream plan and the way a GPU runs it; the CUDA graphs XLA:GPU
+builds for the step (compiled for an H100 on this machine, when the CUDA
+plugin is installed) as ``jax.jit`` builds it, as jaxstreams runs it by
+default, and with each region a call on its stream: which regions can run
+side by side in what the GPU launches; checks the results against jax.jit;
+and, on a GPU, times jax.jit, jaxstreams.jit as it runs by default (its
+first call timed the candidate ways) and with each way forced.
 
   python examples/streams_demo.py [--towers 2] [--width 512] [--batch 8]
 """
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
+from jaxstreams.lower import gpu
 
 
 def make_step(towers):
@@ -62,30 +62,32 @@ def median_time(fn, args, reps=30):
   return statistics.median(times)
 
 
-def show_gpu_schedule(fast, plan, args):
-  """The schedule XLA:GPU compiles for the step: on this machine's GPU, or
-  for an H100 without one (deviceless compilation), lane per stream."""
-  if jax.default_backend() == "gpu":
-    where, compiled = jax.devices()[0].device_kind, fast.lower(*args).compile()
-  else:
-    try:
-      target = jaxstreams.gpu_target("h100")
-    except jaxstreams.GpuTargetError as error:
-      text = fast.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-      calls = re.findall(r'call @\S+.*_xla_stream_annotation = "(\d+)"', text)
-      print(f"lowered for CUDA: {len(calls)} region calls, on streams "
-            f"{sorted(set(int(c) for c in calls))}. To see the program XLA "
-            f"would run on an H100: {error}\n")
-      return
-    where, compiled = "an H100, compiled without one", fast.lower(
-        *target.abstract(*args)).compile()
-  schedule = jaxstreams.xla_schedule(compiled, plan=plan)
-  print(f"what XLA:GPU runs with stream calls (jaxstreams_gpu_lowering="
-        f"'streams') ({where}); rows are positions in its schedule, not time:")
-  print(schedule, "\n")
-  together = [p for p in schedule.compare(plan) if p.scheduled_together]
-  print(f"{len(together)} of {len(schedule.compare(plan))} pairs of regions "
-        "the plan lets run at the same time are scheduled so\n")
+def show_gpu_graphs(programs, plan, args):
+  """The CUDA graphs XLA:GPU builds for each program, compiled for an H100
+  in a child process (no GPU needed): how many kernels, the longest chain
+  of them, and which of the plan's regions can run side by side."""
+  try:
+    from jaxstreams.xla.target import _check_plugin, _check_ptxas
+    _check_plugin()
+    _check_ptxas()
+  except jaxstreams.GpuTargetError as error:
+    text = programs["stream calls"].trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r'call @\S+.*_xla_stream_annotation = "(\d+)"', text)
+    print(f"lowered for CUDA: {len(calls)} region calls, on streams "
+          f"{sorted(set(int(c) for c in calls))}. To see the CUDA graphs an "
+          f"H100 would launch: {error}\n")
+    return
+  print("the CUDA graphs an H100 launches for the step (compiled without one; "
+        "parallelism = kernels / longest chain of them):")
+  for name, fn in programs.items():
+    lowered = fn.trace(*args).lower(lowering_platforms=("cuda",))
+    graphs = jaxstreams.xla_graphs(lowered, plan=plan)
+    pairs = graphs.compare(plan)
+    print(f"  {name:36s} {graphs.kernels:3d} kernels, parallelism "
+          f"{graphs.parallelism:.2f}, {sum(t for _, _, t in pairs)} of "
+          f"{len(pairs)} pairs of tower regions side by side")
+  print()
 
 
 def main():
@@ -102,19 +104,21 @@ def main():
   y = jax.random.normal(jax.random.PRNGKey(2), (args.batch, 1))
 
   streams = args.towers + 1
-  fast = jaxstreams.jit(step, streams=streams)
+  default = jaxstreams.jit(step, streams=streams)
   calls = jaxstreams.jit(step, streams=streams, gpu_lowering="streams")
   plain = jax.jit(step)
 
-  plan = fast.plan(params, x, y)
+  plan = default.plan(params, x, y)
   print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind}), "
         f"jax {jax.__version__}\n")
   summary = str(plan).split("\nequations (")[0]
   print(summary, "\n")
 
-  show_gpu_schedule(calls, plan, (params, x, y))
+  show_gpu_graphs({"jax.jit": plain, "jaxstreams.jit, default": default,
+                   "stream calls (gpu_lowering=streams)": calls},
+                  plan, (params, x, y))
 
-  new_fast, loss_fast = fast(params, x, y)
+  new_fast, loss_fast = default(params, x, y)
   new_plain, loss_plain = plain(params, x, y)
   same = all(np.array_equal(a, b) for a, b in zip(
       jax.tree_util.tree_leaves((new_fast, loss_fast)),
@@ -134,18 +138,19 @@ def main():
         f"{'bitwise' if same else 'to rounding' if close else 'NO'}")
 
   if jax.default_backend() == "gpu":
-    concurrent = plain.lower(params, x, y).compile(compiler_options={
-        "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"})
-    ways = {"jax.jit": plain, "jaxstreams.jit (default: inline)": fast,
-            "jaxstreams.jit, stream calls": calls,
-            "jax.jit, XLA CONCURRENT": concurrent}
+    ways = {"jax.jit": plain,
+            f"jaxstreams.jit, default ({default.plan(params, x, y).gpu_lowering})": default}
+    for way in gpu.WAYS:
+      ways[f"jaxstreams.jit, {way}"] = jaxstreams.jit(
+          step, streams=streams, gpu_lowering=way)
     times = {name: median_time(fn, (params, x, y)) for name, fn in ways.items()}
     for name, t in times.items():
-      print(f"step time: {name:34s} {t * 1e3:.3f} ms, "
+      print(f"step time: {name:44s} {t * 1e3:.3f} ms, "
             f"x{times['jax.jit'] / t:.2f} of jax.jit")
   else:
-    print("no GPU here: XLA:CPU has one stream, so the regions are lowered "
-          "inline and there is no speedup to show; run on a GPU for timings.")
+    print("no GPU here: XLA:CPU has one stream, so every way is the program "
+          "jax.jit builds and there is no speedup to show; run on a GPU for "
+          "timings.")
 
 
 if __name__ == "__main__":

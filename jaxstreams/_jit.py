@@ -1,11 +1,20 @@
 """``jaxstreams.jit``: ``jax.jit`` with a stream plan in the middle.
 
-The wrapper is a ``jax.jit`` of a *staged* function. When ``jax.jit`` traces
-the staged function (once per set of shapes, dtypes and static values), it
-traces the user's function to a jaxpr, runs the pipeline on it (tag ->
-assign -> partition) and emits the planned program (lower). Everything else
-is ``jax.jit``'s: the cache, static and donated arguments, shardings, the
-C++ fast path on later calls, and transformations applied from outside.
+A ``jaxstreams.jit`` function calls ``jax.jit`` functions of a *staged*
+function. When ``jax.jit`` traces the staged function (once per set of
+shapes, dtypes and static values), it traces the user's function to a jaxpr,
+runs the pipeline on it (tag -> assign -> partition) and emits the planned
+program (lower). Everything else is ``jax.jit``'s: the cache, static and
+donated arguments, shardings, the C++ fast path on later calls, and
+transformations applied from outside.
+
+Which ``jax.jit`` function a call reaches is settled at the first call
+(``jaxstreams.lower.gpu``): on CPU the program ``jax.jit`` builds; on a GPU
+the way chosen for top-level calls (compiler options included, which jax
+refuses inside another trace) and the way for calls traced inside another
+jit. From then on the call goes straight to ``jax.jit``'s C++ fast path,
+through ``functools.partial``'s own C call, where no choice between the two
+remains; on a GPU one Python check of the trace state decides.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from jax import tree_util
 
 from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams._trace import trace
-from jaxstreams.lower import emit
+from jaxstreams.lower import autotune, emit, gpu
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
 
@@ -34,6 +43,7 @@ _JIT_PARAMETERS = frozenset(
 # What the plan-only trace keeps: it returns nothing, so shardings and
 # donation do not apply to it.
 _TRACE_ONLY_PARAMETERS = frozenset({"static_argnums", "static_argnames"})
+_GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
 
 def _check_streams(streams: Any, source: str) -> int:
@@ -52,34 +62,31 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   the ``jaxstreams_streams`` option each call, so an absl flag parsed after
   decoration counts. Every other keyword is ``jax.jit``'s (``static_argnums``,
   ``donate_argnums``, ``in_shardings``, ...). The result has ``.lower``,
-  ``.trace`` and ``.plan`` and gives exactly the results of ``jax.jit(fun)``.
-  ``auto=True`` lets the cost-model scheduler place what no block placed
-  (``None`` reads the ``jaxstreams_auto`` option). Plan options are read when
-  the function is traced.
+  ``.trace``, ``.eval_shape`` and ``.plan`` and gives exactly the results of
+  ``jax.jit(fun)`` on CPU. ``auto=True`` lets the cost-model scheduler place
+  what no block placed (``None`` reads the ``jaxstreams_auto`` option). Plan
+  options are read when the function is traced.
 
-  ``gpu_lowering`` is how a plan of several streams runs on a GPU:
-  ``"inline"``, the program ``jax.jit`` builds, since stream calls measured
-  slower than it on an H100 (jax 0.11.2); ``"streams"``, each off-main
-  region as a call on its CUDA stream. ``None`` reads the
-  ``jaxstreams_gpu_lowering`` option (default ``"inline"``) when the
-  ``jax.jit`` function is made: with ``streams`` given, now. On CPU both are
-  the program ``jax.jit`` builds.
+  ``gpu_lowering`` is how a plan of several streams runs on a GPU (see
+  ``jaxstreams.lower.gpu``): ``"default"`` (XLA's CONCURRENT CUDA graphs at
+  top level, or the fastest way timed at the first call; inside another jit
+  what the installed XLA runs side by side), ``"inline"``,
+  ``"concurrent"``, ``"streams"`` or ``"streams_concurrent"``. ``None``
+  reads the ``jaxstreams_gpu_lowering`` option when the function is made
+  (with ``streams=None``: at its first call with each stream count). On
+  CPU every way is the program ``jax.jit`` builds.
 
-  With ``streams`` given, the result *is* a ``jax.jit`` function (of the
-  planned program) with a ``plan`` method, so calls cost what ``jax.jit``
-  calls cost; with ``streams=None`` it is a thin wrapper that picks the
-  ``jax.jit`` function for the option's current value. As with ``jax.jit``,
-  wrapping the same function again with the same options reuses its traces
-  and compiled programs.
+  As with ``jax.jit``, wrapping the same function again with the same
+  options reuses its traces and compiled programs.
   """
   if streams is not None:
     _check_streams(streams, "jaxstreams.jit")
   if auto is not None and not isinstance(auto, bool):
     raise TypeError(f"jaxstreams.jit: auto must be True, False or None (read "
                     f"the jaxstreams_auto option), got {auto!r}")
-  if gpu_lowering is not None and gpu_lowering not in config.GPU_LOWERINGS:
+  if gpu_lowering is not None and gpu_lowering not in gpu.NAMES:
     raise ValueError(f"jaxstreams.jit: gpu_lowering must be one of "
-                     f"{', '.join(map(repr, config.GPU_LOWERINGS))} or None "
+                     f"{', '.join(map(repr, gpu.NAMES))} or None "
                      f"(read the jaxstreams_gpu_lowering option), got "
                      f"{gpu_lowering!r}")
   unknown = sorted(set(jit_kwargs) - _JIT_PARAMETERS)
@@ -97,50 +104,34 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   # function jax.jit traces later is jaxstreams', which would hide them.
   jax.jit(fun, **jit_kwargs)
   if streams is not None and gpu_lowering is None:
-    # Its jax.jit function is made now: its plan must report what it runs.
+    # Its jax.jit functions are made from now on: its plan must report
+    # the way they run.
     gpu_lowering = config.read("jaxstreams_gpu_lowering")
   spec = _Spec(fun, streams, auto, dict(jit_kwargs), gpu_lowering)
+  wrapper = StreamJit(spec, streams)
   if streams is None:
-    wrapper = StreamJit(spec)
-    wrapper.jitted(1)   # let jax.jit check its keywords now, not at the first call
-    return wrapper
-  jitted = spec.jitted(streams)
-  jitted.plan = spec.plan
-  with _SPECS_LOCK:
-    _SPECS[jitted] = spec
-  return jitted
-
-
-# The jax.jit functions ``jit`` returned -> what they were made from. The
-# entry lives as long as the jax.jit function, and its _Spec holds the user's
-# function, which the shared staged function holds only weakly.
-_SPECS: "weakref.WeakKeyDictionary[Callable, _Spec]" = weakref.WeakKeyDictionary()
-_SPECS_LOCK = threading.Lock()
+    wrapper._for_streams(1)   # let jax.jit check its keywords now
+  return wrapper
 
 
 def spec_of(fun: Any) -> "_Spec | None":
   """What ``jaxstreams.jit`` was given to make ``fun`` (its function,
   ``streams``, ``auto`` and ``jax.jit`` keywords), or None when ``fun`` is
   not a ``jaxstreams.jit`` function. The one way to ask."""
-  if isinstance(fun, StreamJit):
-    return fun._spec
-  try:
-    return _SPECS.get(fun)
-  except TypeError:   # not hashable or not weakly referable: not ours
-    return None
+  return fun._spec if isinstance(fun, StreamJit) else None
 
 
 class _Staged:
   """The function ``jax.jit`` traces: the user's function, planned and
-  emitted. One per (function, stream count, options), shared by every
-  ``jaxstreams.jit`` of that function, so jax's caches (keyed by this
+  emitted. One per (function, stream count, options, program), shared by
+  every ``jaxstreams.jit`` of that function, so jax's caches (keyed by this
   object) are shared as ``jax.jit(f)``'s are. It holds the user's function
   weakly: the shared table maps the function to it, and a strong reference
-  would keep the function alive forever. The ``jax.jit`` objects handed to
-  users hold the function strongly."""
+  would keep the function alive forever. The ``jaxstreams.jit`` functions
+  handed to users hold the function strongly."""
 
   def __init__(self, fun: Callable, streams: int, auto: bool | None,
-               source: str, gpu_lowering: str, shared: bool):
+               source: str, program: str, shared: bool):
     if shared:
       self._fun_ref = weakref.ref(fun)
     else:   # held by its jit object only: no cycle, hold the function
@@ -148,7 +139,7 @@ class _Staged:
     self.streams = streams
     self.auto = auto
     self.source = source
-    self.gpu_lowering = gpu_lowering
+    self.program = program
     for name in ("__module__", "__name__", "__qualname__", "__doc__"):
       value = getattr(fun, name, None)
       if isinstance(value, str):
@@ -167,22 +158,22 @@ class _Staged:
     plan, out_tree, dynamic = make_plan(fun, self.streams, self.auto,
                                         self.source, args, kwargs)
     outs = emit(plan, dynamic, profile=profiling_now(),
-                gpu_lowering=self.gpu_lowering)
+                gpu_lowering=self.program)
     return tree_util.tree_unflatten(out_tree, outs)
 
 
-# function -> {(streams, auto, source, gpu lowering): _Staged}, the function
+# function -> {(streams, auto, source, program): _Staged}, the function
 # held weakly.
 _STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
 _STAGED_LOCK = threading.Lock()
 
 
 def _staged_for(fun: Callable, streams: int, auto: bool | None,
-                source: str, gpu_lowering: str) -> _Staged:
+                source: str, program: str) -> _Staged:
   """The shared staged function of ``fun``. Only callables compared by
   identity are shared: an equal but distinct callable (a bound method made
   again) would find the entry of one that may die before it."""
-  args = (streams, auto, source, gpu_lowering)
+  args = (streams, auto, source, program)
   if type(fun).__eq__ is not object.__eq__:
     return _Staged(fun, *args, shared=False)
   with _STAGED_LOCK:
@@ -212,8 +203,8 @@ class _Spec:
                    else "the jaxstreams_streams option")
 
   def lowering(self) -> str:
-    """The GPU lowering of the ``jax.jit`` functions made from this spec now
-    (fixed when ``streams`` was given)."""
+    """The GPU lowering of the functions made from this spec now (fixed
+    when ``streams`` was given)."""
     return self.gpu_lowering or config.read("jaxstreams_gpu_lowering")
 
   def streams_now(self) -> int:
@@ -235,14 +226,21 @@ class _Spec:
           "(functools.partial) and pass that.")
     return self.fun
 
-  def jitted(self, streams: int):
-    """A new ``jax.jit`` function of the shared staged function. The
-    ``jaxstreams_gpu_lowering`` option is read here, when the ``jax.jit``
-    function is made: jax's trace cache does not know the option, so a
-    function traced one way must not be found by one made the other way."""
-    staged = _staged_for(self.fun, streams, self.auto, self.source,
-                         self.lowering())
-    return jax.jit(staged, **self.jit_kwargs)
+  def jitted(self, streams: int, program: str,
+             compiler_options: dict[str, str] | None = None,
+             donate: bool = True):
+    """A ``jax.jit`` function of the shared staged function of ``program``
+    (``"inline"`` or ``"streams"``), with the way's ``compiler_options``
+    under the user's own."""
+    staged = _staged_for(self.fun, streams, self.auto, self.source, program)
+    kwargs = dict(self.jit_kwargs)
+    options = {**(compiler_options or {}), **(kwargs.get("compiler_options") or {})}
+    if options:
+      kwargs["compiler_options"] = options
+    if not donate:
+      kwargs.pop("donate_argnums", None)
+      kwargs.pop("donate_argnames", None)
+    return jax.jit(staged, **kwargs)
 
   def plan(self, *args, **kwargs) -> StreamPlan:
     """The ``StreamPlan`` for these arguments (traces; does not compile)."""
@@ -257,7 +255,7 @@ class _Spec:
     trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
                     if k in _TRACE_ONLY_PARAMETERS}
     jax.jit(plan_only, **trace_kwargs).trace(*args, **kwargs)
-    return dataclasses.replace(report(plans[0]), gpu_lowering=self.lowering())
+    return report(plans[0])
 
 
 def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,
@@ -276,53 +274,225 @@ def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,
   return plan, out_tree, dynamic
 
 
-class StreamJit:
-  """A ``jaxstreams.jit`` function whose stream count comes from the option."""
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+  """How a function's top-level calls run on a GPU, and why."""
+  way: gpu.Way
+  reason: str
+  decision: autotune.Decision | None = None
+  single_stream: bool = False   # nothing off the main stream: one program
 
-  def __init__(self, spec: _Spec):
-    self._spec = spec
-    self._by_streams: dict[int, Any] = {}
-    self._lock = threading.Lock()   # one jax.jit per count, even when racing
+
+class StreamJit(functools.partial):
+  """A ``jaxstreams.jit`` function.
+
+  Calling it calls ``self.func``: until the first top-level call, a
+  function that settles which ``jax.jit`` function serves calls (see the
+  module docstring); then that ``jax.jit`` function itself, or on a GPU a
+  two-way switch between the top-level and the nested one. ``functools.
+  partial`` makes that call in C: a ``jaxstreams.jit`` call costs what the
+  ``jax.jit`` call costs.
+  """
+
+  def __new__(cls, spec: _Spec, streams: int | None):
+    self = super().__new__(cls, _unset)
     functools.update_wrapper(self, spec.fun)
+    self._spec = spec
+    self._streams = streams
+    self._jits: dict[tuple, Any] = {}
+    self._children: dict[int, StreamJit] = {}   # streams=None: one per count
+    self._lock = threading.RLock()
+    self._choice: _Choice | None = None
+    self._point_to(_first_call(weakref.ref(self)))
+    return self
 
-  def jitted(self, streams: int):
-    jitted = self._by_streams.get(streams)
+  def _point_to(self, target: Callable) -> None:
+    self.__setstate__((target, (), None, self.__dict__))
+
+  # -- which jax.jit function ------------------------------------------------
+
+  def _for_streams(self, streams: int) -> "StreamJit":
+    """streams=None: the function for the option's current count."""
+    child = self._children.get(streams)
+    if child is None:
+      with self._lock:
+        child = self._children.get(streams)
+        if child is None:
+          child = StreamJit(_Spec(self._spec.fun, streams, self._spec.auto,
+                                  self._spec.jit_kwargs,
+                                  self._spec.lowering()), streams)
+          child._spec.source = self._spec.source
+          self._children[streams] = child
+    return child
+
+  def _jit(self, way: gpu.Way, *, top_level: bool, donate: bool = True):
+    options = way.compiler_options(self._streams) if top_level else {}
+    program = way.program if top_level else way.nested.program
+    key = (program, tuple(sorted(options.items())), donate)
+    jitted = self._jits.get(key)
     if jitted is None:
       with self._lock:
-        jitted = self._by_streams.get(streams)
+        jitted = self._jits.get(key)
         if jitted is None:
-          jitted = self._by_streams[streams] = \
-              self._spec.jitted(streams)
+          jitted = self._jits[key] = self._spec.jitted(
+              self._streams, program, options, donate)
     return jitted
 
-  def __call__(self, *args, **kwargs):
-    streams = config.read("jaxstreams_streams")
-    jitted = self._by_streams.get(streams)
-    if jitted is None:
-      jitted = self.jitted(streams)
-    return jitted(*args, **kwargs)
+  def _nested_way(self) -> gpu.Way:
+    name = self._spec.lowering()
+    return gpu.default_nested() if name == gpu.DEFAULT else gpu.WAYS[name].nested
 
-  def _current(self):
-    return self.jitted(self._spec.streams_now())
+  def _settle(self, args, kwargs) -> Callable:
+    """At the first top-level call: choose the ``jax.jit`` functions that
+    serve calls from now on, point this function at them, and return the
+    top-level one."""
+    with self._lock:
+      if self.func is not _unset and not isinstance(self.func, _first_call):
+        return self._top_level_target()
+      if not _is_gpu(_platform(args, kwargs, self._spec.jit_kwargs)):
+        # One stream: the program of the way asked for (stream calls lower
+        # in place), without the GPU's compiler options, for every call.
+        name = self._spec.lowering()
+        way = gpu.WAYS["inline" if name == gpu.DEFAULT else name]
+        target = self._jit(way, top_level=False)
+        self._point_to(target)
+        return target
+      self._choice = self._choose(args, kwargs)
+      top = self._jit(self._choice.way, top_level=True)
+      nested = (top if self._choice.single_stream
+                else self._jit(self._nested_way(), top_level=False))
+      self._point_to(top if top is nested else _switch(top, nested))
+      return top
 
-  def plan(self, *args, **kwargs) -> StreamPlan:
-    """The ``StreamPlan`` for these arguments (traces; does not compile)."""
-    return self._spec.plan(*args, **kwargs)
+  def _top_level_target(self):
+    func = self.func
+    return getattr(func, "top", func)
+
+  def _choose(self, args, kwargs) -> _Choice:
+    """The way top-level calls run on this GPU."""
+    name = self._spec.lowering()
+    if name != gpu.DEFAULT:
+      return _Choice(gpu.WAYS[name], f"gpu_lowering={name!r}")
+    plan = self._spec.plan(*args, **kwargs)
+    if plan.is_single_stream:
+      return _Choice(gpu.WAYS["inline"], "one stream: the program jax.jit builds",
+                     single_stream=True)
+    if not config.read("jaxstreams_autotune"):
+      return _Choice(gpu.default_top_level(),
+                     "jaxstreams_autotune is off: the top-level default")
+    try:
+      return self._autotune(args, kwargs)
+    except Exception as error:  # noqa: BLE001 - timing must never fail a call
+      return _Choice(gpu.default_top_level(), "not timed, the top-level "
+                     f"default: timing failed ({type(error).__name__}: "
+                     f"{str(error)[:200]})")
+
+  def _autotune(self, args, kwargs) -> _Choice:
+    ways = gpu.candidates()
+    inline = self._jit(gpu.WAYS["inline"], top_level=True, donate=False)
+    traced = inline.trace(*args, **kwargs)
+    if traced.jaxpr.effects:
+      return _Choice(gpu.default_top_level(), "not timed: the program has side "
+                     "effects, which running it again would repeat")
+    lowered = {"inline": traced.lower()}
+    device = _first_device(args, kwargs)
+    key = autotune.cache_key(lowered["inline"].as_text(), device.device_kind,
+                             self._streams, [w.name for w in ways])
+    cached = autotune.load(key)
+    if cached is not None and cached.way in gpu.WAYS:
+      return _Choice(gpu.WAYS[cached.way], "timed at a first call", cached)
+    dynamic = _dynamic_arguments(self._spec, args, kwargs)
+    runs, memory, failed = {}, {}, {}
+    for way in ways:
+      try:
+        if way.name not in lowered:
+          lowered[way.name] = self._jit(way, top_level=True, donate=False).trace(
+              *args, **kwargs).lower()
+        compiled = lowered[way.name].compile()
+      except Exception as error:  # noqa: BLE001 - a way XLA cannot compile
+        if way.name == "inline":
+          raise
+        failed[way.name] = f"did not compile: {type(error).__name__}"
+        continue
+      memory[way.name] = autotune.memory_needed(compiled)
+      runs[way.name] = _own_inputs_run(compiled, dynamic)
+    decision = autotune.choose(runs, memory=memory, failed=failed,
+                               free_bytes=autotune.free_device_memory(device))
+    autotune.store(key, decision)
+    return _Choice(gpu.WAYS[decision.way], "timed at the first call", decision)
+
+  def _aot_jit(self, args, kwargs):
+    """The ``jax.jit`` function that ``lower`` and ``trace`` use: the one a
+    top-level call on a GPU runs, compiler options included. Its program is
+    the one ``jax.jit`` builds when lowered for CPU, and XLA:CPU ignores the
+    GPU options, so one answer serves every platform, including lowering for
+    a GPU from a machine without one."""
+    if self._choice is not None:
+      return self._jit(self._choice.way, top_level=True)
+    name = self._spec.lowering()
+    if name != gpu.DEFAULT:
+      return self._jit(gpu.WAYS[name], top_level=True)
+    if self._spec.plan(*args, **kwargs).is_single_stream:
+      return self._jit(gpu.WAYS["inline"], top_level=True)
+    return self._jit(gpu.default_top_level(), top_level=True)
+
+  # -- jax.jit's interface -----------------------------------------------------
 
   def lower(self, *args, **kwargs):
-    """Like ``jax.jit(f).lower``: the lowered program, regions included."""
-    return self._current().lower(*args, **kwargs)
+    """Like ``jax.jit(f).lower``: the program a top-level call on a GPU
+    runs, compiler options included."""
+    if self._streams is None:
+      return self._for_streams(self._spec.streams_now()).lower(*args, **kwargs)
+    return self._aot_jit(args, kwargs).lower(*args, **kwargs)
 
   def trace(self, *args, **kwargs):
     """Like ``jax.jit(f).trace``."""
-    return self._current().trace(*args, **kwargs)
+    if self._streams is None:
+      return self._for_streams(self._spec.streams_now()).trace(*args, **kwargs)
+    return self._aot_jit(args, kwargs).trace(*args, **kwargs)
 
   def eval_shape(self, *args, **kwargs):
-    return self._current().eval_shape(*args, **kwargs)
+    if self._streams is None:
+      return self._for_streams(self._spec.streams_now()).eval_shape(*args, **kwargs)
+    return self._jit(self._nested_way(), top_level=False).eval_shape(*args, **kwargs)
+
+  def plan(self, *args, **kwargs) -> StreamPlan:
+    """The ``StreamPlan`` for these arguments (traces; does not compile),
+    with how a GPU runs it."""
+    if self._streams is None:
+      return self._for_streams(self._spec.streams_now()).plan(*args, **kwargs)
+    found = self._spec.plan(*args, **kwargs)
+    return dataclasses.replace(found, **self._gpu_report(found))
+
+  def _gpu_report(self, found: StreamPlan) -> dict:
+    name = self._spec.lowering()
+    nested = self._nested_way()
+    if found.is_single_stream:
+      return {"gpu_lowering": "inline",
+              "gpu_reason": "one stream: the program jax.jit builds"}
+    if self._choice is not None:
+      way, why = self._choice.way, self._choice.reason
+      if self._choice.decision is not None:
+        why += ": " + self._choice.decision.describe()
+    elif name != gpu.DEFAULT:
+      way, why = gpu.WAYS[name], f"gpu_lowering={name!r}"
+    else:
+      way = gpu.default_top_level()
+      why = ("the top-level default; on a GPU the first call times "
+             + ", ".join(w.name for w in gpu.candidates())
+             + " and keeps the fastest" if config.read("jaxstreams_autotune")
+             else "the top-level default (jaxstreams_autotune is off)")
+    nested_why = (gpu.why_default_nested() if name == gpu.DEFAULT else
+                  f"inside another jit: {nested.name!r} (no compiler options "
+                  "reach a function traced there)")
+    return {"gpu_lowering": way.name,
+            "gpu_reason": f"{way.summary} ({why}); {nested_why}"}
 
   def clear_cache(self) -> None:
-    for jitted in self._by_streams.values():
+    for jitted in list(self._jits.values()):
       jitted.clear_cache()
+    for child in list(self._children.values()):
+      child.clear_cache()
 
   def __get__(self, instance, owner=None):
     if instance is None:
@@ -330,8 +500,109 @@ class StreamJit:
     return functools.partial(self, instance)
 
   def __repr__(self) -> str:
-    return (f"<jaxstreams.jit {_function_name(self._spec.fun)}, "
-            "streams from the jaxstreams_streams option>")
+    streams = (f"streams={self._streams}" if self._streams is not None
+               else "streams from the jaxstreams_streams option")
+    return f"<jaxstreams.jit {_function_name(self._spec.fun)}, {streams}>"
+
+  def __reduce__(self):
+    raise TypeError(f"cannot pickle {self!r} (jax.jit functions cannot be "
+                    "pickled either)")
+
+
+def _unset(*args, **kwargs):
+  raise AssertionError("a jaxstreams.jit function called while being made")
+
+
+class _first_call:
+  """What a ``StreamJit`` calls until its first top-level call settled the
+  ``jax.jit`` functions. Holds the function weakly: the function holds it."""
+
+  __slots__ = ("ref",)
+
+  def __init__(self, ref):
+    self.ref = ref
+
+  @_compat.api_boundary
+  def __call__(self, *args, **kwargs):
+    me = self.ref()
+    if me._streams is None:
+      return me._for_streams(config.read("jaxstreams_streams"))(*args, **kwargs)
+    if not _compat.at_top_level():
+      return me._jit(me._nested_way(), top_level=False)(*args, **kwargs)
+    return me._settle(args, kwargs)(*args, **kwargs)
+
+
+class _switch:
+  """Top-level calls to ``top``, calls traced inside another jit (or under
+  ``jax.grad`` / ``jax.vmap``) to ``nested``: jax accepts compiler options
+  only at top level."""
+
+  __slots__ = ("top", "nested")
+
+  def __init__(self, top, nested):
+    self.top, self.nested = top, nested
+
+  @_compat.api_boundary
+  def __call__(self, *args, **kwargs):
+    if _compat.at_top_level():
+      return self.top(*args, **kwargs)
+    return self.nested(*args, **kwargs)
+
+
+def _platform(args, kwargs, jit_kwargs) -> str:
+  """The platform a call with these arguments runs on: that of the first
+  argument with a sharding (a placed array, a ShapeDtypeStruct on a
+  compile target), else jax's default backend."""
+  for leaf in tree_util.tree_leaves((args, kwargs, jit_kwargs.get("in_shardings"))):
+    sharding = getattr(leaf, "sharding", leaf if isinstance(
+        leaf, jax.sharding.Sharding) else None)
+    devices = getattr(sharding, "device_set", None)
+    if devices:
+      return next(iter(devices)).platform
+  return jax.default_backend()
+
+
+def _is_gpu(platform: str) -> bool:
+  return platform.lower() in _GPU_PLATFORMS
+
+
+def _first_device(args, kwargs):
+  for leaf in tree_util.tree_leaves((args, kwargs)):
+    devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+    if devices:
+      return next(iter(devices))
+  return jax.devices()[0]
+
+
+def _dynamic_arguments(spec: _Spec, args, kwargs):
+  """``(args, kwargs)`` without the static ones, as a compiled program
+  takes them: jax.jit's ``static_argnums`` and ``static_argnames``, each
+  completed from the other through the function's signature, as jax does."""
+  nums = spec.jit_kwargs.get("static_argnums")
+  names = spec.jit_kwargs.get("static_argnames")
+  nums = set((nums,) if isinstance(nums, int) else nums or ())
+  names = set((names,) if isinstance(names, str) else names or ())
+  nums = {n % len(args) if n < 0 and args else n for n in nums}
+  try:
+    positional = [p.name for p in inspect.signature(spec.fun).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    positional = []
+  if nums and not spec.jit_kwargs.get("static_argnames"):
+    names |= {positional[n] for n in nums if n < len(positional)}
+  if names and not spec.jit_kwargs.get("static_argnums"):
+    nums |= {i for i, name in enumerate(positional) if name in names}
+  return (tuple(a for i, a in enumerate(args) if i not in nums),
+          {k: v for k, v in kwargs.items() if k not in names})
+
+
+def _own_inputs_run(compiled, dynamic) -> Callable[[], Any]:
+  """A call of ``compiled`` on copies of the dynamic arguments: the
+  caller's arrays are never read by a candidate, let alone consumed."""
+  args, kwargs = dynamic
+  copy = lambda x: x.copy() if isinstance(x, jax.Array) else x
+  args, kwargs = tree_util.tree_map(copy, (args, kwargs))
+  return lambda: compiled(*args, **kwargs)
 
 
 def plan(fun: Callable, *, streams: int | None = None, auto: bool | None = None,
@@ -345,7 +616,7 @@ def plan(fun: Callable, *, streams: int | None = None, auto: bool | None = None,
   spec = spec_of(fun)
   if spec is not None:
     if streams is None and auto is None and gpu_lowering is None and not jit_kwargs:
-      return spec.plan
+      return fun.plan
     fun, jit_kwargs = spec.fun, {**spec.jit_kwargs, **jit_kwargs}
     streams = streams if streams is not None else spec.streams
     auto = auto if auto is not None else spec.auto

@@ -91,25 +91,39 @@ REDUCE_STREAM_WAIT = _define(Option(
 
 
 def _gpu_lowering_value(value: str) -> str | None:
-  if value in GPU_LOWERINGS:
+  from jaxstreams.lower.gpu import NAMES   # the ways are lowering's knowledge
+  if value in NAMES:
     return None
-  return f"must be one of {', '.join(GPU_LOWERINGS)}"
+  return f"must be one of {', '.join(NAMES)}"
 
-
-# How a plan with several streams runs on a GPU (see jaxstreams.lower).
-GPU_LOWERINGS = ("inline", "streams")
 
 GPU_LOWERING = _define(Option(
-    "jaxstreams_gpu_lowering", str, "inline",
-    "How a plan that uses several streams runs on a GPU. 'inline': as the "
-    "program jax.jit builds (stream calls measured 0.78x-1.04x of jax.jit on "
-    "an H100 with jax 0.11.2, so jaxstreams steps aside there). 'streams': "
-    "each off-main region as a call on its own CUDA stream with dependency "
-    "events (what jaxstreams.profile always does). Read when a jaxstreams.jit "
-    "function is made (with streams=None: at its first call with each stream "
-    "count); jaxstreams.jit(gpu_lowering=...) chooses for one function. "
-    "Changes nothing on CPU, which runs one stream.",
+    "jaxstreams_gpu_lowering", str, "default",
+    "How a plan that uses several streams runs on a GPU (jaxstreams.lower.gpu). "
+    "'default': at top level 'concurrent', or the fastest way timed at the "
+    "first call (jaxstreams_autotune); inside another jit 'streams' from jax "
+    "0.12, 'inline' before. 'inline': the program jax.jit builds. "
+    "'concurrent': that program with XLA's CONCURRENT CUDA-graph scheduling "
+    "(a top-level compiler option). 'streams': each off-main region a call "
+    "on its own CUDA stream. 'streams_concurrent': stream calls with "
+    "CONCURRENT graphs. Read when a jaxstreams.jit function is made (with "
+    "streams=None: at its first call with each stream count); "
+    "jaxstreams.jit(gpu_lowering=...) chooses for one function. Changes "
+    "nothing on CPU, which runs one stream.",
     _gpu_lowering_value))
+
+AUTOTUNE = _define(Option(
+    "jaxstreams_autotune", bool, True,
+    "With gpu_lowering 'default', the first top-level call of a "
+    "jaxstreams.jit function on a GPU times the candidate ways on inputs of "
+    "their own and keeps the fastest (jaxstreams.lower.autotune); the "
+    "decision is cached on disk. Off: the top-level default, 'concurrent'."))
+
+AUTOTUNE_CACHE = _define(Option(
+    "jaxstreams_autotune_cache", str, "",
+    "The file that keeps autotuning decisions across processes. Empty: "
+    "$XDG_CACHE_HOME/jaxstreams/autotune.json (~/.cache by default); "
+    "'none': keep nothing on disk."))
 
 
 SEQUENCE_POINTS = _define(Option(

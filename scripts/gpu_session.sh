@@ -11,7 +11,9 @@
 #
 # One call runs at most 10 minutes and a session gets 30 in all, so a
 # session runs them in parts, for instance:
-#   info probe build gputests | tests | serve sweep | sweeplong prefetch
+#   info probe build gputests | levers | tests | serve sweep
+# (levers: every GPU way of the suite's programs, the default's own choice
+# and kernel overlap from a profiler trace: benchmarks/gpu_levers.py).
 # (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 5,
 # three times that under 1 ms; sweeplong: 1 to 10 ms, LONG_ROUNDS, default 3)
 #
@@ -86,7 +88,8 @@ step_build() {
 }
 
 export GPU_TEST_FILES="tests/test_gpu_core.py tests/test_runtime_gpu.py
-  tests/test_gpu_compile.py tests/test_xla_schedule.py"
+  tests/test_gpu_compile.py tests/test_xla_schedule.py tests/test_gpu_graphs.py
+  tests/test_xla_graph.py tests/test_autotune.py tests/test_gpu_lowering.py"
 
 step_gputests() {  # the GPU tests on their own, one process, full tracebacks
   JAXSTREAMS_REQUIRE_GPU=1 "$py" -X faulthandler -m pytest -p no:cacheprovider \
@@ -124,7 +127,8 @@ for s in "${steps[@]}"; do
     tests)     run_step tests 420 bash -c step_tests ;;
     sanitizer) run_step sanitizer 240 bash -c step_sanitizer ;;
     suite)     run_step suite 300 "$py" benchmarks/suite.py --out "$logs" ;;
-    levers)    run_step levers 240 "$py" benchmarks/gpu_levers.py --out "$logs" ;;
+    levers)    run_step levers 420 "$py" benchmarks/gpu_levers.py --trace \
+                 --rounds "${LEVERS_ROUNDS:-9}" --out "$logs" ;;
     serve)     run_step serve 200 "$py" benchmarks/serve.py --quiet --out "$logs" ;;
     overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --out "$logs" ;;
     sweep)     run_step sweep 420 "$py" benchmarks/prefetch_sweep.py --quiet \

@@ -25,6 +25,12 @@ from jaxstreams.stage import _auto
 from programs import FlippingChooser, jaxstreams_threads, wait_until
 
 jax.config.update("jax_num_cpu_devices", 4)
+# On a GPU, every jaxstreams.jit function's first call would time its ways
+# (jaxstreams_autotune): the tests run the static default instead, and
+# tests/test_autotune.py turns timing on where it tests it. Nothing is
+# written to the user's autotune cache.
+os.environ.setdefault("JAXSTREAMS_AUTOTUNE", "0")
+os.environ.setdefault("JAXSTREAMS_AUTOTUNE_CACHE", "none")
 
 
 @pytest.fixture(autouse=True)

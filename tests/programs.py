@@ -250,6 +250,19 @@ def gpu_target_problem():
   return None
 
 
+def require_gpu_target(what="compiling for an H100"):
+  """Skip the test when this machine cannot compile for a GPU it lacks; fail
+  instead where JAXSTREAMS_REQUIRE_GPU_TARGET=1 (scripts/test.sh sets it)."""
+  import pytest
+  from jaxstreams.xla.target import install_command
+  problem = gpu_target_problem()
+  if problem:
+    message = f"{what}: {problem}; {install_command()}"
+    if os.environ.get("JAXSTREAMS_REQUIRE_GPU_TARGET") == "1":
+      pytest.fail(f"JAXSTREAMS_REQUIRE_GPU_TARGET=1 but {message}")
+    pytest.skip(message)
+
+
 def run_example(name, *flags, env=None):
   """Run ``examples/<name>`` from the repository root, as a user would (the
   stream count from the environment left out unless ``env`` sets it);

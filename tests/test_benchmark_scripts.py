@@ -13,6 +13,7 @@ import sys
 import jax
 import jaxstreams
 import pytest
+from programs import require_gpu_target
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -100,11 +101,14 @@ SMALLEST_RUNS = {
                      "jit_overhead_{platform}.json"),
     "planning": (["--sizes", "100", "--reps", "1"], "planning_{platform}.json"),
     "gpu_levers": (["--quick"], "gpu_levers_{platform}_jax*_quick.json"),
+    "xla_graphs": (["--quick"], "xla_graphs_h100_jax*_quick.json"),
 }
 
 
 @pytest.mark.parametrize("script", sorted(SMALLEST_RUNS))
 def test_benchmark_script_runs_and_saves(script, tmp_path):
+  if script == "xla_graphs":
+    require_gpu_target("xla_graphs compiles for an H100")
   args, saved = SMALLEST_RUNS[script]
   saved = saved.format(platform=jax.devices()[0].platform)
   env = dict(os.environ)
@@ -126,6 +130,10 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
   assert len(files) == 1, (saved, sorted(p.name for p in tmp_path.iterdir()))
   result = json.loads(files[0].read_text())
   assert "machine" in result or "device" in result, sorted(result)
+  if script == "xla_graphs":
+    rows = result["programs"]["four_branches"]
+    assert rows["jax.jit"]["parallelism"] >= 1.0
+    assert rows["default"]["pairs_side_by_side"][1] == 3
   if script == "cpu_dispatch_gap":
     gaps = {str(g) for g in _load("cpu_dispatch_gap").GAPS_US}
     for dispatch in ("async_dispatch", "sync_dispatch"):

@@ -17,8 +17,7 @@ import sys
 import pytest
 
 from jaxstreams._compat import XLA_SCHEDULES_STREAM_CALLS
-from jaxstreams.xla.target import install_command
-from programs import gpu_target_problem
+from programs import require_gpu_target
 
 # These read the GPU program's stream calls (or compare programs that have
 # them): jaxstreams.jit functions are made with the 'streams' lowering.
@@ -29,12 +28,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def schedules():
-  problem = gpu_target_problem()
-  if problem:
-    message = f"{problem}; {install_command()}"
-    if os.environ.get("JAXSTREAMS_REQUIRE_GPU_TARGET") == "1":
-      pytest.fail(f"JAXSTREAMS_REQUIRE_GPU_TARGET=1 but {message}")
-    pytest.skip(message)
+  require_gpu_target()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, str(HERE / "gpu_compile_programs.py")],
                           env=env, capture_output=True, text=True, timeout=600)

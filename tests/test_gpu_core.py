@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxstreams
+from jaxstreams._compat import XLA_SCHEDULES_STREAM_CALLS
 from programs import assert_equal_results, random_inputs, two_towers
 
 # Reads the GPU program's stream calls: made with the 'streams' lowering.
@@ -38,9 +39,9 @@ def test_training_step_gradients_match_on_gpu():
   assert_equal_results(actual, expected)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not met on an H100 with jax 0.11.2: region 1 ran 0-213 us, region 2 "
-    "243-425 us (README, GPU results)"))
+@pytest.mark.xfail(not XLA_SCHEDULES_STREAM_CALLS, strict=True, reason=(
+    "before jax 0.12 XLA chains stream calls in its CUDA graph (docs/xla.md); "
+    "on an H100 with jax 0.11.2 region 1 ran 0-213 us, region 2 243-425 us"))
 def test_profiled_regions_overlap_in_time():
   """Two heavy independent regions on streams 1 and 2 run at the same time."""
   def two_chains(x, w):
@@ -60,3 +61,21 @@ def test_profiled_regions_overlap_in_time():
     f(x, w).block_until_ready()
   spans = {i.track: i for i in prof.intervals}
   assert spans[1].overlaps(spans[2]), prof.intervals
+
+
+def test_the_default_way_is_timed_at_the_first_call_on_a_gpu(tmp_path):
+  """jaxstreams' default on a GPU: the first top-level call times the
+  candidate ways and keeps one; results agree with jax.jit."""
+  jaxstreams.config.update("jaxstreams_autotune", True)
+  jaxstreams.config.update("jaxstreams_autotune_cache", str(tmp_path / "tune.json"))
+  try:
+    args = random_inputs((64, 256), (256, 256), (256, 256))
+    f = jaxstreams.jit(two_towers, streams=3, gpu_lowering="default")
+    assert_equal_results(f(*args), jax.jit(two_towers)(*args))
+    plan = f.plan(*args)
+    assert "timed at the first call" in plan.gpu_reason, plan.gpu_reason
+    assert (tmp_path / "tune.json").exists()
+    assert_equal_results(jax.jit(lambda *a: f(*a))(*args), jax.jit(two_towers)(*args))
+  finally:
+    jaxstreams.config.reset("jaxstreams_autotune")
+    jaxstreams.config.reset("jaxstreams_autotune_cache")

@@ -1,6 +1,8 @@
 """The jaxstreams_gpu_lowering option: how a plan of several streams runs on a
-GPU. 'inline' (default) is the program jax.jit builds; 'streams' makes each
-off-main region a call on its stream. Read when the function is made."""
+GPU (jaxstreams.lower.gpu). 'default' is XLA's CONCURRENT CUDA graphs over
+the program jax.jit builds at top level, or the way timed fastest; the other
+ways force one. Read when the function is made. On CPU every way gives the
+results of jax.jit."""
 
 import re
 
@@ -10,8 +12,12 @@ import numpy as np
 import pytest
 
 import jaxstreams
+from jaxstreams._compat import XLA_SCHEDULES_STREAM_CALLS
+from jaxstreams.lower import gpu
 from programs import (assert_equal_results, cpu_text, cuda_text, random_inputs,
                       two_towers)
+
+CONCURRENT = "xla_gpu_command_buffer_scheduling_mode"
 
 
 @pytest.fixture
@@ -23,21 +29,49 @@ def _stream_calls(text):
   return text.count("_xla_stream_annotation")
 
 
-def test_default_lowers_a_plan_of_several_streams_as_jax_jit_does(args):
+def _options(f, *args):
+  return dict(f.lower(*args)._lowering._compiler_options_kvs)
+
+
+def test_default_is_jax_jits_program_with_concurrent_graphs_at_top_level(args):
   f = jaxstreams.jit(two_towers, streams=3)
   assert len({r.stream for r in f.plan(*args).regions}) == 3
   text = cuda_text(f, *args)
-  assert _stream_calls(text) == 0
-  assert "optimization_barrier" not in text
+  assert _stream_calls(text) == 0 and "optimization_barrier" not in text
+  assert _options(f, *args) == {CONCURRENT: "CONCURRENT"}
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
 
 
-def test_streams_lowering_makes_one_call_per_off_main_region(args, stream_calls):
+def test_default_inside_another_jit_has_no_compiler_options(args):
+  """jax refuses compiler options below the top level; the default there is
+  what this XLA runs side by side: stream calls from jax 0.12."""
   f = jaxstreams.jit(two_towers, streams=3)
+  outer = jax.jit(lambda *a: f(*a))
+  calls = _stream_calls(cuda_text(outer, *args))
+  assert (calls > 0) == XLA_SCHEDULES_STREAM_CALLS
+  assert not dict(outer.lower(*args)._lowering._compiler_options_kvs)
+  assert_equal_results(outer(*args), jax.jit(two_towers)(*args))
+  assert_equal_results(jax.grad(lambda *a: f(*a))(*args),
+                       jax.grad(jax.jit(two_towers))(*args))
+
+
+@pytest.mark.parametrize("way", list(gpu.WAYS))
+def test_each_way_builds_its_program_and_options(args, way):
+  f = jaxstreams.jit(two_towers, streams=3, gpu_lowering=way)
   plan = f.plan(*args)
-  assert _stream_calls(cuda_text(f, *args)) == sum(r.is_call for r in plan.regions) > 0
-  assert _stream_calls(cpu_text(f, *args)) == 0      # CPU: inline either way
+  assert plan.gpu_lowering == way and gpu.WAYS[way].summary in plan.gpu_reason
+  expected_calls = sum(r.is_call for r in plan.regions) if way.startswith("streams") else 0
+  assert _stream_calls(cuda_text(f, *args)) == expected_calls
+  assert _stream_calls(cpu_text(f, *args)) == 0      # CPU: in place either way
+  assert (_options(f, *args).get(CONCURRENT) == "CONCURRENT") == way.endswith("concurrent")
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
+  assert_equal_results(jax.jit(lambda *a: f(*a))(*args), jax.jit(two_towers)(*args))
+
+
+def test_one_stream_is_jax_jits_program_whatever_the_way(args):
+  f = jaxstreams.jit(lambda x: jnp.sin(x) * 2, streams=3, gpu_lowering="concurrent")
+  plan = f.plan(args[0])
+  assert plan.is_single_stream and plan.gpu_lowering == "inline"
 
 
 def test_the_option_is_read_when_the_function_is_made(args):
@@ -47,10 +81,10 @@ def test_the_option_is_read_when_the_function_is_made(args):
     by_option = jaxstreams.jit(two_towers)      # streams from the option
   finally:
     jaxstreams.config.reset("jaxstreams_gpu_lowering")
-  inline = jaxstreams.jit(two_towers, streams=3)
+  default = jaxstreams.jit(two_towers, streams=3)
   # The same function made both ways: neither finds the other's trace.
   assert _stream_calls(cuda_text(calls, *args)) > 0
-  assert _stream_calls(cuda_text(inline, *args)) == 0
+  assert _stream_calls(cuda_text(default, *args)) == 0
   assert _stream_calls(cuda_text(calls, *args)) > 0
   # streams=None: made at the first call with each stream count, under the
   # option as it is then.
@@ -68,13 +102,15 @@ def test_the_keyword_chooses_for_one_function(args):
   assert jaxstreams.plan(f, gpu_lowering="inline")(*args).gpu_lowering == "inline"
   assert jaxstreams.plan(f, streams=4)(*args).gpu_lowering == "streams"
   with pytest.raises(ValueError, match=r"jaxstreams.jit: gpu_lowering must be one "
-                     r"of 'inline', 'streams' or None .* got 'fast'"):
+                     r"of 'default', 'inline', 'concurrent', 'streams', "
+                     r"'streams_concurrent' or None .* got 'fast'"):
     jaxstreams.jit(two_towers, streams=3, gpu_lowering="fast")
 
 
 def test_a_bad_value_names_the_choices():
   with pytest.raises(ValueError, match=r"jaxstreams_gpu_lowering .* must be one "
-                     r"of inline, streams, got 'fast'"):
+                     r"of default, inline, concurrent, streams, "
+                     r"streams_concurrent, got 'fast'"):
     jaxstreams.config.update("jaxstreams_gpu_lowering", "fast")
 
 
@@ -88,8 +124,20 @@ def test_profiling_lowers_stream_calls_under_the_default(args):
 
 
 def test_the_plan_says_how_its_regions_run_on_a_gpu(args):
-  text = str(jaxstreams.jit(two_towers, streams=3).plan(*args))
-  assert "on a GPU the regions run inline, as the program jax.jit builds" in text
+  jaxstreams.config.update("jaxstreams_autotune", True)
+  try:
+    text = str(jaxstreams.jit(two_towers, streams=3).plan(*args))
+  finally:
+    jaxstreams.config.reset("jaxstreams_autotune")
+  assert "on a GPU: 'concurrent', the program jax.jit builds" in text
+  assert "the first call times inline, concurrent" in text
+  assert "inside another jit: " in text
+  jaxstreams.config.update("jaxstreams_autotune", False)
+  try:
+    text = str(jaxstreams.jit(two_towers, streams=3).plan(*args))
+  finally:
+    jaxstreams.config.reset("jaxstreams_autotune")
+  assert "the top-level default (jaxstreams_autotune is off)" in text
   assert "call on stream" not in text
   jaxstreams.config.update("jaxstreams_gpu_lowering", "streams")
   try:
@@ -98,14 +146,15 @@ def test_the_plan_says_how_its_regions_run_on_a_gpu(args):
     jaxstreams.config.reset("jaxstreams_gpu_lowering")
   plan = f.plan(*args)    # the option changed since: the plan is of what f runs
   assert plan.gpu_lowering == "streams"
-  assert "call on stream 1" in str(plan) and "run inline" not in str(plan)
+  assert "call on stream 1" in str(plan)
 
 
-def test_xla_concurrent_scheduling_can_be_asked_for_as_with_jax_jit(args):
-  # The README's way to the fastest program measured on an H100: jax.jit's
-  # compiler_options, passed through (XLA:CPU ignores the option).
-  options = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+def test_the_users_compiler_options_come_first(args):
+  # jax.jit's compiler_options pass through, over the way's own (XLA:CPU
+  # ignores the GPU options).
+  options = {CONCURRENT: "LHS", "xla_gpu_enable_command_buffer": ""}
   f = jaxstreams.jit(two_towers, streams=3, compiler_options=options)
+  assert _options(f, *args) == options
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
 
 

@@ -167,7 +167,7 @@ def test_requests_that_arrive_together_share_one_execution():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_batch_of_k_lowers_to_k_stream_annotations(k):
+def test_batch_of_k_lowers_to_k_stream_annotations(k, stream_calls):
   server = grouped_serve(mlp, groups=4)
   fn = server.batch_function()
   requests = [((jnp.ones((1 + r, 8)),), {}) for r in range(k)]
@@ -180,7 +180,20 @@ def test_batch_of_k_lowers_to_k_stream_annotations(k):
   server.close()
 
 
-def test_stream_blocks_inside_f_are_flattened_into_the_group():
+def test_grouped_requests_run_the_default_gpu_way():
+  """Each request of a batch is a region: by default, at top level, XLA's
+  CONCURRENT graphs run them side by side (jaxstreams.lower.gpu)."""
+  with grouped_serve(mlp, groups=2) as server:
+    fn = server.batch_function()
+    requests = [((jnp.ones((1, 8)),), {}), ((jnp.ones((2, 8)),), {})]
+    plan = fn.plan(*requests)
+    assert plan.gpu_lowering == "concurrent"
+    lowered = fn.trace(*requests).lower(lowering_platforms=("cuda",))
+    assert dict(lowered._lowering._compiler_options_kvs) == {
+        "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
+def test_stream_blocks_inside_f_are_flattened_into_the_group(stream_calls):
   def f(x, w):
     with jaxstreams.stream(5):            # beyond groups: flattened, unchecked
       a = jnp.tanh(x @ w)

@@ -515,6 +515,7 @@ def _stream_calls(module_text):
     (step3, ["xor", "cosine", "exponential"], ["tanh", "dot_general"]),
 ])
 def test_fused_program_puts_the_producer_on_its_stream_for_cuda(
+    stream_calls,
     step, producer_ops, consumer_ops):
   params, data = _params(), _batches(3)
   with jaxstreams.staged(step, data=data, mode="fused") as runner:
@@ -532,7 +533,7 @@ def test_fused_program_puts_the_producer_on_its_stream_for_cuda(
     assert f"stablehlo.{op}" not in by_stream[1], (op, text)
 
 
-def test_fused_producer_stream_beside_a_jaxstreams_jit_step():
+def test_fused_producer_stream_beside_a_jaxstreams_jit_step(stream_calls):
   params, data = _params(), _batches(4)
 
   @jaxstreams.jit(streams=3)
@@ -559,8 +560,21 @@ def test_fused_producer_stream_beside_a_jaxstreams_jit_step():
   assert "stablehlo.cosine" in by_stream[2]
 
 
+def test_fused_program_runs_the_default_gpu_way():
+  """The producer is a region: by default, at top level, XLA's CONCURRENT
+  graphs run it beside the consumer (jaxstreams.lower.gpu)."""
+  params, data = _params(), _batches(3)
+  with jaxstreams.staged(step2, data=data, mode="fused") as runner:
+    runner(params)
+    program, args = runner.step_program()
+    assert program.plan(*args).gpu_lowering == "concurrent"
+    lowered = program.trace(*args).lower(lowering_platforms=("cuda",))
+  assert dict(lowered._lowering._compiler_options_kvs) == {
+      "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
 @pytest.mark.parametrize("stream", [0, 2])
-def test_fused_explicit_stream(stream):
+def test_fused_explicit_stream(stream, stream_calls):
   params, data = _params(), _batches(3)
   with jaxstreams.staged(step2, data=data, stream=stream,
                          mode="fused") as runner:

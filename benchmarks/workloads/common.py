@@ -228,7 +228,7 @@ def standard_candidates(make_fn: Callable[[Callable], Callable], args,
   cands["jaxstreams"] = compiled_candidate(
       "jaxstreams",
       # Each off-main region a call on its stream: what the suite measures
-      # (the default lowering, inline, is the jax.jit column's program).
+      # (jaxstreams' default way, and every other, in gpu_levers.py).
       jaxstreams.jit(make_fn(place_jaxstreams), streams=streams,
                      gpu_lowering="streams"),
       args, count_annotations=True)

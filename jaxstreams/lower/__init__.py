@@ -1,4 +1,6 @@
-"""Stage 4 of the pipeline: emit each region where its plan puts it."""
+"""Stage 4 of the pipeline: emit each region where its plan puts it, in the
+way a GPU runs it best (``gpu``: the ways and the rule that picks one;
+``autotune``: timing them at the first call)."""
 
 from jaxstreams.lower.emit import emit, region_function
 

@@ -82,7 +82,8 @@ class StreamPlan:
                                          # regions linked by a value
   schedule: Schedule
   summary: str = ""       # what automatic assignment decided, if on
-  gpu_lowering: str = "streams"   # the function's jaxstreams_gpu_lowering
+  gpu_lowering: str = "inline"    # the way a top-level call runs on a GPU
+  gpu_reason: str = ""            # what that way is and why, nested calls too
 
   @property
   def notes(self) -> tuple[str, ...]:
@@ -129,11 +130,8 @@ class StreamPlan:
     if self.is_single_stream:
       lines.append("  everything runs on the main stream (stream 0): the "
                    "program is lowered exactly as jax.jit lowers it")
-    elif self.gpu_lowering == "inline":
-      lines.append("  on a GPU the regions run inline, as the program jax.jit "
-                   "builds (jaxstreams_gpu_lowering='inline', the default: "
-                   "stream calls measured slower than jax.jit on an H100); "
-                   "'streams' makes each off-main region a call on its stream")
+    elif self.gpu_reason:
+      lines.append(f"  on a GPU: {self.gpu_lowering!r}, {self.gpu_reason}")
     lines.append("")
     lines += _table(
         ["stream", "regions", "equations", "est. GFLOP", "est. MB", "est. us"],
@@ -151,7 +149,7 @@ class StreamPlan:
     lines += _table(
         ["region", "stream", "lowered as", "equations", "inputs", "outputs"],
         [[f"R{r.index}", str(r.stream),
-          (f"call on stream {r.stream}" if self.gpu_lowering == "streams"
+          (f"call on stream {r.stream}" if self.gpu_lowering.startswith("streams")
            else "inline") if r.is_call else "inline (main)",
           str(len(r.equations)), _names(r.inputs), _names(r.outputs)]
          for r in self.regions])

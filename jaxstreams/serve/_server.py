@@ -636,9 +636,9 @@ class _Core:
       return tuple(results)
 
     run_batch.__name__ = run_batch.__qualname__ = f"serve_{_name(self.fun)}"
-    # Stream calls whatever jaxstreams_gpu_lowering says: the groups are the
-    # point of grouped mode, which runs only when asked for.
-    return _streams_jit(run_batch, streams=groups + 1, gpu_lowering="streams")
+    # The groups are regions: they run the way jaxstreams_gpu_lowering says,
+    # side by side in XLA's CUDA graph by default (jaxstreams.lower.gpu).
+    return _streams_jit(run_batch, streams=groups + 1)
 
   def program_for(self, key: tuple):
     with self.cache_lock:

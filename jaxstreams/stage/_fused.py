@@ -49,6 +49,7 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
+from jaxstreams import config
 from jaxstreams._jit import jit as streams_jit
 from jaxstreams.stage._analysis import FUNC, Split
 from jaxstreams.stage._splits import Splits
@@ -136,7 +137,10 @@ def _fused_program(cache: dict, consumer: Split | None,
   ``_layout``'s order, so that single staged values can be donated
   (``_donated``). Cached by the splits' identities (the splits live in the
   same cache, so the ids stay theirs)."""
-  key = ("fused", id(consumer), tuple(map(id, stages)), stream, streams)
+  # The GPU way is read when the program is made: a program made under
+  # another jaxstreams_gpu_lowering is another program.
+  key = ("fused", id(consumer), tuple(map(id, stages)), stream, streams,
+         config.read("jaxstreams_gpu_lowering"))
   program = cache.get(key)
   if program is not None:
     return program
@@ -157,9 +161,10 @@ def _fused_program(cache: dict, consumer: Split | None,
     return outs, produced
 
   fused.__name__ = fused.__qualname__ = "jaxstreams_staged_step"
-  # The producer on its own stream whatever jaxstreams_gpu_lowering says:
-  # mode="auto" measures whether the fused program pays.
-  program = streams_jit(fused, streams=streams, gpu_lowering="streams",
+  # The producer is a region on its own stream, run the way
+  # jaxstreams_gpu_lowering says (jaxstreams.lower.gpu); mode="auto"
+  # measures whether the fused program pays.
+  program = streams_jit(fused, streams=streams,
                         donate_argnums=_donated(consumer, stages))
   cache[key] = program
   return program

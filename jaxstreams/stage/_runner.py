@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from jaxstreams import _checks
+from jaxstreams import _checks, config
 from jaxstreams._jit import jit as streams_jit, spec_of
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.stage._analysis import FUNC, Split, build_split
@@ -64,7 +64,8 @@ class StagedRunner:
       # Thread mode jits each part on its own (the producer on ``stream``);
       # fused programs apply the stream inside the one program they fuse.
       self._splits = Splits(fun, self._name, data_argnum, smart,
-                            jit_key=(stream, consumer_jit.key),
+                            jit_key=(stream, consumer_jit.key,
+                                     config.read("jaxstreams_gpu_lowering")),
                             jit_parts=jit_parts(stream, consumer_jit.jit))
     else:
       self._splits = Splits(fun, self._name, data_argnum, smart)

@@ -47,9 +47,9 @@ def jit_parts(stream: int | None, consumer_jit: Callable
         def run(*xs, body=body):
           with stream_scope(stream):
             return body(*xs)
-        # The producer on its stream whatever jaxstreams_gpu_lowering says:
-        # mode="auto" measures whether that pays.
-        fns.append(streams_jit(run, streams=stream + 1, gpu_lowering="streams"))
+        # The producer as a region on its stream, run the way
+        # jaxstreams_gpu_lowering says; mode="auto" measures whether it pays.
+        fns.append(streams_jit(run, streams=stream + 1))
     fns.append(consumer_jit(split.bodies[-1]))
     split.fns = fns
   return jit
