@@ -236,3 +236,11 @@ def test_a_thunk_dump_not_understood_is_a_clear_error():
   log = _log("LHS", COMMANDS, [[], [0], [1]], THUNKS)
   with pytest.raises(GraphLogError, match="thunk dump line not understood"):
     read_graphs(log, "this is not a thunk sequence\n", METADATA, HLO)
+
+
+def test_a_graph_the_dump_does_not_hold_is_a_clear_error():
+  other = [("fusion_x", [("1", "write")])] + COMMANDS[1:]
+  log = _log("LHS", other, [[], [0], [1]], THUNKS)
+  with pytest.raises(GraphLogError, match="no command buffer in XLA's thunk "
+                     "dump holds the 3 commands of graph 0"):
+    read_graphs(log, SEQUENCE, METADATA, HLO)

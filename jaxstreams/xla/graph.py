@@ -490,6 +490,11 @@ def read_graphs(log: str, sequence: str | None, metadata: str | None,
         leaves = candidate
         unused.remove(b)
         break
+    if leaves is None and roots and entry.thunks:
+      raise GraphLogError(
+          f"no command buffer in XLA's thunk dump holds the {entry.count} "
+          f"commands of graph {index} ({', '.join(names[:4])}, ...): the "
+          "kernels could not be matched to HLO instructions")
     placed = []
     for node, (text, _) in enumerate(entry.commands):
       instruction, region, stream = None, None, 0
