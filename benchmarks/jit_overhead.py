@@ -37,7 +37,7 @@ def tiny_with_region(x):
   return y + 1
 
 
-def two_regions(n):
+def two_regions():
   """A fresh function with two independent regions (fresh: nothing cached)."""
   def f(x, w):
     with jaxstreams.stream(1):
@@ -49,7 +49,7 @@ def two_regions(n):
 
 
 def first_call_seconds(make_jit, x, w) -> float:
-  fn = make_jit(two_regions(0))
+  fn = make_jit(two_regions())
   start = time.perf_counter()
   jax.block_until_ready(fn(x, w))
   return time.perf_counter() - start

@@ -44,6 +44,7 @@ _JIT_PARAMETERS = frozenset(
 # donation do not apply to it.
 _TRACE_ONLY_PARAMETERS = frozenset({"static_argnums", "static_argnames"})
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+_ONE_STREAM = "one stream: the program jax.jit builds"
 
 
 def _check_streams(streams: Any, source: str) -> int:
@@ -281,6 +282,7 @@ class _Choice:
   reason: str
   decision: autotune.Decision | None = None
   single_stream: bool = False   # nothing off the main stream: one program
+  timable: bool = False         # the default way: the first call may time
 
 
 class StreamJit(functools.partial):
@@ -347,7 +349,7 @@ class StreamJit(functools.partial):
     serve calls from now on, point this function at them, and return the
     top-level one."""
     with self._lock:
-      if self.func is not _unset and not isinstance(self.func, _first_call):
+      if not isinstance(self.func, _first_call):   # settled by another thread
         return self._top_level_target()
       if not _is_gpu(_platform(args, kwargs, self._spec.jit_kwargs)):
         # One stream: the program of the way asked for (stream calls lower
@@ -368,18 +370,29 @@ class StreamJit(functools.partial):
     func = self.func
     return getattr(func, "top", func)
 
-  def _choose(self, args, kwargs) -> _Choice:
-    """The way top-level calls run on this GPU."""
+  def _static_choice(self, plan: Callable[[], StreamPlan]) -> _Choice:
+    """The way top-level calls run on a GPU when nothing is timed: the way
+    asked for, ``jax.jit``'s program for a plan on one stream, else the
+    top-level default. ``plan()`` gives the plan, made only if needed."""
     name = self._spec.lowering()
     if name != gpu.DEFAULT:
       return _Choice(gpu.WAYS[name], f"gpu_lowering={name!r}")
-    plan = self._spec.plan(*args, **kwargs)
-    if plan.is_single_stream:
-      return _Choice(gpu.WAYS["inline"], "one stream: the program jax.jit builds",
-                     single_stream=True)
+    if plan().is_single_stream:
+      return _Choice(gpu.WAYS["inline"], _ONE_STREAM, single_stream=True)
     if not config.read("jaxstreams_autotune"):
       return _Choice(gpu.default_top_level(),
-                     "jaxstreams_autotune is off: the top-level default")
+                     "the top-level default (jaxstreams_autotune is off)")
+    return _Choice(gpu.default_top_level(), "the top-level default; on a GPU "
+                   "the first call times " + ", ".join(
+                       w.name for w in gpu.candidates()) + " and keeps the fastest",
+                   timable=True)
+
+  def _choose(self, args, kwargs) -> _Choice:
+    """The way top-level calls run on this GPU: the static choice, or for
+    the default way with several streams, the fastest timed."""
+    choice = self._static_choice(lambda: self._spec.plan(*args, **kwargs))
+    if not choice.timable:
+      return choice
     try:
       return self._autotune(args, kwargs)
     except Exception as error:  # noqa: BLE001 - timing must never fail a call
@@ -427,14 +440,9 @@ class StreamJit(functools.partial):
     the one ``jax.jit`` builds when lowered for CPU, and XLA:CPU ignores the
     GPU options, so one answer serves every platform, including lowering for
     a GPU from a machine without one."""
-    if self._choice is not None:
-      return self._jit(self._choice.way, top_level=True)
-    name = self._spec.lowering()
-    if name != gpu.DEFAULT:
-      return self._jit(gpu.WAYS[name], top_level=True)
-    if self._spec.plan(*args, **kwargs).is_single_stream:
-      return self._jit(gpu.WAYS["inline"], top_level=True)
-    return self._jit(gpu.default_top_level(), top_level=True)
+    choice = self._choice or self._static_choice(
+        lambda: self._spec.plan(*args, **kwargs))
+    return self._jit(choice.way, top_level=True)
 
   # -- jax.jit's interface -----------------------------------------------------
 
@@ -465,28 +473,18 @@ class StreamJit(functools.partial):
     return dataclasses.replace(found, **self._gpu_report(found))
 
   def _gpu_report(self, found: StreamPlan) -> dict:
-    name = self._spec.lowering()
-    nested = self._nested_way()
     if found.is_single_stream:
-      return {"gpu_lowering": "inline",
-              "gpu_reason": "one stream: the program jax.jit builds"}
-    if self._choice is not None:
-      way, why = self._choice.way, self._choice.reason
-      if self._choice.decision is not None:
-        why += ": " + self._choice.decision.describe()
-    elif name != gpu.DEFAULT:
-      way, why = gpu.WAYS[name], f"gpu_lowering={name!r}"
-    else:
-      way = gpu.default_top_level()
-      why = ("the top-level default; on a GPU the first call times "
-             + ", ".join(w.name for w in gpu.candidates())
-             + " and keeps the fastest" if config.read("jaxstreams_autotune")
-             else "the top-level default (jaxstreams_autotune is off)")
-    nested_why = (gpu.why_default_nested() if name == gpu.DEFAULT else
-                  f"inside another jit: {nested.name!r} (no compiler options "
-                  "reach a function traced there)")
-    return {"gpu_lowering": way.name,
-            "gpu_reason": f"{way.summary} ({why}); {nested_why}"}
+      return {"gpu_lowering": "inline", "gpu_reason": _ONE_STREAM}
+    choice = self._choice or self._static_choice(lambda: found)
+    why = choice.reason
+    if choice.decision is not None:
+      why += ": " + choice.decision.describe()
+    nested_why = (gpu.why_default_nested()
+                  if self._spec.lowering() == gpu.DEFAULT else
+                  f"inside another jit: {self._nested_way().name!r} (no "
+                  "compiler options reach a function traced there)")
+    return {"gpu_lowering": choice.way.name,
+            "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}"}
 
   def clear_cache(self) -> None:
     for jitted in list(self._jits.values()):
@@ -549,29 +547,28 @@ class _switch:
     return self.nested(*args, **kwargs)
 
 
-def _platform(args, kwargs, jit_kwargs) -> str:
-  """The platform a call with these arguments runs on: that of the first
-  argument with a sharding (a placed array, a ShapeDtypeStruct on a
-  compile target), else jax's default backend."""
-  for leaf in tree_util.tree_leaves((args, kwargs, jit_kwargs.get("in_shardings"))):
-    sharding = getattr(leaf, "sharding", leaf if isinstance(
-        leaf, jax.sharding.Sharding) else None)
+def _first_device(args, kwargs, jit_kwargs=None):
+  """The device of the first argument with a sharding (a placed array, a
+  ShapeDtypeStruct on a compile target, or ``in_shardings``), else jax's
+  default device: where a call with these arguments runs."""
+  shardings = (jit_kwargs or {}).get("in_shardings")
+  for leaf in tree_util.tree_leaves((args, kwargs, shardings)):
+    sharding = (leaf if isinstance(leaf, jax.sharding.Sharding)
+                else getattr(leaf, "sharding", None))
     devices = getattr(sharding, "device_set", None)
     if devices:
-      return next(iter(devices)).platform
-  return jax.default_backend()
+      return next(iter(devices))
+  return jax.devices()[0]
+
+
+def _platform(args, kwargs, jit_kwargs) -> str:
+  """The platform a call with these arguments runs on (a function, so tests
+  can pretend)."""
+  return _first_device(args, kwargs, jit_kwargs).platform
 
 
 def _is_gpu(platform: str) -> bool:
   return platform.lower() in _GPU_PLATFORMS
-
-
-def _first_device(args, kwargs):
-  for leaf in tree_util.tree_leaves((args, kwargs)):
-    devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
-    if devices:
-      return next(iter(devices))
-  return jax.devices()[0]
 
 
 def _dynamic_arguments(spec: _Spec, args, kwargs):

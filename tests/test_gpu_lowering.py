@@ -123,20 +123,20 @@ def test_profiling_lowers_stream_calls_under_the_default(args):
   np.testing.assert_allclose(out, jax.jit(two_towers)(*args), rtol=1e-6)
 
 
-def test_the_plan_says_how_its_regions_run_on_a_gpu(args):
-  jaxstreams.config.update("jaxstreams_autotune", True)
+def _plan_text(args, autotune):
+  jaxstreams.config.update("jaxstreams_autotune", autotune)
   try:
-    text = str(jaxstreams.jit(two_towers, streams=3).plan(*args))
+    return str(jaxstreams.jit(two_towers, streams=3).plan(*args))
   finally:
     jaxstreams.config.reset("jaxstreams_autotune")
+
+
+def test_the_plan_says_how_its_regions_run_on_a_gpu(args):
+  text = _plan_text(args, autotune=True)
   assert "on a GPU: 'concurrent', the program jax.jit builds" in text
   assert "the first call times inline, concurrent" in text
   assert "inside another jit: " in text
-  jaxstreams.config.update("jaxstreams_autotune", False)
-  try:
-    text = str(jaxstreams.jit(two_towers, streams=3).plan(*args))
-  finally:
-    jaxstreams.config.reset("jaxstreams_autotune")
+  text = _plan_text(args, autotune=False)
   assert "the top-level default (jaxstreams_autotune is off)" in text
   assert "call on stream" not in text
   jaxstreams.config.update("jaxstreams_gpu_lowering", "streams")

@@ -78,9 +78,9 @@ class Decision:
 
 
 def memory_needed(compiled) -> int | None:
-  """Device bytes a compiled program needs beyond its arguments' own:
-  its temporaries and outputs (XLA's memory analysis), None where XLA does
-  not say."""
+  """Device bytes a candidate run needs: its own copies of the arguments,
+  its temporaries and outputs, less what outputs alias (XLA's memory
+  analysis); None where XLA does not say."""
   try:
     stats = compiled.memory_analysis()
   except Exception:   # not every backend implements it

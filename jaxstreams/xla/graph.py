@@ -83,13 +83,17 @@ class CudaGraph:
   def edges(self) -> tuple[tuple[int, int], ...]:
     return tuple((i, k.node) for k in self.kernels for i in k.inputs)
 
-  @property
-  def longest_path(self) -> int:
-    """Kernels on the longest dependency path."""
+  def depths(self) -> dict[int, int]:
+    """Per node, the kernels on the longest path that ends at it."""
     depth: dict[int, int] = {}
     for kernel in _in_order(self.kernels):
       depth[kernel.node] = 1 + max((depth[i] for i in kernel.inputs), default=0)
-    return max(depth.values(), default=0)
+    return depth
+
+  @property
+  def longest_path(self) -> int:
+    """Kernels on the longest dependency path."""
+    return max(self.depths().values(), default=0)
 
   @property
   def parallelism(self) -> float:
@@ -256,9 +260,8 @@ class XlaGraphs:
     path (order, not time). Side-by-side branches overlap."""
     events, lanes = [], {}
     for g in self.graphs:
-      depth: dict[int, int] = {}
-      for k in _in_order(g.kernels):
-        depth[k.node] = 1 + max((depth[i] for i in k.inputs), default=0)
+      depth = g.depths()
+      for k in g.kernels:
         lane = lanes.setdefault((g.index, k.region), len(lanes))
         events.append({"name": k.name, "ph": "X", "ts": depth[k.node] - 1,
                        "dur": 1, "pid": g.index, "tid": lane,
