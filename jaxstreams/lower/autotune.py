@@ -120,13 +120,12 @@ def choose(runs: dict[str, Callable[[], Any]], *, memory: dict[str, int | None],
                 f"{free_bytes / 2**20:.1f} MiB free"
              for w in runs if free_bytes is not None
              and memory.get(w) is not None and memory[w] > free_bytes}
-  for way, why in (failed or {}).items():
-    runs = {**runs, way: None}
-    skipped[way] = why
+  skipped.update(failed or {})
+  ways = [*runs, *(w for w in failed or {} if w not in runs)]
   if baseline in skipped:
     return Decision(baseline, f"kept {baseline!r}: {baseline} itself does "
                     "not fit in the device's free memory", _trials(
-                        runs, {}, memory, skipped))
+                        ways, {}, memory, skipped))
   timed = [w for w in runs if w not in skipped]
   # A warm-up call each (first runs load kernels), which also sizes a round.
   first = {w: clock(w, runs[w]) for w in timed}
@@ -140,7 +139,7 @@ def choose(runs: dict[str, Callable[[], Any]], *, memory: dict[str, int | None],
       per_round[w].append(statistics.median(times))
   medians = {w: statistics.median(v) for w, v in per_round.items()}
   best = min(medians, key=medians.get)
-  trials = _trials(runs, medians, memory, skipped)
+  trials = _trials(ways, medians, memory, skipped)
   base = medians[baseline]
   if best == baseline:
     return Decision(baseline, f"kept {baseline!r}: no way ran faster", trials)
@@ -154,9 +153,9 @@ def choose(runs: dict[str, Callable[[], Any]], *, memory: dict[str, int | None],
                   f"{baseline!r}, won {wins} of {rounds} rounds", trials)
 
 
-def _trials(runs, medians, memory, skipped) -> tuple[Trial, ...]:
+def _trials(ways, medians, memory, skipped) -> tuple[Trial, ...]:
   return tuple(Trial(w, medians.get(w), memory.get(w), skipped.get(w, ""))
-               for w in runs)
+               for w in ways)
 
 
 # ---------------------------------------------------------------------------
