@@ -67,13 +67,6 @@ def training_params(d=16, seed=0):
 GPU_TOLERANCE = 2e-2
 
 
-# Why staged's error tests are expected to fail on a GPU (conftest's gpu_gap).
-SYNC_ERRORS_GAP = ("on a GPU a failing program's error surfaces when its results "
-                   "are read, not at the call, and a fused program's error takes "
-                   "the previous batch's results with it; staged places errors "
-                   "where XLA:CPU raises them (H100, jax 0.11.2)")
-
-
 def _on_gpu(x) -> bool:
   return isinstance(x, jax.Array) and any(d.platform == "gpu" for d in x.devices())
 
@@ -162,10 +155,14 @@ def wait_until(predicate, seconds=10.0):
 
 
 @contextlib.contextmanager
-def keyboard_interrupt_after(seconds):
+def keyboard_interrupt_after(seconds, then=None):
   """Raises KeyboardInterrupt in the main thread after ``seconds``, as Ctrl-C
-  would; the timer is cancelled and the handler restored on the way out."""
+  would, calling ``then()`` first (to let a blocked worker out only once
+  the interrupt is on its way, however late a loaded machine delivers it);
+  the timer is cancelled and the handler restored on the way out."""
   def handler(signum, frame):
+    if then is not None:
+      then()
     raise KeyboardInterrupt("test interrupt")
   old = signal.signal(signal.SIGALRM, handler)
   signal.setitimer(signal.ITIMER_REAL, seconds)

@@ -87,7 +87,8 @@ def test_lookahead_is_bounded_by_size():
         # Give the worker every chance to run ahead: it must stop at `size`
         # (it fills the lookahead at the start; later it is woken to refill
         # once the lookahead is half empty, so it may be short of full).
-        assert wait_until(lambda: len(pulled) > i)
+        # The sleep only gives an overrun time to show; no bound needs it.
+        assert wait_until(lambda: len(pulled) >= (size if i == 0 else i + 1))
         time.sleep(0.05)
         assert (len(pulled) == size) if i == 0 else (
             i < len(pulled) <= i + size)
@@ -258,7 +259,7 @@ def test_close_with_timeout_gives_up_on_a_blocked_source_and_cleans_up_later():
   assert entered.wait(10)
   t0 = time.monotonic()
   assert it.close(timeout=0.05) is False
-  assert time.monotonic() - t0 < 5
+  assert time.monotonic() - t0 < 5   # returned: it does not wait for the worker
   assert it.threads[0].is_alive() and not finished.is_set()
   with pytest.raises(StopIteration):
     next(it)            # closed: nothing more is handed out
@@ -495,7 +496,7 @@ def test_stage_area_lookahead_is_bounded_by_size():
                            mode="workers") as it:
     for i in range(30):
       if i in (0, 10):
-        assert wait_until(lambda: len(pulled) > i)
+        assert wait_until(lambda: len(pulled) >= (size if i == 0 else i + 1))
         time.sleep(0.05)       # (refilled once half empty: see above)
         assert (len(pulled) == size) if i == 0 else (
             i < len(pulled) <= i + size)
@@ -776,9 +777,9 @@ def test_keyboard_interrupt_in_the_consumer_while_an_item_is_produced(way):
 
   it = jaxstreams.prefetch(source(), size=2, mode=way)
   got = [int(next(it)) for _ in range(5)]
-  threading.Timer(0.3, release.set).start()   # a blocked worker gets out
   with pytest.raises(KeyboardInterrupt):
-    with keyboard_interrupt_after(0.05):
+    # With the interrupt, a blocked worker gets out.
+    with keyboard_interrupt_after(0.05, then=release.set):
       got.append(int(next(it)))
   assert got == [0, 1, 2, 3, 4]
   assert not any(t.is_alive() for t in it.threads)
@@ -1193,18 +1194,19 @@ def test_prefetch_expects_the_dispatch_gap_only_where_it_can_pay(
 
 
 def test_busy_tells_waiting_from_needing_a_core():
-  # The real clocks: a sleep blocks (it needs no core), a computation
-  # needs one all along.
+  # The real clocks: a sleep blocks (it needs no core: busy is the little
+  # CPU time it took), a computation needs one (busy is at least the CPU
+  # time it took, however long a loaded machine made it wait for a core).
   start, t0 = _clock.reading(), _clock.now()
   time.sleep(0.02)
   slept = _clock.now() - t0
   assert _clock.busy(start, slept) < 0.5 * slept
-  start, t0 = _clock.reading(), _clock.now()
+  start, t0, cpu0 = _clock.reading(), _clock.now(), _clock.cpu()
   x = np.ones(1 << 16)
-  while _clock.now() - t0 < 0.02:
+  while _clock.cpu() - cpu0 < 0.02:
     x = np.sqrt(x + 1.0)
   computed = _clock.now() - t0
-  assert _clock.busy(start, computed) > 0.5 * computed
+  assert _clock.busy(start, computed) >= 0.02
 
 
 def test_chooser_counts_only_inline_items_when_inline():

@@ -29,7 +29,7 @@ import jaxstreams.runtime as rt
 from jaxstreams import config
 from jaxstreams.runtime import _ops
 from jaxstreams.stage import staged_plan
-from programs import (SYNC_ERRORS_GAP, assert_equal_results, jaxstreams_threads,
+from programs import (assert_equal_results, jaxstreams_threads,
                       keyboard_interrupt_after, wait_until)
 
 TIMEOUT = 30.0
@@ -409,9 +409,9 @@ def test_prefetch_keyboard_interrupt_while_the_consumer_waits():
   source = _Source(10, hang_at=4)
   it = jaxstreams.prefetch(iter(source), size=2, timeout=TIMEOUT)
   got = [int(next(it)["i"]) for _ in range(4)]
-  threading.Timer(0.4, source.release.set).start()   # the worker gets out later
   with pytest.raises(KeyboardInterrupt):
-    with keyboard_interrupt_after(0.05):
+    # With the interrupt, the worker gets out.
+    with keyboard_interrupt_after(0.05, then=source.release.set):
       got.append(int(next(it)["i"]))
   assert got == [0, 1, 2, 3]
   assert not any(t.is_alive() for t in it.threads)   # joined on the way out
@@ -455,7 +455,6 @@ def test_staged_error_at_batch_k(error, mode):
     runner(params)
 
 
-@pytest.mark.gpu_gap(SYNC_ERRORS_GAP)
 def test_staged_producer_stage_failing_at_batch_k(mode):
   """A producer stage's own computation fails for batch k (in a worker)."""
   def check(i):
@@ -487,9 +486,8 @@ def test_staged_keyboard_interrupt_while_waiting_for_a_hung_batch(mode):
   runner = jaxstreams.staged(_staged_step, data=iter(source), capacity=1,
                              mode=mode)
   seen = [int(runner(params)[0]) for _ in range(3)]
-  threading.Timer(0.4, source.release.set).start()
   with pytest.raises(KeyboardInterrupt):
-    with keyboard_interrupt_after(0.1):
+    with keyboard_interrupt_after(0.1, then=source.release.set):
       seen.append(int(runner(params)[0]))
   assert seen == [0, 1, 2]
   assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [])
@@ -724,6 +722,9 @@ def test_long_staged_training_loop_keeps_memory_flat_and_results_exact():
       runner(w)
   np.testing.assert_array_equal(got_losses, want_losses)
   assert_equal_results(w, want_w)
+  # Measured: under 1 MB (jax 0.10.2 and 0.12). The bound leaves room for
+  # allocator arenas and jax's caches settling, and still catches a leak
+  # of a kilobyte per step (about what one leaked array costs).
   growth = rss[LONG_STEPS] - rss[1_000]
-  assert growth < 30 * 2**20, f"host RSS grew {growth / 2**20:.1f} MB over " \
+  assert growth < 8 * 2**20, f"host RSS grew {growth / 2**20:.1f} MB over " \
       f"{LONG_STEPS - 1_000} steps"

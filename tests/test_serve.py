@@ -83,9 +83,7 @@ class Gate:
     the dispatcher has taken it."""
     self.event.clear()
     fut = server.submit(jnp.zeros(self.LEN))
-    deadline = time.monotonic() + TIMEOUT
-    while server.queued and time.monotonic() < deadline:
-      time.sleep(0.001)
+    assert wait_until(lambda: not server.queued, TIMEOUT), "never taken"
     return fut
 
   def open(self):

@@ -34,8 +34,7 @@ import pytest
 
 import jaxstreams
 from jaxstreams.stage import staged_plan
-from programs import (SYNC_ERRORS_GAP, assert_equal_results, jaxstreams_threads,
-                      wait_until)
+from programs import assert_equal_results, jaxstreams_threads, wait_until
 
 
 def _batches(n, seed=0):
@@ -599,7 +598,6 @@ def test_fused_batches_of_different_shapes():
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
-@pytest.mark.gpu_gap(SYNC_ERRORS_GAP)
 def test_producer_stage_failure_raised_at_its_batch(mode, k):
   params, data = _params(), _batches(10)
   for i, b in enumerate(data):

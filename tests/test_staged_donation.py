@@ -28,7 +28,7 @@ import pytest
 
 import jaxstreams
 from jaxstreams.stage import staged_plan
-from programs import SYNC_ERRORS_GAP, assert_equal_results, wait_until
+from programs import assert_equal_results, wait_until
 
 analysis_module = importlib.import_module("jaxstreams.stage._analysis")
 
@@ -225,7 +225,6 @@ def _ready_source(data):
   return source(), finished
 
 
-@pytest.mark.gpu_gap(SYNC_ERRORS_GAP)
 def test_consumer_error_with_donating_producer():
   """The consumer may raise (a callback), so it donates nothing; stage 1
   still donates f. When the consumer of batch 3 fails, the program that
@@ -270,12 +269,13 @@ def test_consumer_error_with_donating_producer():
   assert not any(x.is_deleted() for b in data for x in _leaves(b))
 
 
-@pytest.mark.gpu_gap(SYNC_ERRORS_GAP)
+@pytest.mark.cpu_backend
 def test_input_gone_after_a_failure_gives_the_original_error(monkeypatch):
   """Were a part that can fail to donate (here: the callback is not known to
   raise), the failed program takes the older batch's inputs with it: the
   error is then raised by the call that ran it, as itself, not as a
-  deleted buffer."""
+  deleted buffer. (XLA:CPU raises such a failure at the call; a GPU, with
+  its results, which a failure staged does not know of cannot change.)"""
   monkeypatch.setattr(analysis_module, "_MAY_RAISE", frozenset())
   params, data = _params(), _batches(6)
 

@@ -28,17 +28,20 @@ own, and dead once the program that reads it last has run, so that program
 gets it with ``donate_argnums``: XLA then writes an output of the same shape
 and dtype into its buffer (in the steady state, the next batch's staged
 value) instead of allocating one. Never donated: a leaf of the batch
-(placing an array that is already on the device returns that very array,
-the caller's), a closed-over constant, the step's other arguments, a value a
+(placing an array that is already on the device returns that very array, the
+caller's), a closed-over constant, the step's other arguments, a value a
 later part of its batch still reads. Only as many values of a shape and
 dtype are donated as the program has outputs of it (jax warns about, and
-keeps, a buffer it cannot reuse). A failed program is run again part by part
-to find the batch the error belongs to, and a failed run has taken its
-donated buffers, so a part donates only when neither it nor a part of a
-newer batch contains a host callback or foreign function call (what can
-raise in a running program); should a part's input be gone all the same (a
-failure of another kind), the error is raised by this call, whichever batch
-it belongs to.
+keeps, a buffer it cannot reuse). A program with a part that can raise while
+it runs (a host callback or foreign function call) is waited for, so that
+its error is raised by the call that ran it, on a GPU too. A failed program
+is run again part by part to find the batch the error belongs to, and a
+failed run has taken its donated buffers, so a part donates only when
+neither it nor a part of a newer batch contains a host callback or foreign
+function call (what can raise in a running program); should a part's input
+be gone all the same (a failure of another kind), the error is raised by
+this call, whichever batch it belongs to (where XLA raises it at the call,
+as XLA:CPU does; a GPU raises it with the results).
 """
 
 from __future__ import annotations
@@ -348,10 +351,18 @@ class FusedRun:
       self.called.add(id(program))
       self.first_calls += 1
     args = [] if head is None else [*other_leaves, *self._inputs(head, self.k)]
+    may_raise = head is not None and head.split.may_raise[self.k]
     for j, entry in enumerate(runnable):
       if entry is not None:
         args += self._inputs(entry, j)
-    return program(*args)
+        may_raise = may_raise or entry.split.may_raise[j]
+    outs = program(*args)
+    if may_raise:
+      # Where XLA runs asynchronously (a GPU) a failing part's error comes
+      # with its results, and would take the older batch's results with
+      # it: waiting here raises it in ``_run``, which finds its batch.
+      outs = jax.block_until_ready(outs)
+    return outs
 
   @staticmethod
   def _inputs(entry: _InFlight, part: int) -> list:

@@ -93,6 +93,11 @@ class StagedRunner:
       if self._run is None:
         self._start(other_args, kwargs)
       outs = self._run.call(other_args, kwargs)
+      if any(self._run.last_split.may_raise):
+        # A host callback or foreign call can fail while the program runs:
+        # waiting for the results raises its error at this call on every
+        # platform (XLA:GPU would raise it when they are read).
+        outs = jax.block_until_ready(outs)
     except BaseException:
       self.close()
       raise
