@@ -14,7 +14,9 @@ the way chosen for top-level calls (compiler options included, which jax
 refuses inside another trace) and the way for calls traced inside another
 jit. From then on the call goes straight to ``jax.jit``'s C++ fast path,
 through ``functools.partial``'s own C call, where no choice between the two
-remains; on a GPU one Python check of the trace state decides.
+remains; on a GPU one Python check of the trace state decides. A function
+that reads its stream count from the option goes straight to the function
+for the count in force, until an option changes.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   Usable as ``@jaxstreams.jit``, ``@jaxstreams.jit(streams=4)`` or
   ``jaxstreams.jit(f, streams=4)``. ``streams`` is the number of stream
   groups (stream ids ``0 .. streams-1``, 0 the main stream); ``None`` reads
-  the ``jaxstreams_streams`` option each call, so an absl flag parsed after
-  decoration counts. Every other keyword is ``jax.jit``'s (``static_argnums``,
+  the ``jaxstreams_streams`` option at calls (again after an option
+  changes), so an absl flag parsed after decoration counts. Every other keyword is ``jax.jit``'s (``static_argnums``,
   ``donate_argnums``, ``in_shardings``, ...). The result has ``.lower``,
   ``.trace``, ``.eval_shape`` and ``.plan`` and gives exactly the results of
   ``jax.jit(fun)`` on CPU. ``auto=True`` lets the cost-model scheduler place
@@ -327,6 +329,16 @@ class StreamJit(functools.partial):
           self._children[streams] = child
     return child
 
+  def _by_option(self) -> "StreamJit":
+    """streams=None: the function for the option's count now. While that
+    count holds (``config.on_change`` says when it may not), calls go
+    straight to it, so reading the option costs a call nothing."""
+    with _BY_OPTION_LOCK:
+      child = self._for_streams(config.read("jaxstreams_streams"))
+      self._point_to(child)
+      _BY_OPTION.add(self)
+    return child
+
   def _jit(self, way: gpu.Way, *, top_level: bool, donate: bool = True):
     options = way.compiler_options(self._streams) if top_level else {}
     program = way.program if top_level else way.nested.program
@@ -507,6 +519,22 @@ class StreamJit(functools.partial):
                     "pickled either)")
 
 
+# The streams=None functions whose calls go straight to their option's count:
+# any change of the options sends them back to reading it.
+_BY_OPTION: "weakref.WeakSet[StreamJit]" = weakref.WeakSet()
+_BY_OPTION_LOCK = threading.RLock()
+
+
+def _option_changed() -> None:
+  with _BY_OPTION_LOCK:
+    for fn in list(_BY_OPTION):
+      fn._point_to(_first_call(weakref.ref(fn)))
+    _BY_OPTION.clear()
+
+
+config.on_change(_option_changed)
+
+
 def _unset(*args, **kwargs):
   raise AssertionError("a jaxstreams.jit function called while being made")
 
@@ -524,7 +552,7 @@ class _first_call:
   def __call__(self, *args, **kwargs):
     me = self.ref()
     if me._streams is None:
-      return me._for_streams(config.read("jaxstreams_streams"))(*args, **kwargs)
+      return me._by_option()(*args, **kwargs)
     if not _compat.at_top_level():
       return me._jit(me._nested_way(), top_level=False)(*args, **kwargs)
     return me._settle(args, kwargs)(*args, **kwargs)

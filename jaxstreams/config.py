@@ -46,8 +46,9 @@ def _at_least_one(value: int) -> str | None:
 
 _OPTIONS: dict[str, Option] = {}
 _explicit: dict[str, Any] = {}   # set with update()
-_resolved: dict[str, Any] = {}   # cache of read(); cleared by update()
+_resolved: dict[str, Any] = {}   # cache of read(); cleared by _changed()
 _from_env: dict[str, Any] = {}   # environment or default, read once per option
+_on_change: list[Callable[[], None]] = []   # called after update() and reset()
 
 
 def _define(option: Option) -> Option:
@@ -198,7 +199,7 @@ def update(name: str, value: Any) -> None:
   """Set an option for this process; overrides flags and environment."""
   option = _option(name)
   _explicit[name] = _validate(option, value, "jaxstreams.config.update")
-  _resolved.clear()
+  _changed()
 
 
 def reset(name: str | None = None) -> None:
@@ -208,34 +209,42 @@ def reset(name: str | None = None) -> None:
     _explicit.clear()
   else:
     _explicit.pop(_option(name).name, None)
-  _resolved.clear()
   _from_env.clear()
+  _changed()
+
+
+def _changed() -> None:
+  _resolved.clear()
+  for callback in _on_change:
+    callback()
+
+
+def on_change(callback: Callable[[], None]) -> None:
+  """Call ``callback()`` whenever what ``read`` gives may have changed:
+  after ``update`` and ``reset``, and when absl parses or sets one of the
+  flags. For whoever keeps what ``read`` said."""
+  _on_change.append(callback)
 
 
 def read(name: str) -> Any:
   """The value in force: update() > absl flag on the command line > env > default."""
   value = _resolved.get(name, _resolved)
-  if value is not _resolved:
-    return value
-  option = _option(name)
-  value, final = _resolve(option)
-  if final:
-    _resolved[name] = value
+  if value is _resolved:
+    value = _resolved[name] = _resolve(_option(name))
   return value
 
 
-def _resolve(option: Option) -> tuple[Any, bool]:
-  """The value and whether it may be cached (not before absl has parsed)."""
+def _resolve(option: Option) -> Any:
   if option.name in _explicit:
-    return _explicit[option.name], True
-  flag_value, flags_settled = _absl_value(option)
+    return _explicit[option.name]
+  flag_value = _absl_value(option)
   if flag_value is not None:
-    return _validate(option, flag_value, f"flag --{option.name}"), True
+    return _validate(option, flag_value, f"flag --{option.name}")
   if option.name not in _from_env:
     text = os.environ.get(option.env_var)
     _from_env[option.name] = (option.default if text is None
                               else _parse_env(option, text))
-  return _from_env[option.name], flags_settled
+  return _from_env[option.name]
 
 
 # ---------------------------------------------------------------------------
@@ -248,17 +257,14 @@ def _absl_flags():
   return sys.modules["absl.flags"].FLAGS
 
 
-def _absl_value(option: Option) -> tuple[Any, bool]:
-  """(value given on the command line or None, whether flags are settled)."""
+def _absl_value(option: Option) -> Any:
+  """The value given on the command line (or set by the program), or None.
+  Before absl parses there is none; the parse tells ``_flag_validator``."""
   flags = _absl_flags()
-  if flags is None:
-    return None, True
-  if not flags.is_parsed():
-    return None, False
-  if option.name not in flags:
-    return None, True
+  if flags is None or not flags.is_parsed() or option.name not in flags:
+    return None
   flag = flags[option.name]
-  return (flag.value if flag.present else None), True
+  return flag.value if flag.present else None
 
 
 def _define_absl_flags() -> None:
@@ -270,12 +276,21 @@ def _define_absl_flags() -> None:
   definers = {int: flags.DEFINE_integer, bool: flags.DEFINE_bool,
               str: flags.DEFINE_string}
   for option in _OPTIONS.values():
-    if option.name in flags.FLAGS:
-      continue  # defined already (a reload, or another copy of jaxstreams)
     try:
-      definers[option.type](option.name, None, option.help)
+      if option.name not in flags.FLAGS:  # else: a reload, or another copy
+        definers[option.type](option.name, None, option.help)
+      flags.register_validator(option.name, _flag_validator)
     except flags.Error:
       pass
+
+
+def _flag_validator(value: Any) -> bool:
+  """absl runs this for each of our flags once it has parsed the command
+  line, and when a program sets the flag: what ``read`` said may have
+  changed. Accepts every value (``_validate`` judges it when read)."""
+  del value
+  _changed()
+  return True
 
 
 _define_absl_flags()

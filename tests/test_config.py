@@ -62,6 +62,32 @@ def test_bad_values_in_code(value, error):
   assert config.read("jaxstreams_streams") == 1   # nothing half-set
 
 
+def test_a_function_reading_the_option_follows_every_change():
+  """streams=None: calls go straight to the function for the count in
+  force, and every update() or reset() is seen by the next call."""
+  import jax.numpy as jnp
+  import jaxstreams
+
+  @jaxstreams.jit
+  def f(x):
+    with jaxstreams.stream(2):
+      return x + 1
+
+  x = jnp.ones(2)
+  for streams in (1, 3, 3, 1):
+    if streams == 1:
+      config.reset("jaxstreams_streams")
+    else:
+      config.update("jaxstreams_streams", streams)
+    for _ in range(2):      # the first call settles, the second goes straight
+      if streams == 1:
+        with pytest.raises(jaxstreams.StreamIdError, match="2"):
+          f(x)
+      else:
+        assert f(x).tolist() == [2.0, 2.0]
+    assert f.func._streams == streams   # where calls go now
+
+
 def _run(code, *argv, env=None):
   full_env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSTREAMS_")}
   full_env.update(env or {})
@@ -91,6 +117,31 @@ def test_absl_flag_sets_the_option():
   result = _run(ABSL_PROGRAM, "--jaxstreams_streams=4")
   assert result.returncode == 0, result.stderr
   assert "streams 4" in result.stdout and "plan 4" in result.stdout
+
+
+def test_a_function_called_before_absl_parses_sees_the_flag_after():
+  result = _run("""
+      import jaxstreams, jax.numpy as jnp
+      from absl import app
+
+      @jaxstreams.jit
+      def f(x):
+        with jaxstreams.stream(3):
+          return x + 1
+
+      try:
+        f(jnp.ones(2))        # one stream until the flags are parsed
+      except jaxstreams.StreamIdError:
+        print("before: one stream")
+
+      def main(argv):
+        print("after", f(jnp.ones(2)).tolist())
+
+      app.run(main)
+  """, "--jaxstreams_streams=4")
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.split("\n")[:2] == ["before: one stream",
+                                           "after [2.0, 2.0]"]
 
 
 def test_absl_flag_beats_the_environment():
