@@ -1,7 +1,7 @@
 """Planning time for programs of 100, 1,000 and 10,000 equations.
 
 What is timed is the pipeline after tracing (tag exposure, assignment with
-automatic splitting on, partitioning, the estimated schedule: what a
+spreading on, partitioning, the estimated schedule: what a
 ``jaxstreams.jit`` trace runs before lowering): ``jaxstreams._pipeline.
 plan_program`` on a traced jaxpr. The user's ``StreamPlan`` report (value
 names, source lines), made only when asked for, is not timed. The
@@ -69,7 +69,7 @@ def main():
     for _ in range(args.reps):
       start = time.perf_counter()
       partitioned = _pipeline.plan_program(closed, 4, "benchmark", "program",
-                                           PlanOptions(auto=True))
+                                           PlanOptions(spread=True))
       times.append(time.perf_counter() - start)
     plan = report(partitioned)   # the user's report, made only on request
     median = statistics.median(times)

@@ -31,8 +31,8 @@ alternating configurations; the median steps/s is reported, with the
 slowest and fastest run. Steady state is what is measured: starting the
 pipeline (thread, first batch) costs one producer period per run, so use
 enough steps (the default 200 makes that 0.5%). `prefetch` is
-`jaxstreams.prefetch` with its default transfer ("auto"); `prefetch_device_put`
-and `prefetch_stage_area` force each transfer path.
+`jaxstreams.prefetch` with its default transfer ("by_platform");
+`prefetch_device_put` and `prefetch_stage_area` force each transfer path.
 
 The transfer paths themselves: a third case, "transfer", has a free
 producer (batches made in advance) of `--transfer-mb` MiB each and a consumer
@@ -41,8 +41,8 @@ items onto the device. It compares jax.device_put ahead of time (flax's
 prefetch_to_device), prefetch with transfer="device_put" and prefetch with
 transfer="stage_area" (the runtime's StageArea: slots, copy stream, ready
 events; on CPU the CPU runtime's host slots and copy worker). The faster of
-the two prefetch paths here is what `transfer="auto"` should pick on this
-backend; the output says whether `AUTO_TRANSFER` agrees.
+the two prefetch paths here is what `transfer="by_platform"` should pick on
+this backend; the output says whether `BY_PLATFORM_TRANSFER` agrees.
 
   python benchmarks/prefetch.py [--steps 200] [--repeats 5] [--out DIR]
 """
@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
-from jaxstreams.stage.prefetch import AUTO_TRANSFER
+from jaxstreams.stage.prefetch import BY_PLATFORM_TRANSFER
 
 BATCH, WIDTH, HIDDEN = 256, 64, 512
 
@@ -175,7 +175,7 @@ def run_threaded_queue(step, params, batches, size=2):
   thread.join()
 
 
-def run_prefetch(step, params, batches, size=2, transfer="auto"):
+def run_prefetch(step, params, batches, size=2, transfer="by_platform"):
   with jaxstreams.prefetch(batches, size=size, transfer=transfer) as it:
     for b in it:
       step(params, b).block_until_ready()
@@ -445,12 +445,14 @@ def main():
   measured = max(counts, key=counts.get)
   if list(counts.values()).count(counts[measured]) > 1:
     measured = None
-  auto = AUTO_TRANSFER.get(backend, "device_put")
-  verdict = ("agrees" if auto == measured else
-             f"no path wins most sizes, so {auto!r} stays" if measured is None
-             else "DISAGREES: update AUTO_TRANSFER in jaxstreams/stage/_transfer.py")
+  by_platform = BY_PLATFORM_TRANSFER.get(backend, "device_put")
+  verdict = ("agrees" if by_platform == measured else
+             f"no path wins most sizes, so {by_platform!r} stays"
+             if measured is None else
+             "DISAGREES: update BY_PLATFORM_TRANSFER in "
+             "jaxstreams/stage/_transfer.py")
   print(f"\nfaster prefetch transfer on {backend}, by item size: {wins}; "
-        f"transfer='auto' picks {auto!r}: {verdict}")
+        f"transfer='by_platform' picks {by_platform!r}: {verdict}")
 
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"prefetch_{jax.default_backend()}.json")
@@ -462,8 +464,9 @@ def main():
                "step_cores_busy": step_cores, "parallel_capacity": capacity,
                "steps": args.steps, "repeats": args.repeats, "cases": results,
                "transfer": transfer,
-               "transfer_faster": wins, "auto_transfer": auto,
-               "auto_agrees_with_measurement": auto == measured or measured is None},
+               "transfer_faster": wins, "by_platform_transfer": by_platform,
+               "by_platform_agrees_with_measurement":
+                   by_platform == measured or measured is None},
               f, indent=2)
   print(f"\nwrote {path}")
 

@@ -16,19 +16,19 @@ Loops, in the same run:
 
 * ``plain``: ``for b in data: out = step(w, b)``;
 * ``prefetch``: the same loop over ``jaxstreams.prefetch(data)``, the
-  default ``mode="auto"`` (the JSON records the way it chose);
+  default ``mode="measured"`` (the JSON records the way it chose);
 * ``workers``: over ``jaxstreams.prefetch(data, mode="workers")``, worker
-  threads always (what ``auto`` steps aside from, for reference);
+  threads always (what ``measured`` steps aside from, for reference);
 * ``workers16``: the same with ``size=16`` (a longer lookahead: more room
   for a worker's late wake-ups);
-* ``auto16``: ``jaxstreams.prefetch(data, size=16)``, the default mode with
-  that lookahead;
+* ``measured16``: ``jaxstreams.prefetch(data, size=16)``, the default mode
+  with that lookahead;
 * ``staged``: ``jaxstreams.staged(step, data=data)`` with the batch's
   preprocessing in ``jaxstreams.stage(...)``, called once per batch: the
-  default ``mode="auto"`` (the JSON records the way it chose, and its
+  default ``mode="measured"`` (the JSON records the way it chose, and its
   trials);
-* ``fused``: the same with ``mode="fused"``, staged always (what ``auto``
-  steps aside from, for reference);
+* ``fused``: the same with ``mode="fused"``, staged always (what
+  ``measured`` steps aside from, for reference);
 * ``bare``: the plain loop over a generator that places each batch with
   the call prefetch places items with and does nothing else: the least any
   Python-level iterator handing out device arrays costs, for reference.
@@ -170,7 +170,7 @@ def run_plain(step, w, data, read):
   return float(out)
 
 
-def run_prefetch(step, w, data, read, mode="auto", size=2):
+def run_prefetch(step, w, data, read, mode="measured", size=2):
   """The plain loop, fed by ``jaxstreams.prefetch`` instead of the data;
   returns its result and the iterator's stats."""
   with jaxstreams.prefetch(data, size, mode=mode) as it:
@@ -188,7 +188,7 @@ def bare(data):
     yield place(b, _any_dtype)
 
 
-def run_staged(step, w, data, read, steps, mode="auto"):
+def run_staged(step, w, data, read, steps, mode="measured"):
   """The loop over ``jaxstreams.staged``; returns its result and the
   runner's stats."""
   out = None
@@ -212,12 +212,12 @@ def source(batches, io_ms):
   return read()
 
 
-LOOPS = ("plain", "prefetch", "workers", "workers16", "auto16", "staged",
+LOOPS = ("plain", "prefetch", "workers", "workers16", "measured16", "staged",
          "fused", "bare")
 
 
 def _choice(stats):
-  """What a default (auto) mode chose, from its stats."""
+  """What a default (measured) mode chose, from its stats."""
   return {"mode": stats["mode"], "switches": stats["switches"],
           "trials": stats["trials"], "reason": stats["mode_reason"]}
 
@@ -236,14 +236,14 @@ def measure(step, w, batches, read, io_ms, rounds):
         results[name] = run_plain(step, w, data, read)
       elif name == "bare":
         results[name] = run_plain(step, w, bare(data), read)
-      elif name in ("prefetch", "workers", "workers16", "auto16"):
-        mode = "workers" if name.startswith("workers") else "auto"
+      elif name in ("prefetch", "workers", "workers16", "measured16"):
+        mode = "workers" if name.startswith("workers") else "measured"
         size = 16 if name.endswith("16") else 2
         results[name], stats = run_prefetch(step, w, data, read, mode, size)
-        if mode == "auto":
+        if mode == "measured":
           chose[name] = _choice(stats)
       else:
-        mode = "auto" if name == "staged" else "fused"
+        mode = "measured" if name == "staged" else "fused"
         results[name], stats = run_staged(step, w, data, read, steps, mode)
         if name == "staged":
           chose["staged"] = _choice(stats)
@@ -295,7 +295,7 @@ def main():
         f"ratio = plain / loop, paired per round (> 1: faster)")
   header = (f"{'step':>7} {'producer':>8} {'read':>4} {'plain us':>9} "
             + " ".join(f"{name:>9}" for name in LOOPS[1:])
-            + "   prefetch, auto16, staged chose")
+            + "   prefetch, measured16, staged chose")
   print(header)
   rows, lines = [], [header]
   for target in step_ms:
@@ -313,7 +313,7 @@ def main():
         continue
       io_ms = target if producer == "io" else 0.0
       for read in (True, False):
-        with warnings.catch_warnings():   # auto's step-aside notice: expected
+        with warnings.catch_warnings():   # the step-aside notice: expected
           warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
           measure(step, w, batches[:8], read, 0.0, 1)   # compile, warm
           load_before = _common.load()
@@ -329,9 +329,9 @@ def main():
                "seconds_per_step_median": median,
                "seconds_per_step_samples": samples,
                "paired_ratio_to_plain": ratios,
-               "prefetch_auto": chose["prefetch"],
-               "prefetch_auto_size16": chose["auto16"],
-               "staged_auto": chose["staged"],
+               "prefetch_measured": chose["prefetch"],
+               "prefetch_measured_size16": chose["measured16"],
+               "staged_measured": chose["staged"],
                "load_average_before": load_before,
                "load_average_after": _common.load()}
         if producer == "free":
@@ -344,7 +344,7 @@ def main():
                 + "   " + ", ".join(
                     f"{c['mode']} ({c['switches']} switches, "
                     f"{len(c['trials'])} trials)"
-                    for c in (chose["prefetch"], chose["auto16"],
+                    for c in (chose["prefetch"], chose["measured16"],
                               chose["staged"])))
         print(line, flush=True)
         lines.append(line)

@@ -8,9 +8,9 @@ time. Three ways of serving, measured in the same run:
 * ``jax.jit`` (the baseline): every client thread calls ``jax.jit(mlp)(x)``
   itself;
 * ``serve``: every client calls ``jaxstreams.serve(mlp, groups=G)`` in its
-  default ``mode="auto"``: each request runs as ``jax.jit`` in its caller's
-  thread, on XLA:CPU (one stream) and, since grouped requests measured
-  slower on an H100, on a GPU too;
+  default ``mode="by_platform"``: each request runs as ``jax.jit`` in its
+  caller's thread, on XLA:CPU (one stream) and, since grouped requests
+  measured slower on an H100, on a GPU too;
 * ``grouped`` (for reference): the same server forced to ``mode="grouped"``
   (``--no-grouped`` leaves it out).
 

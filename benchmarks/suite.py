@@ -236,7 +236,7 @@ def markdown(report: dict) -> str:
   chose = [r for r in report["results"] if r.get("candidate_chose")]
   if chose:
     lines += ["", "What the candidate chose while it was timed "
-              "(`mode=\"auto\"`, every loop, warm-up included):", ""]
+              "(`mode=\"measured\"`, every loop, warm-up included):", ""]
     for r in chose:
       c = r["candidate_chose"]
       lines.append(

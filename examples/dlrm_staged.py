@@ -30,7 +30,7 @@ Three loops over the same batches, from the same parameters:
   towers, update; its stream plan kept) for this batch and, on a stream of
   its own, the data-only part of the step (the count transform, the
   per-feature id offsets, the labels) for the next batch. By default
-  (`mode="auto"`) the runner does so only where its own measurements say
+  (`mode="measured"`) the runner does so only where its own measurements say
   staging pays, and otherwise runs the plain step on batches read in the
   caller's thread; the example prints which way it ran.
 * prefetch: `for batch in jaxstreams.prefetch(prepared_batches):` the same

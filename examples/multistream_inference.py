@@ -9,10 +9,11 @@ MLP classifier with fixed random weights), `jaxstreams.serve(model,
 groups=N)` is the session, and `--threads` client threads send `--requests`
 requests in all. With ``mode="grouped"``, requests that arrive together run
 as one execution, each on its own stream group. serve's default,
-``mode="auto"``, runs each request as ``jax.jit`` in its caller's thread
-instead, which measured faster on CPU and on an H100 (jax 0.11.2, where
-grouped requests reached 0.35x-0.55x of plain threads); so groups=N here asks
-for ``mode="grouped"`` to show the stream groups at work.
+``mode="by_platform"``, runs each request as ``jax.jit`` in its caller's
+thread instead on every platform where that measured faster: CPU and an
+H100 (jax 0.11.2, where grouped requests reached 0.35x-0.55x of plain
+threads); so groups=N here asks for ``mode="grouped"`` to show the stream
+groups at work.
 
 The example runs the same requests with groups=1 (the default mode) and with
 groups=N (grouped), prints
@@ -114,7 +115,7 @@ def main():
   all_equal = True
   throughput = {}
   for groups in sorted({1, args.groups}):
-    mode = "grouped" if groups > 1 else "auto"
+    mode = "grouped" if groups > 1 else "by_platform"
     with jaxstreams.serve(model, groups=groups, mode=mode) as server:
       run(server, distinct, args.threads)              # compile and warm up
       outputs, seconds = run(server, inputs, args.threads)

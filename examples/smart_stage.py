@@ -40,7 +40,7 @@ the consumer share the cores: with `--read_ms=0` on a small, busy machine
 (two cores, others' work on them) staging costs more than it hides, since
 there is no free core to overlap on and each hand-off between the
 pipeline's threads costs some tenths of a millisecond per step. The runner
-(default `mode="auto"`) measures that itself: it stages where reading a
+(default `mode="measured"`) measures that itself: it stages where reading a
 batch is worth hiding and otherwise runs the plain step on batches read in
 the caller's thread, and says so; the example prints which way it ran.
 

@@ -55,7 +55,7 @@ def _check_streams(streams: Any, source: str) -> int:
 
 
 def jit(fun: Callable | None = None, *, streams: int | None = None,
-        auto: bool | None = None, gpu_lowering: str | None = None,
+        spread: bool | None = None, gpu_lowering: str | None = None,
         **jit_kwargs: Any):
   """Like ``jax.jit``, with a stream plan of the function's stream blocks.
 
@@ -66,9 +66,10 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   changes), so an absl flag parsed after decoration counts. Every other keyword is ``jax.jit``'s (``static_argnums``,
   ``donate_argnums``, ``in_shardings``, ...). The result has ``.lower``,
   ``.trace``, ``.eval_shape`` and ``.plan`` and gives exactly the results of
-  ``jax.jit(fun)`` on CPU. ``auto=True`` lets the cost-model scheduler place
-  what no block placed (``None`` reads the ``jaxstreams_auto`` option). Plan
-  options are read when the function is traced.
+  ``jax.jit(fun)`` on CPU. ``spread=True`` lets the cost-model scheduler
+  spread what no block placed over the streams, where its estimate says the
+  split pays (``None`` reads the ``jaxstreams_spread`` option). Plan options
+  are read when the function is traced.
 
   ``gpu_lowering`` is how a plan of several streams runs on a GPU (see
   ``jaxstreams.lower.gpu``): ``"default"`` (XLA's CONCURRENT CUDA graphs at
@@ -84,9 +85,9 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   """
   if streams is not None:
     _check_streams(streams, "jaxstreams.jit")
-  if auto is not None and not isinstance(auto, bool):
-    raise TypeError(f"jaxstreams.jit: auto must be True, False or None (read "
-                    f"the jaxstreams_auto option), got {auto!r}")
+  if spread is not None and not isinstance(spread, bool):
+    raise TypeError(f"jaxstreams.jit: spread must be True, False or None "
+                    f"(read the jaxstreams_spread option), got {spread!r}")
   if gpu_lowering is not None and gpu_lowering not in gpu.NAMES:
     raise ValueError(f"jaxstreams.jit: gpu_lowering must be one of "
                      f"{', '.join(map(repr, gpu.NAMES))} or None "
@@ -95,11 +96,11 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   unknown = sorted(set(jit_kwargs) - _JIT_PARAMETERS)
   if unknown:
     raise TypeError(f"jaxstreams.jit got unexpected keyword argument(s) "
-                    f"{', '.join(unknown)}; it takes streams=, auto=, "
+                    f"{', '.join(unknown)}; it takes streams=, spread=, "
                     f"gpu_lowering= and the keywords of jax.jit: "
                     f"{', '.join(sorted(_JIT_PARAMETERS))}")
   if fun is None:
-    return lambda f: jit(f, streams=streams, auto=auto,
+    return lambda f: jit(f, streams=streams, spread=spread,
                          gpu_lowering=gpu_lowering, **jit_kwargs)
   _compat.hide_package_frames()
   # jax.jit's own checks and messages for what it does not take (a
@@ -110,7 +111,7 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
     # Its jax.jit functions are made from now on: its plan must report
     # the way they run.
     gpu_lowering = config.read("jaxstreams_gpu_lowering")
-  spec = _Spec(fun, streams, auto, dict(jit_kwargs), gpu_lowering)
+  spec = _Spec(fun, streams, spread, dict(jit_kwargs), gpu_lowering)
   wrapper = StreamJit(spec, streams)
   if streams is None:
     wrapper._for_streams(1)   # let jax.jit check its keywords now
@@ -119,7 +120,7 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
 
 def spec_of(fun: Any) -> "_Spec | None":
   """What ``jaxstreams.jit`` was given to make ``fun`` (its function,
-  ``streams``, ``auto`` and ``jax.jit`` keywords), or None when ``fun`` is
+  ``streams``, ``spread`` and ``jax.jit`` keywords), or None when ``fun`` is
   not a ``jaxstreams.jit`` function. The one way to ask."""
   return fun._spec if isinstance(fun, StreamJit) else None
 
@@ -133,14 +134,14 @@ class _Staged:
   would keep the function alive forever. The ``jaxstreams.jit`` functions
   handed to users hold the function strongly."""
 
-  def __init__(self, fun: Callable, streams: int, auto: bool | None,
+  def __init__(self, fun: Callable, streams: int, spread: bool | None,
                source: str, program: str, shared: bool):
     if shared:
       self._fun_ref = weakref.ref(fun)
     else:   # held by its jit object only: no cycle, hold the function
       self._fun_ref = lambda fun=fun: fun
     self.streams = streams
-    self.auto = auto
+    self.spread = spread
     self.source = source
     self.program = program
     for name in ("__module__", "__name__", "__qualname__", "__doc__"):
@@ -158,25 +159,25 @@ class _Staged:
       # Under jax.disable_jit() jax.jit runs the function as plain Python;
       # so do we (stream() blocks are then name scopes that do nothing).
       return fun(*args, **kwargs)
-    plan, out_tree, dynamic = make_plan(fun, self.streams, self.auto,
+    plan, out_tree, dynamic = make_plan(fun, self.streams, self.spread,
                                         self.source, args, kwargs)
     outs = emit(plan, dynamic, profile=profiling_now(),
                 gpu_lowering=self.program)
     return tree_util.tree_unflatten(out_tree, outs)
 
 
-# function -> {(streams, auto, source, program): _Staged}, the function
+# function -> {(streams, spread, source, program): _Staged}, the function
 # held weakly.
 _STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
 _STAGED_LOCK = threading.Lock()
 
 
-def _staged_for(fun: Callable, streams: int, auto: bool | None,
+def _staged_for(fun: Callable, streams: int, spread: bool | None,
                 source: str, program: str) -> _Staged:
   """The shared staged function of ``fun``. Only callables compared by
   identity are shared: an equal but distinct callable (a bound method made
   again) would find the entry of one that may die before it."""
-  args = (streams, auto, source, program)
+  args = (streams, spread, source, program)
   if type(fun).__eq__ is not object.__eq__:
     return _Staged(fun, *args, shared=False)
   with _STAGED_LOCK:
@@ -195,11 +196,11 @@ class _Spec:
   and holds none of them, so nothing here forms a reference cycle with the
   user's function."""
 
-  def __init__(self, fun: Callable, streams: int | None, auto: bool | None,
+  def __init__(self, fun: Callable, streams: int | None, spread: bool | None,
                jit_kwargs: dict[str, Any], gpu_lowering: str | None = None):
     self.fun = fun
     self.streams = streams
-    self.auto = auto
+    self.spread = spread
     self.jit_kwargs = jit_kwargs
     self.gpu_lowering = gpu_lowering   # None: the option's, when made
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
@@ -235,7 +236,8 @@ class _Spec:
     """A ``jax.jit`` function of the shared staged function of ``program``
     (``"inline"`` or ``"streams"``), with the way's ``compiler_options``
     under the user's own."""
-    staged = _staged_for(self.fun, streams, self.auto, self.source, program)
+    staged = _staged_for(self.fun, streams, self.spread, self.source,
+                         program)
     kwargs = dict(self.jit_kwargs)
     options = {**(compiler_options or {}), **(kwargs.get("compiler_options") or {})}
     if options:
@@ -252,7 +254,7 @@ class _Spec:
 
     @functools.wraps(self.fun)
     def plan_only(*a, **k):
-      plans.append(make_plan(self.fun, streams, self.auto, self.source,
+      plans.append(make_plan(self.fun, streams, self.spread, self.source,
                              a, k)[0])
 
     trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
@@ -261,7 +263,7 @@ class _Spec:
     return report(plans[0])
 
 
-def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,
+def make_plan(fun: Callable, streams: int, spread: bool | None, source: str,
               args, kwargs) -> tuple[PartitionedProgram, Any, list]:
   """Trace the user function on the traced arguments and plan it: the
   partitioned program (what ``emit`` lowers), the output tree and the
@@ -273,7 +275,7 @@ def make_plan(fun: Callable, streams: int, auto: bool | None, source: str,
   closed, dynamic, out_tree = trace(
       fun, args, kwargs, traced=lambda leaf: isinstance(leaf, jax.core.Tracer))
   plan = _pipeline.plan_program(closed, streams, source, _function_name(fun),
-                                _pipeline.options_from_config(auto))
+                                _pipeline.options_from_config(spread))
   return plan, out_tree, dynamic
 
 
@@ -322,7 +324,7 @@ class StreamJit(functools.partial):
       with self._lock:
         child = self._children.get(streams)
         if child is None:
-          child = StreamJit(_Spec(self._spec.fun, streams, self._spec.auto,
+          child = StreamJit(_Spec(self._spec.fun, streams, self._spec.spread,
                                   self._spec.jit_kwargs,
                                   self._spec.lowering()), streams)
           child._spec.source = self._spec.source
@@ -630,8 +632,8 @@ def _own_inputs_run(compiled, dynamic) -> Callable[[], Any]:
   return lambda: compiled(*args, **kwargs)
 
 
-def plan(fun: Callable, *, streams: int | None = None, auto: bool | None = None,
-         gpu_lowering: str | None = None,
+def plan(fun: Callable, *, streams: int | None = None,
+         spread: bool | None = None, gpu_lowering: str | None = None,
          **jit_kwargs: Any) -> Callable[..., StreamPlan]:
   """``jaxstreams.plan(f, streams=4)(*args)``: the ``StreamPlan`` of ``f``.
 
@@ -640,13 +642,14 @@ def plan(fun: Callable, *, streams: int | None = None, auto: bool | None = None,
   """
   spec = spec_of(fun)
   if spec is not None:
-    if streams is None and auto is None and gpu_lowering is None and not jit_kwargs:
+    if (streams is None and spread is None and gpu_lowering is None
+        and not jit_kwargs):
       return fun.plan
     fun, jit_kwargs = spec.fun, {**spec.jit_kwargs, **jit_kwargs}
     streams = streams if streams is not None else spec.streams
-    auto = auto if auto is not None else spec.auto
+    spread = spread if spread is not None else spec.spread
     gpu_lowering = gpu_lowering or spec.gpu_lowering
-  return jit(fun, streams=streams, auto=auto, gpu_lowering=gpu_lowering,
+  return jit(fun, streams=streams, spread=spread, gpu_lowering=gpu_lowering,
              **jit_kwargs).plan
 
 

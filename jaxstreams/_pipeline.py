@@ -13,8 +13,8 @@ import gc
 
 from jaxstreams import config
 from jaxstreams.assign import (DEFAULT_DEVICE, DeviceModel, Placement,
-                               StreamRules, assign_streams, auto_assign,
-                               equation_cost, load_rules)
+                               StreamRules, assign_streams, equation_cost,
+                               load_rules, spread_assign)
 from jaxstreams.partition import PartitionedProgram, partition
 from jaxstreams.partition.schedule import estimate
 from jaxstreams.tag import expose_tags
@@ -31,18 +31,19 @@ class PlanOptions:
   not in a stage: each stage takes only the fields it needs (assignment the
   rules and forward propagation; scheduling the device model; the report
   ``reduce_stream_wait``), and this module hands them out."""
-  auto: bool = False
+  spread: bool = False
   forward_propagation: bool = False
   rules: StreamRules | None = None
   reduce_stream_wait: bool = True
   device: DeviceModel = DEFAULT_DEVICE
 
 
-def options_from_config(auto: bool | None = None) -> PlanOptions:
-  """PlanOptions from the jaxstreams_* options in force (``auto`` overrides)."""
+def options_from_config(spread: bool | None = None) -> PlanOptions:
+  """PlanOptions from the jaxstreams_* options in force (``spread``
+  overrides)."""
   path = config.read("jaxstreams_stream_from_file")
   return PlanOptions(
-      auto=config.read("jaxstreams_auto") if auto is None else auto,
+      spread=config.read("jaxstreams_spread") if spread is None else spread,
       forward_propagation=config.read("jaxstreams_forward_propagation"),
       rules=load_rules(path) if path else None,
       reduce_stream_wait=config.read("jaxstreams_reduce_stream_wait"))
@@ -75,8 +76,8 @@ def _plan(closed_jaxpr, streams, source, function_name,
   graph = partition(program, [p.stream for p in placements])
   schedule = estimate(graph, seconds, options.device, work, program)
   summary = ""
-  if options.auto:
-    placements, graph, schedule, summary = _try_auto(
+  if options.spread:
+    placements, graph, schedule, summary = _try_spread(
         program, placements, graph, schedule, seconds, work, streams, options)
   return PartitionedProgram(
       function_name=function_name, streams=streams, program=program,
@@ -85,29 +86,31 @@ def _plan(closed_jaxpr, streams, source, function_name,
       reduce_stream_wait=options.reduce_stream_wait)
 
 
-def _try_auto(program, placements, graph, schedule, seconds, work, streams,
-              options):
+def _try_spread(program, placements, graph, schedule, seconds, work, streams,
+                options):
   """Let the scheduler place the unplaced equations; keep its plan only if
   its estimated step time beats the plan without it by a clear margin."""
   fixed = [None if p.rule == "main" else p.stream for p in placements]
   if streams == 1 or all(f is not None for f in fixed):
-    return placements, graph, schedule, ("auto: nothing to place" if streams > 1
-                                         else "auto: streams=1, nothing to split")
-  chosen = auto_assign(program, fixed, streams, seconds, options.device)
-  auto_placements = [p if f is not None else Placement(s, "auto", p.note)
-                     for p, f, s in zip(placements, fixed, chosen)]
-  auto_graph = partition(program, [p.stream for p in auto_placements])
-  auto_schedule = estimate(auto_graph, seconds, options.device, work, program)
-  before, after = schedule.makespan, auto_schedule.makespan
-  moved = sum(p.rule == "auto" and p.stream != 0 for p in auto_placements)
+    return placements, graph, schedule, (
+        "spread: nothing to place" if streams > 1
+        else "spread: streams=1, nothing to split")
+  chosen = spread_assign(program, fixed, streams, seconds, options.device)
+  spread_placements = [p if f is not None else Placement(s, "spread", p.note)
+                       for p, f, s in zip(placements, fixed, chosen)]
+  spread_graph = partition(program, [p.stream for p in spread_placements])
+  spread_schedule = estimate(spread_graph, seconds, options.device, work,
+                             program)
+  before, after = schedule.makespan, spread_schedule.makespan
+  moved = sum(p.rule == "spread" and p.stream != 0 for p in spread_placements)
   figures = (f"estimated {after * 1e6:.1f} us split vs {before * 1e6:.1f} us "
              "with unplaced equations on the main stream")
   if moved and before - after > MIN_RELATIVE_GAIN * before:
-    return (auto_placements, auto_graph, auto_schedule,
-            f"auto: split pays, {moved} equations moved off the main stream "
+    return (spread_placements, spread_graph, spread_schedule,
+            f"spread: split pays, {moved} equations moved off the main stream "
             f"({figures})")
-  kept = [Placement(0, "auto", p.note) if f is None else p
+  kept = [Placement(0, "spread", p.note) if f is None else p
           for p, f in zip(placements, fixed)]
   return (kept, graph, schedule,
-          f"auto: no split pays ({figures}); unplaced equations stay on the "
+          f"spread: no split pays ({figures}); unplaced equations stay on the "
           "main stream")

@@ -70,10 +70,11 @@ PROFILE = _define(Option(
     ))
 
 
-AUTO = _define(Option(
-    "jaxstreams_auto", bool, False,
-    "Assign the equations nobody placed with the cost-model scheduler; the "
-    "split is kept only when its estimated step time is lower."))
+SPREAD = _define(Option(
+    "jaxstreams_spread", bool, False,
+    "Spread the equations nobody placed over the streams with the cost-model "
+    "scheduler; the split is kept only when its estimated step time is "
+    "lower (jaxstreams.jit(spread=...) decides for one function)."))
 
 FORWARD_PROPAGATION = _define(Option(
     "jaxstreams_forward_propagation", bool, False,

@@ -41,7 +41,7 @@ import pytest
 
 import jaxstreams
 
-from jaxstreams.stage import _auto
+from jaxstreams.stage import _measured
 from programs import FlippingChooser, jaxstreams_threads, wait_until
 
 jax.config.update("jax_num_cpu_devices", 4)
@@ -77,12 +77,12 @@ def stream_calls():
 @pytest.fixture(params=["fused", "threads", "plain", "switching"])
 def staged_mode(request, monkeypatch):
   """The ``mode=`` to pass to ``jaxstreams.staged`` for one way of running:
-  staged (fused, or threads), plain, and ``mode="auto"`` with its chooser
+  staged (fused, or threads), plain, and ``mode="measured"`` with its chooser
   replaced by one that switches between plain and fused every two calls,
   so that every promise is checked across switches."""
   if request.param == "switching":
-    monkeypatch.setattr(_auto, "Chooser", FlippingChooser)
-    return "auto"
+    monkeypatch.setattr(_measured, "Chooser", FlippingChooser)
+    return "measured"
   return request.param
 
 

@@ -174,13 +174,14 @@ def keyboard_interrupt_after(seconds, then=None):
 
 
 class FlippingChooser:
-  """Stands in for ``mode="auto"``'s chooser (``jaxstreams.stage._chooser
-  .Chooser``, shared by prefetch and staged) and switches between its two
-  ways every ``every`` items (prefetch) or calls (staged) it is shown, so
-  that every promise is checked across switches: ``monkeypatch.setattr(
-  module, "Chooser", FlippingChooser)``, or a ``functools.partial`` of it
-  with another ``every``. (Its windows, as the ``Meter`` sums them, are
-  ``every`` items of the way it runs, and each ends in a switch.)"""
+  """Stands in for ``mode="measured"``'s chooser
+  (``jaxstreams.stage._chooser.Chooser``, shared by prefetch and staged)
+  and switches between its two ways every ``every`` items (prefetch) or
+  calls (staged) it is shown, so that every promise is checked across
+  switches: ``monkeypatch.setattr(module, "Chooser", FlippingChooser)``,
+  or a ``functools.partial`` of it with another ``every``. (Its windows, as
+  the ``Meter`` sums them, are ``every`` items of the way it runs, and each
+  ends in a switch.)"""
 
   def __init__(self, size, words, verify=False, unseen_gain=False,
                shares_cores=False, unseen_cycle_s=float("inf"),

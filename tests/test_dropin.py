@@ -26,7 +26,7 @@ def off_main_region(c):
 
 
 def untagged_towers(x, w1, w2):
-  """Independent work with no stream() block: auto=True splits it."""
+  """Independent work with no stream() block: spread=True splits it."""
   a = jnp.tanh(x @ w1) @ w1
   b = jax.nn.relu(x @ w2) @ w2
   return (a * b).sum() * jnp.cos(x).sum()
@@ -50,11 +50,11 @@ def test_grad_of_checkpoint_with_an_off_main_region():
   assert 'inlineable = "false"' in text
 
 
-def test_grad_of_checkpoint_with_auto_placement():
+def test_grad_of_checkpoint_with_spread_placement():
   x, w1, w2 = random_inputs((8, 16), (16, 16), (16, 16))
-  ours = jaxstreams.jit(untagged_towers, streams=3, auto=True)
+  ours = jaxstreams.jit(untagged_towers, streams=3, spread=True)
   assert any(r.stream != 0 for r in ours.plan(x, w1, w2).regions), \
-      "auto should split this program, or the test checks nothing"
+      "spread=True should split this program, or the test checks nothing"
   theirs = jax.jit(untagged_towers)
   assert_equal_results(
       jax.jit(jax.grad(_loss_of(ours), (1, 2)))(x, w1, w2),
@@ -67,10 +67,10 @@ def test_grad_of_checkpoint_with_auto_placement():
                              rtol=1e-5)
 
 
-@pytest.mark.parametrize("auto", [False, True])
-def test_vmap_linearize_and_scan_over_planned_functions(auto):
+@pytest.mark.parametrize("spread", [False, True])
+def test_vmap_linearize_and_scan_over_planned_functions(spread):
   c = jnp.linspace(0.1, 1.0, 4)
-  ours = jaxstreams.jit(off_main_region, streams=2, auto=auto)
+  ours = jaxstreams.jit(off_main_region, streams=2, spread=spread)
   theirs = jax.jit(off_main_region)
   cs = jnp.stack([c, c * 2, c + 1])
   assert_equal_results(jax.jit(jax.vmap(ours))(cs), jax.jit(jax.vmap(theirs))(cs))
@@ -140,7 +140,7 @@ def test_one_trace_for_many_jit_objects_of_one_function(streams, monkeypatch):
   assert len(ours_traces) == len(theirs_traces) == 1
   # Other options are another program.
   jaxstreams.jit(ours_f, streams=3)(y)
-  jaxstreams.jit(ours_f, streams=2, auto=True)(y)
+  jaxstreams.jit(ours_f, streams=2, spread=True)(y)
   assert len(ours_traces) == 3
 
 
@@ -162,8 +162,8 @@ def _closure_over_an_array():
 @pytest.mark.parametrize("make_jit", [
     lambda f: jax.jit(f),
     lambda f: jaxstreams.jit(f, streams=2),
-    lambda f: jaxstreams.jit(f, streams=2, auto=True),
-], ids=["jax.jit", "jaxstreams.jit", "jaxstreams.jit-auto"])
+    lambda f: jaxstreams.jit(f, streams=2, spread=True),
+], ids=["jax.jit", "jaxstreams.jit", "jaxstreams.jit-spread"])
 def test_dropped_function_is_freed_without_gc(make_jit):
   """No reference cycle keeps the user's function (and its closure) alive
   once the user drops it and the jit object: freed by reference counting,

@@ -3,7 +3,7 @@ placement, argument checks, and that no worker thread outlives its iterator;
 for both transfer paths (jax.device_put and the runtime's StageArea), which
 must hand out the same items bit for bit and leave no stage area behind;
 for both ways of producing items (worker threads, the consumer's own thread)
-and across switches between them; and how ``mode="auto"`` chooses, from
+and across switches between them; and how ``mode="measured"`` chooses, from
 made-up measurements and a fake clock.
 
 Structure and values only: no assertion depends on how fast anything runs.
@@ -27,7 +27,7 @@ import jaxstreams
 import jaxstreams.runtime as rt
 from jaxstreams import _compat
 from jaxstreams.stage import _chooser, _clock, _lookahead, _transfer
-from jaxstreams.stage.prefetch import AUTO_TRANSFER, Prefetcher
+from jaxstreams.stage.prefetch import BY_PLATFORM_TRANSFER, Prefetcher
 from programs import (FlippingChooser, jaxstreams_threads, meter_for,
                       keyboard_interrupt_after, wait_until)
 
@@ -35,7 +35,7 @@ PATHS = ["device_put", "stage_area"]
 
 
 # The ways items are produced: always by workers, always inline, and
-# mode="auto" switching every two items.
+# mode="measured" switching every two items.
 WAYS = ["workers", "inline", "switching"]
 
 
@@ -44,7 +44,7 @@ def way(request, monkeypatch):
   """The ``mode=`` to pass for one way of producing items."""
   if request.param == "switching":
     monkeypatch.setattr(_lookahead, "Chooser", FlippingChooser)
-    return "auto"
+    return "measured"
   return request.param
 
 
@@ -387,17 +387,20 @@ def test_not_iterable():
 
 
 def test_mode_argument():
-  with pytest.raises(ValueError, match=r"mode must be one of \('auto', "
+  with pytest.raises(ValueError, match=r"mode must be one of \('measured', "
                                        r"'workers', 'inline'\), got 'threads'"):
     jaxstreams.prefetch([1], mode="threads")
+  with pytest.raises(ValueError, match=r"mode must be one of \('measured', "
+                                       r"'workers', 'inline'\), got 'auto'"):
+    jaxstreams.prefetch([1], mode="auto")
   with pytest.raises(ValueError, match="mode='inline' cannot honour "
                                        "timeout=1.0"):
     jaxstreams.prefetch([1], mode="inline", timeout=1)
-  # auto with a timeout: workers, since only a wait for one can time out.
+  # measured with a timeout: workers, since only a wait for one can time out.
   with jaxstreams.prefetch([np.ones(2)], timeout=5) as it:
     stats = it.stats()
     assert stats["mode"] == "workers" and "timeout=5" in stats["mode_reason"]
-    assert it.mode == "auto" and "mode='auto' (workers)" in repr(it)
+    assert it.mode == "measured" and "mode='measured' (workers)" in repr(it)
   with jaxstreams.prefetch([np.ones(2)]) as it:
     assert it.stats()["mode"] == "inline" and it.threads == []
   with jaxstreams.prefetch([np.ones(2)], mode="workers") as it:
@@ -654,18 +657,23 @@ def test_stage_area_timeout_then_usable():
 
 
 def test_transfer_argument():
-  with pytest.raises(ValueError, match=r"transfer must be one of \['auto', "
-                                       r"'device_put', 'stage_area'\], got 'pinned'"):
+  with pytest.raises(ValueError, match=r"transfer must be one of "
+                     r"\['by_platform', 'device_put', 'stage_area'\], got "
+                     r"'pinned'"):
     jaxstreams.prefetch([1], transfer="pinned")
+  with pytest.raises(ValueError, match=r"transfer must be one of "
+                     r"\['by_platform', .*got 'auto'"):
+    jaxstreams.prefetch([1], transfer="auto")
   with pytest.raises(ValueError, match="transfer='stage_area' cannot be used "
                                        "here: it places items on jax's default"):
     jaxstreams.prefetch([1], sharding=jax.devices()[0], transfer="stage_area")
-  # auto: the measured choice for this backend, device_put with a sharding.
+  # by_platform: the table's choice for this backend, device_put with a
+  # sharding.
   with jaxstreams.prefetch([np.ones(2)]) as it:
-    assert it.transfer == AUTO_TRANSFER[jax.default_backend()]
+    assert it.transfer == BY_PLATFORM_TRANSFER[jax.default_backend()]
   with jaxstreams.prefetch([np.ones(2)], sharding=jax.devices()[0]) as it:
     assert it.transfer == "device_put"
-  assert AUTO_TRANSFER["gpu"] == "device_put"  # not measured
+  assert BY_PLATFORM_TRANSFER["gpu"] == "device_put"  # not measured
 
 
 def test_describing_the_iterable_prints_no_item():
@@ -835,7 +843,7 @@ def test_stats_say_which_way_it_runs(way):
       assert per[key] >= 0
 
 
-# How mode="auto" chooses: the chooser fed made-up times ----------------------
+# How mode="measured" chooses: the chooser fed made-up times -----------------
 
 # The chooser as prefetch words it.
 Chooser = functools.partial(_chooser.Chooser, words=_lookahead.WORDS,
@@ -1177,7 +1185,7 @@ def test_chooser_with_the_dispatch_gap_tries_workers_at_short_cycles():
 def test_prefetch_expects_the_dispatch_gap_only_where_it_can_pay(
     monkeypatch):
   # The chooser is told of the gain on CPU with asynchronous dispatch, at
-  # any lookahead, in mode="auto" only.
+  # any lookahead, in mode="measured" only.
   items = [np.ones(2, np.float32)] * 3
 
   def gain(**kwargs):
@@ -1261,7 +1269,7 @@ def test_chooser_rechecks_a_won_trial_no_sooner_than_recheck_s():
   assert abs(lost.next_trial - lost.judged - expected) <= WINDOW
 
 
-# mode="auto" in an iterator: a fake clock ------------------------------------
+# mode="measured" in an iterator: a fake clock -------------------------------
 
 
 class _FakeClock:
@@ -1310,7 +1318,7 @@ def test_short_cycle_warning_judges_the_steady_cycle_not_the_compile(
 
 
 @pytest.mark.cpu_backend
-def test_auto_on_cpu_tries_workers_at_short_cycles(clock):
+def test_measured_on_cpu_tries_workers_at_short_cycles(clock):
   # Cheap production (5 us) at 105 us cycles: with asynchronous dispatch
   # on CPU, a trial compares the two ways (at the default size), and order
   # and items hold across its switches.
@@ -1343,7 +1351,7 @@ def test_a_lost_trial_at_short_cycles_steps_aside_once_and_says_what_helps(
   assert len(record) == 1
   message = str(record[0].message)
   assert "a trial found workers no faster" in message
-  assert "auto tries workers at such cycles" in message
+  assert "mode='measured' tries workers at such cycles" in message
   assert "jax_cpu_enable_async_dispatch=False" in message
   assert got == list(range(400))
   assert stats["mode"] == "inline" and stats["trials"]
@@ -1366,7 +1374,7 @@ def test_short_cycle_warning_leaves_out_async_dispatch_advice_when_sync(
 
 
 @pytest.mark.cpu_backend
-def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
+def test_measured_stays_inline_and_says_so_once_where_production_is_cheap(
     monkeypatch, clock):
   # Synchronous dispatch: nothing unseen to try workers for (the test
   # below has the trial asynchronous dispatch gets).
@@ -1391,7 +1399,8 @@ def test_auto_stays_inline_and_says_so_once_where_production_is_cheap(
   assert stats["inline"]["produce_us"] == pytest.approx(5)
 
 
-def test_auto_moves_to_workers_where_production_dominates(monkeypatch, clock):
+def test_measured_moves_to_workers_where_production_dominates(monkeypatch,
+                                                              clock):
   # The source waits (as for storage): it blocks at every item.
   monkeypatch.setattr(_clock, "switches", itertools.count().__next__)
   got = []
@@ -1410,7 +1419,7 @@ def test_auto_moves_to_workers_where_production_dominates(monkeypatch, clock):
 
 
 @pytest.mark.cpu_backend
-def test_auto_on_cpu_keeps_busy_production_inline(monkeypatch):
+def test_measured_on_cpu_keeps_busy_production_inline(monkeypatch):
   # The device computes on the host's cores here: a producer that needs a
   # core is not moved to workers, one that waits (blocks) is. Needing a
   # core: computing (the fake CPU clock advances with the wall clock), or
@@ -1462,7 +1471,7 @@ def test_only_the_public_prefetch_warns(monkeypatch, clock):
   with Prefetcher(_timed_source(clock, 150, 5), 2, transform=lambda b: b,
                   num_threads=1, timeout=None,
                   closed_exception_types=(StopIteration,),
-                  ignored_exception_types=(), mode="auto") as it:
+                  ignored_exception_types=(), mode="measured") as it:
     for _ in it:
       clock.advance(100)       # filterwarnings=error: a warning fails
     assert it.stats()["mode"] == "inline"

@@ -16,8 +16,8 @@ the whole thing inside one more block. For every program:
    name stack) has rule ``user`` and that block's stream, and every equation
    of a tagged top-level operation has the stream the generator asked for.
 
-Each example also draws the planner's options: automatic assignment (off, or
-on through ``jaxstreams_auto`` or ``jaxstreams.jit(auto=...)``), forward
+Each example also draws the planner's options: spreading (off, or
+on through ``jaxstreams_spread`` or ``jaxstreams.jit(spread=...)``), forward
 propagation, ``jaxstreams_reduce_stream_wait`` and sometimes a rules file
 (``jaxstreams_stream_from_file``, written to a temporary directory) mapping a
 few operations' names to streams. Whatever the options, user tags hold; an
@@ -96,20 +96,20 @@ class Program:
   outer: Tags                  # blocks around everything (the grad call too)
 
 
-# How automatic assignment is asked for: (jaxstreams_auto option,
-# jaxstreams.jit(auto=...)); the keyword wins over the option.
-AUTO_MODES = {
+# How spreading is asked for: (jaxstreams_spread option,
+# jaxstreams.jit(spread=...)); the keyword wins over the option.
+SPREAD_MODES = {
     "off": (False, None),
     "option": (True, None),
     "keyword": (False, True),
-    "keyword_off": (True, False),   # auto=False beats jaxstreams_auto=True
+    "keyword_off": (True, False),   # spread=False beats jaxstreams_spread=True
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
   """The planner's options for one example."""
-  auto: str                    # a key of AUTO_MODES
+  spread: str                  # a key of SPREAD_MODES
   forward_propagation: bool
   reduce_stream_wait: bool
   # The rules file, None for none: (stream, regexes) per line, and the file's
@@ -118,8 +118,8 @@ class Options:
   rules_text: str = ""
 
   @property
-  def auto_on(self) -> bool:
-    option, keyword = AUTO_MODES[self.auto]
+  def spread_on(self) -> bool:
+    option, keyword = SPREAD_MODES[self.spread]
     return option if keyword is None else keyword
 
   def rule_for(self, name: str) -> Optional[int]:
@@ -248,7 +248,7 @@ def options_for(draw, program: Program):
       text.append(f"{stream}:{' ' if spaced else ''}{sep.join(regexes)}")
     rules_text = "\n".join(text) + "\n"
   return Options(
-      auto=draw(st.sampled_from(tuple(AUTO_MODES))),
+      spread=draw(st.sampled_from(tuple(SPREAD_MODES))),
       forward_propagation=draw(st.booleans()),
       reduce_stream_wait=draw(st.booleans()),
       rules=rules, rules_text=rules_text or "")
@@ -530,7 +530,7 @@ def input_producers(plan, index: int) -> list:
 
 def check_options_honoured(program: Program, options: Options, plan):
   """Each placement is one the options allow: rules ``file``, ``forward`` and
-  ``auto`` appear only when their option is on and place as documented, and
+  ``spread`` appear only when their option is on and place as documented, and
   nothing the rules file or forward propagation could place is left on the
   main stream by rule ``main``."""
   for e in plan.equations:
@@ -541,26 +541,26 @@ def check_options_honoured(program: Program, options: Options, plan):
       assert options.rules is not None, f"{where}: there is no rules file"
       assert from_file == e.stream, (
           f"{where}: the first rules line matching it says {from_file}")
-    elif e.rule in ("forward", "auto", "main"):
+    elif e.rule in ("forward", "spread", "main"):
       # The rules file comes before forward propagation and the scheduler.
       assert from_file is None, f"{where}: the rules file says {from_file}"
     if e.rule == "forward":
       assert options.forward_propagation, f"{where}: forward propagation is off"
       sources = {p.stream for p in input_producers(plan, e.index)}
       assert sources == {e.stream}, f"{where}: its inputs are on {sources}"
-    if e.rule == "auto":
-      assert options.auto_on, f"{where}: automatic assignment is off"
+    if e.rule == "spread":
+      assert options.spread_on, f"{where}: spreading is off"
     if e.rule == "main":
       # With the scheduler on (and somewhere to put things), it takes
       # everything no earlier rule placed.
-      assert not (options.auto_on and program.streams > 1), where
+      assert not (options.spread_on and program.streams > 1), where
       if options.forward_propagation:
         # Forward propagation follows placed inputs only.
         producers = input_producers(plan, e.index)
         sources = {p.stream for p in producers}
         assert len(sources) != 1 or any(p.rule == "main" for p in producers), (
             f"{where}: forward propagation would put it on {sources}")
-  if not options.auto_on:
+  if not options.spread_on:
     assert plan.summary == ""
 
 
@@ -604,9 +604,9 @@ def planner_options(options: Options):
   directory); the config is reset on the way out, whatever happens."""
   with tempfile.TemporaryDirectory() as tmp:
     try:
-      option_auto, _ = AUTO_MODES[options.auto]
-      if option_auto:
-        jaxstreams.config.update("jaxstreams_auto", True)
+      option_spread, _ = SPREAD_MODES[options.spread]
+      if option_spread:
+        jaxstreams.config.update("jaxstreams_spread", True)
       if options.forward_propagation:
         jaxstreams.config.update("jaxstreams_forward_propagation", True)
       if not options.reduce_stream_wait:
@@ -637,8 +637,8 @@ def test_random_programs_match_jax_jit_and_plan_soundly(example):
     note(f"rules file:\n{options.rules_text}")
   f = build(program)
   with planner_options(options):
-    _, auto_keyword = AUTO_MODES[options.auto]
-    jitted = jaxstreams.jit(f, streams=program.streams, auto=auto_keyword)
+    _, spread_keyword = SPREAD_MODES[options.spread]
+    jitted = jaxstreams.jit(f, streams=program.streams, spread=spread_keyword)
     plan = jitted.plan(*INPUTS)
     note(str(plan))
     check_regions_match_program(plan)
@@ -687,22 +687,22 @@ def test_a_nograd_block_around_grad_holds_its_whole_backward_pass(inner):
 
 
 # Found by the property test with the planner's options: with forward
-# propagation and automatic assignment both on, forward propagation followed
+# propagation and spreading both on, forward propagation followed
 # producers that no rule had placed (rule "main", stream 0 for now) and
 # pinned their consumers to stream 0 as rule "forward"; the scheduler then
 # moved the producers and never the consumers, which were left behind on the
 # main stream (a "forward" equation whose inputs are all on another stream),
-# and in a chain every equation after the first was pinned, so auto could
+# and in a chain every equation after the first was pinned, so spreading could
 # split almost nothing. Forward propagation now follows placed inputs only.
 
 def test_forward_propagation_leaves_unplaced_chains_to_the_scheduler():
   x, w = random_inputs((8, 256), (256, 256))
   jaxstreams.config.update("jaxstreams_forward_propagation", True)
   try:
-    plan = jaxstreams.plan(three_chains, streams=3, auto=True)(x, w)
+    plan = jaxstreams.plan(three_chains, streams=3, spread=True)(x, w)
   finally:
     jaxstreams.config.reset()
-  assert plan.summary.startswith("auto: split pays"), plan.summary
-  assert {e.rule for e in plan.equations} == {"auto"}
+  assert plan.summary.startswith("spread: split pays"), plan.summary
+  assert {e.rule for e in plan.equations} == {"spread"}
   assert len({e.stream for e in plan.equations
               if e.primitive == "dot_general"}) == 3

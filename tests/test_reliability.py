@@ -120,7 +120,7 @@ def test_empty_pytrees_no_arguments_and_zero_size_arrays():
     (lambda: jaxstreams.plan(_tower, streams=0), ValueError,
      "streams must be >= 1.*got 0"),
     (lambda: jaxstreams.plan(_tower, streams="2"), TypeError, "got '2' of type str"),
-    (lambda: jaxstreams.plan(_tower, auto="yes"), TypeError, "got 'yes'"),
+    (lambda: jaxstreams.plan(_tower, spread="yes"), TypeError, "got 'yes'"),
     (lambda: jaxstreams.plan(_tower, static_argnum=0), TypeError,
      "static_argnum.*keywords of jax.jit"),
     (lambda: jaxstreams.plan(jaxstreams.jit(_tower, streams=2), streams=-1),
@@ -156,8 +156,8 @@ def test_option_names_of_the_wrong_type_and_unknown_resets():
                lambda: config.reset(3.5)):
     with pytest.raises(TypeError, match="option names are strings"):
       call()
-  with pytest.raises(ValueError, match="Did you mean 'jaxstreams_auto'"):
-    config.reset("jaxstreams_autos")
+  with pytest.raises(ValueError, match="Did you mean 'jaxstreams_spread'"):
+    config.reset("jaxstreams_spreads")
   config.update("jaxstreams_streams", 10**9)        # huge is a valid count
   assert config.read("jaxstreams_streams") == 10**9
 

@@ -33,8 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def grouped_serve(f, **kwargs):
-  """Batching on stream groups, which ``mode="auto"`` does not choose on
-  XLA:CPU: these tests are about the grouped path's promises."""
+  """Batching on stream groups, which ``mode="by_platform"`` does not choose
+  on XLA:CPU: these tests are about the grouped path's promises."""
   return jaxstreams.serve(f, mode="grouped", **kwargs)
 
 
@@ -461,6 +461,9 @@ def test_argument_errors():
     jaxstreams.serve(3)
   with pytest.raises(ValueError, match="mode must be one of"):
     jaxstreams.serve(mlp, mode="streams")
+  with pytest.raises(ValueError, match=r"mode must be one of \('by_platform', "
+                     r"'direct', 'grouped'\), got 'auto'"):
+    jaxstreams.serve(mlp, mode="auto")
   with pytest.raises(TypeError, match="static_argnums"):
     jaxstreams.serve(jaxstreams.jit(lambda x, n: x * n, streams=2,
                                     static_argnums=1))
@@ -474,7 +477,7 @@ def test_argument_errors():
 # thread would run it.
 
 @pytest.mark.cpu_backend
-def test_auto_on_cpu_runs_each_request_in_its_callers_thread():
+def test_by_platform_on_cpu_runs_each_request_in_its_callers_thread():
   traced_in = []
 
   def f(x):
@@ -675,7 +678,7 @@ def test_tally_counts_every_add_from_many_threads():
   assert reads == sorted(reads)
 
 
-def test_auto_runs_direct_on_a_gpu_too(monkeypatch):
+def test_by_platform_runs_direct_on_a_gpu_too(monkeypatch):
   from jaxstreams.serve import _server
   monkeypatch.setattr(_server, "_platform", lambda: "gpu")
   with jaxstreams.serve(mlp, groups=2) as server:

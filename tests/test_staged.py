@@ -8,13 +8,14 @@ Every way is checked: ``mode="fused"`` (one jaxstreams.jit program per call
 runs the consumer of batch k and the producer stages of the following
 batches, seed 004's ``A0; A1 B0; A2 B1 C0; ...``), ``mode="threads"`` (a
 worker thread and a program per producer stage), ``mode="plain"`` (the
-plain step on batches read in the caller's thread) and ``mode="auto"`` (the
-default) with its chooser replaced by one that switches between plain and
-fused every few calls, so that every promise is checked across switches.
-How ``mode="auto"`` chooses, with made-up measurements and a fake clock, is
-in test_staged_auto.py. For the fused way the device-overlap claim is
-checked structurally: the program lowered for CUDA has the producer inside
-calls annotated with its stream and the consumer outside them.
+plain step on batches read in the caller's thread) and ``mode="measured"``
+(the default) with its chooser replaced by one that switches between plain
+and fused every few calls, so that every promise is checked across
+switches. How ``mode="measured"`` chooses, with made-up measurements and a
+fake clock, is in test_staged_measured.py. For the fused way the
+device-overlap claim is checked structurally: the program lowered for CUDA
+has the producer inside calls annotated with its stream and the consumer
+outside them.
 
 The reference is the step as one jitted program (how steps run): the staged
 outputs are bitwise equal to it. Op-by-op eager execution of the same Python
@@ -395,8 +396,10 @@ def test_abandoned_runner_stops_its_workers(mode, workers):
     (dict(stream=1.0), TypeError, "stream must be None or an integer >= 0"),
     (dict(data_argnum="x"), TypeError, "data_argnum must be an int"),
     (dict(smart=1), TypeError, "smart must be True or False"),
-    (dict(mode="thread"), ValueError, r"mode must be one of \('auto', "
+    (dict(mode="thread"), ValueError, r"mode must be one of \('measured', "
      r"'fused', 'plain', 'threads'\), got 'thread'"),
+    (dict(mode="auto"), ValueError, r"mode must be one of \('measured', "
+     r"'fused', 'plain', 'threads'\), got 'auto'"),
     (dict(mode=None), ValueError, "mode must be one of"),
 ])
 def test_argument_errors(kwargs, error, match):
@@ -631,7 +634,7 @@ def test_producer_stage_failure_raised_at_its_batch(mode, k):
 def test_step_program_needs_a_runner_with_a_fused_way_that_ran():
   runner = jaxstreams.staged(step1, data=_batches(2), mode="threads")
   runner(_params())
-  with pytest.raises(RuntimeError, match="needs a runner in mode 'auto', "
+  with pytest.raises(RuntimeError, match="needs a runner in mode 'measured', "
                      "'fused' or 'plain' that has run a call"):
     runner.step_program()
   assert runner.schedule == [] and runner.programs_run == 0

@@ -63,11 +63,11 @@ def const_inputs(plan):
           if name.startswith("c")}
 
 
-@pytest.mark.parametrize("auto", [False, True])
-def test_closure_over_arrays_bitwise_equal_to_jax_jit(constants, auto):
+@pytest.mark.parametrize("spread", [False, True])
+def test_closure_over_arrays_bitwise_equal_to_jax_jit(constants, spread):
   f = closing_over(*constants)
   x, = random_inputs((8, 16))
-  g = jaxstreams.jit(f, streams=2, auto=auto)
+  g = jaxstreams.jit(f, streams=2, spread=spread)
   assert_equal_results(g(x), jax.jit(f)(x))
   plan = g.plan(x)
   # One argument; the closed-over arrays are constants, not arguments.
@@ -78,8 +78,8 @@ def test_closure_over_arrays_bitwise_equal_to_jax_jit(constants, auto):
   assert any(region.stream == 1 for region in plan.regions)
 
 
-@pytest.mark.parametrize("auto", [False, True])
-def test_gradient_of_closure_bitwise_equal_to_jax_jit(constants, auto):
+@pytest.mark.parametrize("spread", [False, True])
+def test_gradient_of_closure_bitwise_equal_to_jax_jit(constants, spread):
   f = closing_over(*constants)
   x, = random_inputs((8, 16), seed=1)
 
@@ -88,20 +88,20 @@ def test_gradient_of_closure_bitwise_equal_to_jax_jit(constants, auto):
 
   inside = jax.value_and_grad(loss)
   expected = jax.jit(inside)(x)
-  assert_equal_results(jaxstreams.jit(inside, streams=2, auto=auto)(x),
+  assert_equal_results(jaxstreams.jit(inside, streams=2, spread=spread)(x),
                        expected)
   # jax.grad applied from outside, to a jaxstreams function.
   outside = jax.jit(jax.grad(lambda x: jnp.sum(
-      jaxstreams.jit(f, streams=2, auto=auto)(x) ** 2)))
+      jaxstreams.jit(f, streams=2, spread=spread)(x) ** 2)))
   assert_equal_results(outside(x), expected[1])
 
 
-@pytest.mark.parametrize("auto", [False, True])
-def test_closure_over_an_outer_jit_tracer(auto):
+@pytest.mark.parametrize("spread", [False, True])
+def test_closure_over_an_outer_jit_tracer(spread):
   x, w, b = random_inputs((8, 16), (16, 16), (16,), seed=2)
 
   def outer(w, b, x):
-    return jaxstreams.jit(closing_over(w, b), streams=2, auto=auto)(x)
+    return jaxstreams.jit(closing_over(w, b), streams=2, spread=spread)(x)
 
   def reference(w, b, x):
     return jax.jit(closing_over(w, b))(x)

@@ -111,8 +111,8 @@ class Case:
   candidates: dict[str, Candidate]
   reference: str = "jax.jit"      # outputs are compared against this one
   notes: str = ""
-  # What the candidate chose while it was timed (a mode="auto" decision),
-  # read once the timing is done; None where it chooses nothing.
+  # What the candidate chose while it was timed (a mode="measured"
+  # decision), read once the timing is done; None where it chooses nothing.
   chose: Callable[[], dict] | None = None
 
   def close(self):

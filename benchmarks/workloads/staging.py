@@ -9,7 +9,7 @@ recorded with the results. Three loops over the same batches:
 * ``prefetch thread`` (baseline): a hand-written background thread copies
   batch i+1 (``device_put`` + ``block_until_ready``) while step i runs.
 * ``jaxstreams.prefetch`` (the candidate): the loop over
-  ``jaxstreams.prefetch(batches)`` in its default ``mode="auto"``, which
+  ``jaxstreams.prefetch(batches)`` in its default ``mode="measured"``, which
   runs workers only where they pay.
 
 ``sync="step"`` waits for each step's result (as a loop that reads its loss
@@ -37,7 +37,7 @@ NAME = "staging"
 def sizes(quick):
   if quick:
     return [dict(sync="step", steps=3, rows=16, cols=32, width=8)]
-  base = dict(steps=32, rows=2048, cols=512, width="auto")
+  base = dict(steps=32, rows=2048, cols=512, width="calibrated")
   return [dict(sync=s, **base) for s in ("step", "end")]
 
 
@@ -84,7 +84,7 @@ def build(size, streams, key):
   copy_s = _median_time(lambda: jax.device_put(
       host[next(batches) % len(host)]).block_until_ready())
   width = size["width"]
-  if width == "auto":   # one step's compute about one batch's copy
+  if width == "calibrated":   # one step's compute about one batch's copy
     width = 64
     for _ in range(3):  # compute time is roughly linear in the width
       _, _, t = compute_time(width)
@@ -117,7 +117,7 @@ def build(size, streams, key):
         acc.block_until_ready()
     return acc
 
-  chose = []       # each loop's stats(): what mode="auto" did
+  chose = []       # each loop's stats(): what mode="measured" did
 
   def jaxstreams_prefetch():
     acc = acc0
@@ -149,12 +149,12 @@ def build(size, streams, key):
       baselines=["no prefetch", "prefetch thread"], candidates=cands,
       reference="no prefetch",
       notes="times are for the whole loop over all batches; the candidate is "
-            "jaxstreams.prefetch (mode='auto'), the baselines the plain loop "
-            "and a hand-written prefetch thread",
-      chose=lambda: _what_auto_chose(chose))
+            "jaxstreams.prefetch (mode='measured'), the baselines the plain "
+            "loop and a hand-written prefetch thread",
+      chose=lambda: _what_measured_chose(chose))
 
 
-def _what_auto_chose(stats: list[dict]) -> dict:
+def _what_measured_chose(stats: list[dict]) -> dict:
   """Over every loop the candidate ran (warm-up included): how many ended
   in each way, switched at all, ran trials; the last loop's reason."""
   ended = {}

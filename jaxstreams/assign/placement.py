@@ -16,9 +16,10 @@ Rules, in order (the first that applies wins):
 5. ``forward``: with ``jaxstreams_forward_propagation``, an equation whose
    inputs all come from equations placed (by rules 1-5) on one stream joins
    that stream.
-6. ``auto``: with automatic assignment on, the cost-model scheduler
-   (``assign/auto.py``) places the rest; if the split does not pay, they
-   stay on the main stream and the plan says so.
+6. ``spread``: with spreading on (``jaxstreams.jit(spread=True)``, the
+   ``jaxstreams_spread`` option), the cost-model scheduler
+   (``assign/spread.py``) spreads the rest over the streams; if the split
+   does not pay, they stay on the main stream and the plan says so.
 7. ``main``: everything else runs on stream 0.
 
 An equation with side effects (``jax.debug.print``, callbacks) always runs on
@@ -39,7 +40,8 @@ from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag
 @dataclasses.dataclass(frozen=True)
 class Placement:
   stream: int
-  rule: str          # user, colocate, body, file, forward, auto, main, effects
+  rule: str          # user, colocate, body, file, forward, spread, main,
+                     # effects
   note: str = ""     # what could not be honoured, if anything
 
 
@@ -79,7 +81,7 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
                    *, rules: StreamRules | None = None,
                    forward_propagation: bool = False) -> list[Placement]:
   """A ``Placement`` for each top-level equation of ``program.jaxpr``, by
-  rules 1-5 and 7 (``auto`` is applied by the caller, which can compare).
+  rules 1-5 and 7 (``spread`` is applied by the caller, which can compare).
   ``rules`` is the rules file's content (rule 4), ``forward_propagation``
   turns on rule 5."""
   if rules is not None:

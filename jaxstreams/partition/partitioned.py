@@ -33,7 +33,7 @@ class PartitionedProgram:
   costs: tuple[Cost, ...]
   graph: RegionGraph
   schedule: Schedule
-  summary: str = ""          # what automatic assignment decided, if on
+  summary: str = ""          # what spreading decided, if on
   reduce_stream_wait: bool = True
 
   def region_equations(self, index: int) -> list:

@@ -32,7 +32,7 @@ class PlannedEquation:
   name: str        # name stack and primitive, e.g. "jaxstreams_stream_1/sin"
   stream: int
   rule: str        # which rule placed it: user, colocate, body, file,
-                   # forward, auto, main, effects
+                   # forward, spread, main, effects
   region: int
   location: str    # file:line (function) of the user code that made it
   note: str = ""
@@ -81,7 +81,7 @@ class StreamPlan:
   edges: tuple[tuple[int, int], ...]     # every (producer, consumer) pair of
                                          # regions linked by a value
   schedule: Schedule
-  summary: str = ""       # what automatic assignment decided, if on
+  summary: str = ""       # what spreading decided, if on
   gpu_lowering: str = "inline"    # the way a top-level call runs on a GPU
   gpu_reason: str = ""            # what that way is and why, nested calls too
 

@@ -3,8 +3,9 @@
 Streams run their regions in plan order; a region starts when its stream is
 free and its inputs are there (plus an event for each input from another
 stream); a region on another stream adds a call launch. No schedule beats
-the total work done with the whole GPU, so the estimate is at least that. Used to decide whether automatic splitting pays, and shown by
-``str(plan)`` and ``plan.to_perfetto()``.
+the total work done with the whole GPU, so the estimate is at least that.
+Used to decide whether spreading (``jaxstreams.jit(spread=True)``) pays, and
+shown by ``str(plan)`` and ``plan.to_perfetto()``.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ stream group, so many small requests share one GPU at the same time.
 ``jaxstreams.serve(f)`` does the same for a JAX function: requests that
 arrive together run as one execution of a ``jaxstreams.jit`` program in
 which each request is a region on its own stream, and each caller gets its
-own result (or its own error). The default ``mode="auto"`` runs each request
-as ``jax.jit(f)`` in its caller's thread instead wherever that was measured
-faster, which so far is everywhere (XLA:CPU, and an H100 with jax 0.11.2);
-``mode="grouped"`` asks for the stream groups::
+own result (or its own error). The default ``mode="by_platform"`` runs each
+request as ``jax.jit(f)`` in its caller's thread instead on every platform
+where that was measured faster, which so far is every one (XLA:CPU, and an
+H100 with jax 0.11.2); ``mode="grouped"`` asks for the stream groups::
 
     server = jaxstreams.serve(model, groups=4)
     with server:

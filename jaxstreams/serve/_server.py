@@ -3,13 +3,14 @@
 Two ways to run a request, chosen by ``mode`` (see ``serve``):
 
 * *direct*: the caller's own thread calls ``jax.jit(f)``, exactly what a
-  plain thread would do: no hand-off, no batching program. ``mode="auto"``
-  picks it where stream groups cannot pay: a platform that runs one stream
-  (XLA:CPU), ``groups=1``, and every GPU measured so far (an H100 with jax
-  0.11.2, where grouped requests lost at every thread count). Being no
-  slower than doing without comes first: a batch of requests on XLA:CPU runs
-  them one after another anyway, after two thread hand-offs they did not
-  need.
+  plain thread would do: no hand-off, no batching program.
+  ``mode="by_platform"`` picks it, from the platform and ``groups`` alone
+  (nothing is measured), where stream groups cannot pay: a platform that
+  runs one stream (XLA:CPU), ``groups=1``, and every GPU measured so far (an
+  H100 with jax 0.11.2, where grouped requests lost at every thread count).
+  Being no slower than doing without comes first: a batch of requests on
+  XLA:CPU runs them one after another anyway, after two thread hand-offs
+  they did not need.
 * *grouped*: the request path below.
 
 How a grouped request travels, and why each step is there:
@@ -207,7 +208,7 @@ class _LRU:
 # ---------------------------------------------------------------------------
 # Direct or grouped.
 
-MODES = ("auto", "direct", "grouped")
+MODES = ("by_platform", "direct", "grouped")
 
 
 def _platform() -> str:
@@ -218,7 +219,7 @@ def _platform() -> str:
 def _resolve_mode(mode: str, groups: int) -> tuple[str, str]:
   """``(mode, why)``: ``"direct"`` where stream groups cannot pay, which so
   far is everywhere it was measured."""
-  if mode != "auto":
+  if mode != "by_platform":
     return mode, f"mode={mode!r} was asked for"
   platform = _platform()
   if platform == "cpu":
@@ -802,7 +803,7 @@ def _unwrap(fun: Callable) -> Callable:
 def serve(fun: Callable | None = None, *, groups: int = 4,
           max_batch_wait_ms: float = 1.0, queue_size: int | None = 1024,
           block: bool | float = True, max_programs: int = 64,
-          mode: str = "auto"):
+          mode: str = "by_platform"):
   """Serve ``fun`` to many threads, running concurrent requests on streams.
 
   Usable as ``jaxstreams.serve(f, groups=4)`` or ``@jaxstreams.serve(...)``.
@@ -826,13 +827,14 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
     max_programs: compiled batch programs kept (one per combination of
       request signatures, least recently used dropped first); up to
       ``max_programs * groups`` traced request signatures are kept too.
-    mode: ``"auto"`` (the default) runs each request in its caller's thread
-      as ``jax.jit(fun)`` where stream groups cannot pay: XLA:CPU, which runs
-      one stream, ``groups=1``, and so far every GPU measured (an H100 with
-      jax 0.11.2: grouped requests reached 0.36x-0.53x of the throughput of
-      threads calling ``jax.jit``). ``"direct"`` and ``"grouped"`` force one
-      way. In direct mode nothing
-      queues: ``queue_size`` bounds the requests running at once, ``submit``
+    mode: ``"by_platform"`` (the default) chooses from the platform and
+      ``groups``, without measuring: it runs each request in its caller's
+      thread as ``jax.jit(fun)`` where stream groups cannot pay: XLA:CPU,
+      which runs one stream, ``groups=1``, and so far every GPU measured (an
+      H100 with jax 0.11.2: grouped requests reached 0.36x-0.53x of the
+      throughput of threads calling ``jax.jit``). ``"direct"`` and
+      ``"grouped"`` force one way. In direct mode nothing queues:
+      ``queue_size`` bounds the requests running at once, ``submit``
       dispatches in the caller's thread and returns a settled future, and
       ``close()`` waits for running requests. ``server.mode`` and
       ``stats().mode_reason`` say what was chosen and why.

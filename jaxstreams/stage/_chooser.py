@@ -1,4 +1,4 @@
-"""Does overlap pay? ``mode="auto"``'s decision, for ``prefetch`` and
+"""Does overlap pay? ``mode="measured"``'s decision, for ``prefetch`` and
 ``staged`` alike.
 
 Both features hide work behind the consumer's step with machinery of their
@@ -60,9 +60,10 @@ STEADY_S = 0.01        # a window outside a trial (after an inline one's
                        # this long, whichever is more: judging one costs
                        # the consumer's thread microseconds, which at
                        # 0.1 ms steps that read every result cost the loop
-                       # 3.5%-5% when judged every 16th item (auto held in
-                       # workers against mode="workers", two runs of 41
-                       # rounds, 2-core machine); every 10 ms, auto ran
+                       # 3.5%-5% when judged every 16th item (mode
+                       # "measured" held in workers against
+                       # mode="workers", two runs of 41 rounds, 2-core
+                       # machine); every 10 ms, it ran
                        # within 0.5%-4% of mode="workers" (five runs).
                        # The default (staged's); prefetch, whose judging
                        # was measured apart, passes its own (steady_s)

@@ -1,6 +1,6 @@
 """The clocks staging measures itself with.
 
-``prefetch(mode="auto")`` and ``staged(mode="auto")`` decide whether
+``prefetch(mode="measured")`` and ``staged(mode="measured")`` decide whether
 overlap pays from their own readings of these clocks alone, so tests replace
 them with fakes (``monkeypatch.setattr(_clock, "now", fake)``) and drive
 every decision with made-up times. Callers read them as ``_clock.now()``

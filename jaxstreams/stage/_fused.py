@@ -1,5 +1,5 @@
 """``staged``'s fused pipeline: one program per call (``mode="fused"``, and
-``mode="auto"`` where staging pays).
+``mode="measured"`` where staging pays).
 
 On a GPU, separate programs on one device do not run their device work at
 the same time, so the producer of batch ``k + 1`` can only overlap the
@@ -13,7 +13,7 @@ values stay on the device from call to call (the pipeline holds at most
 ``K + 1`` batches), as in seed 004: the first call warms up with
 ``A0; A1 B0; ...``, steady calls run ``A2 B1 C0``, and the last ones drain
 (``B4 C3``, ``C4``); a pipeline that stops admitting batches drains the
-same way (``mode="auto"`` then runs the plain step). A reader thread (a
+same way (``mode="measured"`` then runs the plain step). A reader thread (a
 ``Prefetcher``, made by the runner) pulls the batches from the iterable and
 places them on the device ``capacity`` ahead. Once warm, a call takes a new
 batch into the pipeline only if the reader has it ready (a slow read never
@@ -165,7 +165,7 @@ def _fused_program(cache: dict, consumer: Split | None,
 
   fused.__name__ = fused.__qualname__ = "jaxstreams_staged_step"
   # The producer is a region on its own stream, run the way
-  # jaxstreams_gpu_lowering says (jaxstreams.lower.gpu); mode="auto"
+  # jaxstreams_gpu_lowering says (jaxstreams.lower.gpu); mode="measured"
   # measures whether the fused program pays.
   program = streams_jit(fused, streams=streams,
                         donate_argnums=_donated(consumer, stages))

@@ -32,7 +32,7 @@ The pipeline, and the guarantees it keeps (both ways, and across a switch):
   iterator can be collected; a ``weakref.finalize`` then stops them.
 
 Who produces the items is ``mode``: ``"workers"``, ``"inline"``, or
-``"auto"``, where ``_chooser.Chooser`` decides from the pipeline's
+``"measured"``, where ``_chooser.Chooser`` decides from the pipeline's
 measurements of itself (``_clock``), and the pipeline switches between the
 two at any item.
 """
@@ -63,8 +63,8 @@ NOT_READY = object()
 # one run of 21 rounds): a hand-written worker woken by the consumer
 # 0.83x of the plain loop, one that polls 1.05x; prefetch's own workers
 # 0.90x before they polled, 0.96x-1.07x after (several runs). So on
-# XLA:CPU with asynchronous dispatch ``mode="auto"`` tries workers at short
-# cycles even where producing an item is cheap (the chooser's
+# XLA:CPU with asynchronous dispatch ``mode="measured"`` tries workers at
+# short cycles even where producing an item is cheap (the chooser's
 # ``unseen_gain``). Polling costs the worker a wake-up per sleep while the
 # lookahead is full: about 8 per ``POLL_FOR_S`` (sleeps last 50-70 us
 # longer than asked here: the kernel's timer slack), and none once parked.
@@ -75,11 +75,11 @@ POLL_FOR_S = 2e-3
 # prefetch's steady windows (the Chooser's steady_s): 0.1 s of items, not
 # the default 0.01 s. Its judging costs a loop of short steps more than it
 # takes (the consumer's time between steps, POLL_FOR_S): at 0.1 ms steps
-# reading every result, auto held in workers by a trial ran 2.2% under
-# mode="workers" on average with windows of 10 ms and 0.8% with windows of
-# 100 ms, the longer windows ahead in all five processes (by 0.4%-3.7%;
-# 31 rounds each, 2-core machine, jax 0.10.2). A change in production is
-# then seen within 0.1 s.
+# reading every result, mode="measured" held in workers by a trial ran 2.2%
+# under mode="workers" on average with windows of 10 ms and 0.8% with
+# windows of 100 ms, the longer windows ahead in all five processes (by
+# 0.4%-3.7%; 31 rounds each, 2-core machine, jax 0.10.2). A change in
+# production is then seen within 0.1 s.
 STEADY_S = 0.1
 
 # Result kinds stored per item number.
@@ -173,12 +173,12 @@ class Pipeline:
     self.inline_thread = None   # the consumer thread producing an item
     self.released = False       # the transfer's resources were freed
     self.close_owned_on_exit = False   # close() stopped waiting for workers
-    # What it measures of itself, per way, and mode="auto"'s chooser.
+    # What it measures of itself, per way, and mode="measured"'s chooser.
     chooser = (Chooser(size, WORDS, shares_cores=shares_cores,
                        unseen_gain=unseen_gain,
                        unseen_cycle_s=SHORT_CYCLE_US * 1e-6,
                        steady_s=STEADY_S)
-               if mode == "auto" else None)
+               if mode == "measured" else None)
     self.meter = Meter(("workers", "inline"), chooser,
                        ("items", "handoff_us", "produce_us"))
     self.mode = "workers" if mode == "workers" else "inline"

@@ -12,7 +12,7 @@ from jaxstreams import _checks
 
 FUNC = "jaxstreams.prefetch"
 
-MODES = ("auto", "workers", "inline")
+MODES = ("measured", "workers", "inline")
 
 MAX_THREADS = 1024   # far more than the items worth placing at once
 
@@ -52,7 +52,7 @@ def check(size: Any, num_threads: Any, timeout: Any,
     raise ValueError(f"{FUNC}: mode='inline' cannot honour timeout={timeout}: "
                      f"the consumer's own thread produces each item, and "
                      f"nothing can interrupt it. Use mode='workers' or "
-                     f"'auto' with a timeout, or no timeout.")
+                     f"'measured' with a timeout, or no timeout.")
   return Arguments(size, num_threads, timeout, closed, ignored)
 
 

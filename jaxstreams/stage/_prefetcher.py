@@ -15,17 +15,16 @@ is nothing for it to hide: a loop of sub-millisecond steps that reads
 each result ran at 0.2x-0.85x of the plain loop with one while the
 consumer woke it every other item at ``size=2``, and one that does not
 read each result still runs at 0.87x-0.95x now that workers poll. So by
-default (``mode="auto"``) the consumer's own thread produces each item at
-``next()`` (*inline*: pull, then place, as the plain loop would) until the
-iterator's measurements of itself say producing one is worth hiding
+default (``mode="measured"``) the consumer's own thread produces each item
+at ``next()`` (*inline*: pull, then place, as the plain loop would) until
+the iterator's measurements of itself say producing one is worth hiding
 (``_chooser``); then workers take over, and they step aside again when
-production turns cheap. One
-exception, found by trials: on XLA:CPU with asynchronous dispatch, the
-consumer's own time between short steps costs more than it takes, and a
-worker (which polls for a free slot rather than be woken from there) can
-take the placement out of it: ``auto`` tries workers there at short cycles.
-``mode="workers"`` / ``"inline"`` force one way; ``stats()`` says which way
-it runs and why.
+production turns cheap. One exception, found by trials: on XLA:CPU with
+asynchronous dispatch, the consumer's own time between short steps costs
+more than it takes, and a worker (which polls for a free slot rather than
+be woken from there) can take the placement out of it: ``mode="measured"``
+tries workers there at short cycles. ``mode="workers"`` / ``"inline"``
+force one way; ``stats()`` says which way it runs and why.
 
 Where each piece lives: ``_prefetch_checks`` (the arguments),
 ``_lookahead`` (the pipeline: workers or the consumer's thread, its
@@ -81,7 +80,7 @@ def next_if_ready(prefetcher: Prefetcher) -> Any:
 def set_way(prefetcher: Prefetcher, way: str) -> None:
   """Who produces the prefetcher's items from now on: ``"workers"``, or
   ``"inline"`` (its workers park). Package-internal, for ``staged``'s
-  reader, whose runner decides (``mode="auto"``) and reads the iterable in
+  reader, whose runner decides (``mode="measured"``) and reads the iterable in
   its own thread while the reader's workers are parked and
   ``holds_items`` is false."""
   pipeline = prefetcher._pipeline
@@ -135,16 +134,16 @@ class Prefetcher:
       raise TypeError(f"{func}: iterable must be iterable, got {iterable!r} "
                       f"of type {type(iterable).__name__}") from None
     reason = f"mode={mode!r} was asked for"
-    if mode == "auto" and timeout is not None:
+    if mode == "measured" and timeout is not None:
       # A wait can only time out on an item another thread produces.
       mode, reason = "workers", (
           f"workers produce the items: timeout={timeout} was given, and "
           f"only a wait for a worker can time out")
     name = f"jaxstreams-prefetch-{next(_names)}"
-    shares_cores = mode == "auto" and transfer.shares_cores()
+    shares_cores = mode == "measured" and transfer.shares_cores()
     # Where the consumer's own time between short steps costs a step more
-    # than it takes (XLA:CPU, asynchronous dispatch): auto may try workers
-    # for it, and the step-aside warning says so.
+    # than it takes (XLA:CPU, asynchronous dispatch): mode="measured" may try
+    # workers for it, and the step-aside warning says so.
     self._dispatch_gap = shares_cores and _compat.cpu_dispatch_is_async()
     self._transfer = transfer
     self._closed = False
@@ -198,11 +197,11 @@ class Prefetcher:
           short += (" (on CPU with asynchronous dispatch, a step started "
                     "more than a few microseconds after the previous "
                     "result was read costs up to about 20 us more; "
-                    "auto tries workers at such cycles, which keep the "
-                    "placement off this thread, and keeps them where a "
-                    "trial finds them faster; in a loop that reads each "
-                    "result, jax_cpu_enable_async_dispatch=False avoids "
-                    "most of that)")
+                    "mode='measured' tries workers at such cycles, which "
+                    "keep the placement off this thread, and keeps them "
+                    "where a trial finds them faster; in a loop that reads "
+                    "each result, jax_cpu_enable_async_dispatch=False "
+                    "avoids most of that)")
       warnings.warn(
           f"jaxstreams.prefetch does not pay here and stepped aside: {news}"
           f"{short} (Prefetcher.stats() has the figures; "
@@ -226,7 +225,7 @@ class Prefetcher:
     (``"workers"``: worker threads produce the items; ``"inline"``: the
     consumer's thread does, at ``next()``) and ``mode_reason``; ``items``
     delivered; ``switches`` between the two and the ``trials`` that compared
-    them (``mode="auto"``); and per way of producing (``"workers"``,
+    them (``mode="measured"``); and per way of producing (``"workers"``,
     ``"inline"``): ``items``, ``waited`` (how many the consumer waited for),
     and per item ``wait_us``, ``handoff_us`` (the consumer's time in
     ``next()`` besides waiting and producing), ``produce_us`` (pulling and
@@ -276,7 +275,8 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
              num_threads: int = 1, timeout: float | None = None,
              closed_exception_types: Any = (StopIteration,),
              ignored_exception_types: Any = (),
-             transfer: str = "auto", mode: str = "auto") -> Prefetcher:
+             transfer: str = "by_platform",
+             mode: str = "measured") -> Prefetcher:
   """An iterator over ``iterable``'s items, placed on the device ahead of use.
 
   Args:
@@ -311,12 +311,14 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
         (``Prefetcher.placed`` counts both). Items go to jax's default
         device: with a ``sharding``, ``"stage_area"`` raises ValueError.
         Each iterator compiles one small program for its area's gets.
-      * ``"auto"`` (default): the path ``benchmarks/prefetch.py`` measured
-        faster on this backend (``AUTO_TRANSFER``). On CPU that is
-        ``"device_put"`` (the stage area adds host copies there and moves no
-        data to another memory). On a GPU it is ``"device_put"`` too: on an
-        H100 (jax 0.11.2) ``jax.device_put`` placed items of 0.25 and 4 MiB
-        faster over a whole run than the stage area's copy stream.
+      * ``"by_platform"`` (default): the path ``benchmarks/prefetch.py``
+        measured faster on this backend, looked up in a table
+        (``BY_PLATFORM_TRANSFER``; nothing is measured at run time). On CPU
+        that is ``"device_put"`` (the stage area adds host copies there and
+        moves no data to another memory). On a GPU it is ``"device_put"``
+        too: on an H100 (jax 0.11.2) ``jax.device_put`` placed items of 0.25
+        and 4 MiB faster over a whole run than the stage area's copy
+        stream.
         ``"device_put"`` also whenever ``"stage_area"`` cannot be used (a
         ``sharding`` given, no runtime library for the backend).
 
@@ -324,13 +326,14 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
     mode: who produces the items (pulls them from the iterable and places
       them).
 
-      * ``"auto"`` (default): worker threads only where they pay. Items are
-        produced in the consumer's thread, at ``next()``, as a plain loop
-        would, until the iterator's own measurements say producing one is
-        worth hiding: it then moves to workers (at once when production is
-        a third of a cycle and at least 200 us, going back if their first
-        4 items take 1.5 times the inline cycle; else after a trial that
-        times cycles with and without them), and steps aside again when
+      * ``"measured"`` (default): worker threads only where they pay, as
+        the iterator measures itself while it runs. Items are produced in
+        the consumer's thread, at ``next()``, as a plain loop would, until
+        the iterator's own measurements say producing one is worth hiding:
+        it then moves to workers (at once when production is a third of a
+        cycle and at least 200 us, going back if their first 4 items take
+        1.5 times the inline cycle; else after a trial that times cycles
+        with and without them), and steps aside again when
         production becomes cheap (or the consumer waits for the workers as
         long as producing the items takes). Where the device computes on
         the host's own cores (XLA:CPU), only production that waits

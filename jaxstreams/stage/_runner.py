@@ -10,12 +10,13 @@ continues with work on parameters and state. The first part of batch
 Where each piece lives: ``_marker`` (``stage(x)``), ``_analysis`` (how a step
 is split), ``_splits`` (the split a batch uses, cached, and the other
 arguments it is made for), ``_source`` (reading the batches), ``_fused``
-(the fused pipeline: one program per call), ``_auto`` (modes ``"auto"``,
-``"fused"`` and ``"plain"``: the fused pipeline where it pays, the plain
-step where it does not) and ``_threads`` (``mode="threads"``). This module
-checks the arguments, picks the run and tells the user once when staging
-stepped aside. Each way, each equation is the one ``step`` would run, on
-the same inputs, so the outputs are ``step``'s (bitwise on CPU).
+(the fused pipeline: one program per call), ``_measured`` (modes
+``"measured"``, ``"fused"`` and ``"plain"``: the fused pipeline where it
+pays, the plain step where it does not) and ``_threads``
+(``mode="threads"``). This module checks the arguments, picks the run and
+tells the user once when staging stepped aside. Each way, each equation is
+the one ``step`` would run, on the same inputs, so the outputs are
+``step``'s (bitwise on CPU).
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from jaxstreams import _checks, config
 from jaxstreams._jit import jit as streams_jit, spec_of
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.stage._analysis import FUNC, Split, build_split
-from jaxstreams.stage._auto import AutoRun
+from jaxstreams.stage._measured import MeasuredRun
 from jaxstreams.stage._fused import FusedRun
 from jaxstreams.stage._plan import StagedPlan
 from jaxstreams.stage._splits import Splits
 from jaxstreams.stage._threads import ThreadRun, jit_parts
 
-MODES = ("auto", "fused", "plain", "threads")
+MODES = ("measured", "fused", "plain", "threads")
 
 
 class StagedRunner:
@@ -69,7 +70,7 @@ class StagedRunner:
                             jit_parts=jit_parts(stream, consumer_jit.jit))
     else:
       self._splits = Splits(fun, self._name, data_argnum, smart)
-    self._run: AutoRun | ThreadRun | None = None
+    self._run: MeasuredRun | ThreadRun | None = None
     self._done = False
 
   def _start(self, other_args: tuple, kwargs: dict) -> None:
@@ -81,9 +82,9 @@ class StagedRunner:
     if self.mode == "threads":
       self._run = ThreadRun(self._splits, data, self.capacity, other)
     else:
-      self._run = AutoRun(self._splits, data, self.mode, self.capacity,
-                          self.stream, self._streams_now, self._plain,
-                          self.data_argnum, other)
+      self._run = MeasuredRun(self._splits, data, self.mode, self.capacity,
+                              self.stream, self._streams_now, self._plain,
+                              self.data_argnum, other)
       self.stream, self.streams = self._run.stream, self._run.streams
 
   def __call__(self, *other_args, **kwargs):
@@ -142,7 +143,8 @@ class StagedRunner:
     way the runner runs now (all modes but ``"threads"``)."""
     if self._fused is None:
       raise RuntimeError(f"{FUNC}: step_program() needs a runner in mode "
-                         "'auto', 'fused' or 'plain' that has run a call")
+                         "'measured', 'fused' or 'plain' that has run a "
+                         "call")
     return self._fused.step_program(self._run.last_split)
 
   @property
@@ -155,15 +157,15 @@ class StagedRunner:
     """How the runner runs and why, from its own counters: ``mode`` (the
     way it runs now: ``"fused"``, ``"plain"`` or ``"threads"``) and
     ``mode_reason``; ``calls`` returned; ``switches`` between fused and
-    plain and the ``trials`` that compared them (``mode="auto"``); and per
-    way (``"fused"`` and ``"plain"``, or ``"threads"`` in that mode):
+    plain and the ``trials`` that compared them (``mode="measured"``); and
+    per way (``"fused"`` and ``"plain"``, or ``"threads"`` in that mode):
     ``calls``, ``waited`` (calls that waited for the reader), and per call
     ``read_us`` (reading and placing its batch: in the reader when fused,
     in the caller's thread when plain), ``wait_us``, ``call_us`` (the
     call's own time besides reading in it and waiting) and ``cycle_us``
     (from one call's return to the next's)."""
     if self._run is None:
-      way = "plain" if self.mode == "auto" else self.mode
+      way = "plain" if self.mode == "measured" else self.mode
       return {"mode": way, "mode_reason": "no call yet", "calls": 0,
               "switches": 0, "trials": []}
     return self._run.stats()
@@ -232,7 +234,7 @@ def _unwrap(step: Callable) -> tuple[Callable, _ConsumerJit, str,
           lambda split: streams_jit(step, streams=split.streams_used))
 
 
-def _check_options(data_argnum, capacity, stream, smart, mode="auto"):
+def _check_options(data_argnum, capacity, stream, smart, mode="measured"):
   if isinstance(data_argnum, bool) or not isinstance(data_argnum, int):
     raise TypeError(f"{FUNC}: data_argnum must be an int (the position of the "
                     f"data argument, -1 for the last), got {data_argnum!r}")
@@ -248,7 +250,7 @@ def _check_options(data_argnum, capacity, stream, smart, mode="auto"):
 
 def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
            capacity: int = 1, stream: int | None = None,
-           smart: bool = False, mode: str = "auto") -> StagedRunner:
+           smart: bool = False, mode: str = "measured") -> StagedRunner:
   """Runs ``step`` as a software pipeline over the batches of ``data``.
 
   ``runner = jaxstreams.staged(step, data=batches)``; then each
@@ -261,22 +263,23 @@ def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
   ``StopIteration``. An exception raised by ``data`` at batch ``k``, or by a
   producer stage's computation for batch ``k``, is raised by call ``k``.
 
-  ``mode="auto"`` (the default): staged (the fused way below) only where it
-  pays. Staging costs every call work of its own, so a step under a
-  millisecond whose result is read every step can run slower staged than
-  plain. The runner starts *plain*: each call reads the next batch in the
-  caller's thread and runs the plain step on it (the step jitted whole, as
-  the unstaged loop runs it). It measures its calls and moves to the fused
-  way at once when reading a batch takes a third of a call's cycle and at
-  least 200 us (then its first 16 staged calls must come out faster than
-  the plain ones that chose it, or a trial runs at once), or after a trial
-  that times calls both ways when it takes a fifth and at least 30 us. On a platform that runs streams (not XLA:CPU), with the producer
-  on a stream of its own, a trial runs even when reading is cheap (staging
-  may hide device work no clock sees). While staged, trials check that
-  staged calls are faster (at doubling intervals, the first after 256
-  staged calls), and it steps aside when one finds them slower or reading
-  turns cheap. A
-  switch keeps every promise: the pipeline drains (no new batch enters, a
+  ``mode="measured"`` (the default): staged (the fused way below) only
+  where the runner's measurements of its own calls say it pays. Staging
+  costs every call work of its own, so a step under a millisecond whose
+  result is read every step can run slower staged than plain. The runner
+  starts *plain*: each call reads the next batch in the caller's thread and
+  runs the plain step on it (the step jitted whole, as the unstaged loop
+  runs it). It measures its calls and moves to the fused way at once when
+  reading a batch takes a third of a call's cycle and at least 200 us (then
+  its first 16 staged calls must come out faster than the plain ones that
+  chose it, or a trial runs at once), or after a trial that times calls
+  both ways when it takes a fifth and at least 30 us. On a platform that
+  runs streams (not XLA:CPU), with the producer on a stream of its own, a
+  trial runs even when reading is cheap (staging may hide device work no
+  clock sees). While staged, trials check that staged calls are faster (at
+  doubling intervals, the first after 256 staged calls), and it steps aside
+  when one finds them slower or reading turns cheap. A switch keeps every
+  promise: the pipeline drains (no new batch enters, a
   fused program per call finishes the staged ones) before the plain step
   runs, so outputs, their order, each batch run once, the errors at call
   ``k`` and ``close()`` are those of either way. The first time it keeps or

@@ -10,7 +10,7 @@ last item: it is raised by the call for batch ``k`` (a ``KeyboardInterrupt``
 the iterable raised stays apart from one that reaches the caller's thread).
 The reader thread reads through ``timed`` and places each batch with
 ``place``, and hands on how long both took: what staging hides, which
-``mode="auto"`` weighs.
+``mode="measured"`` weighs.
 """
 
 from __future__ import annotations

@@ -79,9 +79,9 @@ class Splits:
       raise ValueError(
           f"{FUNC}: the step's other arguments changed structure, shape or "
           f"dtype since staging began (the first call, or the call where "
-          f"mode='auto' went back to staging); a staged runner traces its "
-          f"producer and consumer with those arguments, so they must keep "
-          f"their shapes while it stages")
+          f"mode='measured' went back to staging); a staged runner traces "
+          f"its producer and consumer with those arguments, so they must "
+          f"keep their shapes while it stages")
     return leaves
 
   def split_for(self, batch: Any) -> Split:

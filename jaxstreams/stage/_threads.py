@@ -48,7 +48,8 @@ def jit_parts(stream: int | None, consumer_jit: Callable
           with stream_scope(stream):
             return body(*xs)
         # The producer as a region on its stream, run the way
-        # jaxstreams_gpu_lowering says; mode="auto" measures whether it pays.
+        # jaxstreams_gpu_lowering says; mode="measured" measures whether it
+        # pays.
         fns.append(streams_jit(run, streams=stream + 1))
     fns.append(consumer_jit(split.bodies[-1]))
     split.fns = fns

@@ -1,7 +1,8 @@
 """How ``prefetch`` puts an item on the device, and how the consumer
 receives it: a ``Transfer``.
 
-Two transfer paths (``transfer=``):
+Two transfer paths (``transfer=``; the default, ``"by_platform"``, picks
+one by backend from ``BY_PLATFORM_TRANSFER``):
 
 * ``"device_put"``: ``jax.device_put`` (numpy leaves through the call it
   ends in, ``place_on_device``); a worker waits until the copy is done, so an
@@ -37,9 +38,10 @@ import numpy as np
 
 from jaxstreams import _compat
 
-TRANSFERS = ("auto", "device_put", "stage_area")
+TRANSFERS = ("by_platform", "device_put", "stage_area")
 
-# What transfer="auto" picks, by jax.default_backend(), from the figures of
+# What transfer="by_platform" picks, by jax.default_backend(): a table, read
+# at run time without measuring anything, from the figures of
 # benchmarks/prefetch.py (benchmarks/results/prefetch_<backend>.json).
 # CPU: measured; see the "transfer" case there. GPU: measured on an H100 with
 # jax 0.11.2 (benchmarks/results/gpu/prefetch_gpu.txt): jax.device_put placed
@@ -47,7 +49,7 @@ TRANSFERS = ("auto", "device_put", "stage_area")
 # items/s) and 4 MiB items faster over a 100-item run (926 against 779; once
 # started the stage area was faster, 1201 against 929, but its first item
 # took 46 ms). Other backends have no runtime library: device_put.
-AUTO_TRANSFER = {"cpu": "device_put", "gpu": "device_put"}
+BY_PLATFORM_TRANSFER = {"cpu": "device_put", "gpu": "device_put"}
 
 # A get is only dispatched for an item already put, so it never waits for a
 # producer; the bound only turns a runtime bug into an error, not a hang.
@@ -353,8 +355,8 @@ def resolve(transfer: Any, sharding: Any, size: int, func: str) -> Transfer:
   if not isinstance(transfer, str) or transfer not in TRANSFERS:
     raise ValueError(f"{func}: transfer must be one of {list(TRANSFERS)}, got "
                      f"{transfer!r}")
-  if transfer == "auto":
-    transfer = AUTO_TRANSFER.get(jax.default_backend(), "device_put")
+  if transfer == "by_platform":
+    transfer = BY_PLATFORM_TRANSFER.get(jax.default_backend(), "device_put")
     if transfer == "stage_area" and _stage_platform(sharding)[0] is None:
       transfer = "device_put"
   if transfer == "device_put":
@@ -362,7 +364,7 @@ def resolve(transfer: Any, sharding: Any, size: int, func: str) -> Transfer:
   platform, why_not = _stage_platform(sharding)
   if platform is None:
     raise ValueError(f"{func}: transfer='stage_area' cannot be used here: "
-                     f"{why_not}. Use transfer='device_put' or 'auto'.")
+                     f"{why_not}. Use transfer='device_put' or 'by_platform'.")
   return _StageAreaTransfer(size, platform)
 
 

@@ -1,5 +1,6 @@
 """``jaxstreams.prefetch``'s public names, kept importable from here
-(``from jaxstreams.stage.prefetch import Prefetcher, AUTO_TRANSFER``).
+(``from jaxstreams.stage.prefetch import Prefetcher,
+BY_PLATFORM_TRANSFER``).
 
 The code lives in private modules, one concept each: ``_prefetcher``
 (``Prefetcher`` and ``prefetch()``), ``_prefetch_checks`` (the arguments),
@@ -9,6 +10,6 @@ device).
 """
 
 from jaxstreams.stage._prefetcher import Prefetcher, prefetch
-from jaxstreams.stage._transfer import AUTO_TRANSFER, TRANSFERS
+from jaxstreams.stage._transfer import BY_PLATFORM_TRANSFER, TRANSFERS
 
-__all__ = ["prefetch", "Prefetcher", "TRANSFERS", "AUTO_TRANSFER"]
+__all__ = ["prefetch", "Prefetcher", "TRANSFERS", "BY_PLATFORM_TRANSFER"]

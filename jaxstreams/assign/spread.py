@@ -1,4 +1,4 @@
-"""Automatic stream assignment for the equations nobody placed.
+"""Spreading: the cost model gives streams to the equations nobody placed.
 
 A list scheduler over the equations in program order, with the cost model:
 each unplaced equation goes to the stream where it would finish earliest,
@@ -24,9 +24,9 @@ from jaxstreams.assign.cost import DeviceModel
 from jaxstreams.tag.read import ExposedProgram
 
 
-def auto_assign(program: ExposedProgram, fixed: Sequence[int | None],
-                streams: int, seconds: Sequence[float],
-                device: DeviceModel) -> list[int]:
+def spread_assign(program: ExposedProgram, fixed: Sequence[int | None],
+                  streams: int, seconds: Sequence[float],
+                  device: DeviceModel) -> list[int]:
   """A stream for every equation: ``fixed[i]`` where given, chosen otherwise.
 
   Equations cheaper than an event are followers: they take no stream time

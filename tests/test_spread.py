@@ -1,4 +1,5 @@
-"""Automatic assignment and the TF-style placement rules."""
+"""Spreading (the cost-model scheduler places what nobody placed) and the
+TF-style placement rules."""
 
 import json
 
@@ -23,66 +24,79 @@ def chain_of(plan, eqn_indices):
   return {plan.equations[i].stream for i in eqn_indices}
 
 
-def test_auto_spreads_independent_chains_and_keeps_each_chain_together():
+def test_spread_splits_independent_chains_and_keeps_each_chain_together():
   x, w = random_inputs((8, 256), (256, 256))
-  plan = jaxstreams.plan(three_chains, streams=3, auto=True)(x, w)
+  plan = jaxstreams.plan(three_chains, streams=3, spread=True)(x, w)
   dots = [e for e in plan.equations if e.primitive == "dot_general"]
   assert len(dots) == 12
   chains = [dots[4 * k:4 * k + 4] for k in range(3)]
   chain_streams = [{e.stream for e in chain} for chain in chains]
   assert all(len(s) == 1 for s in chain_streams), chain_streams
   assert len(set.union(*chain_streams)) == 3, chain_streams
-  assert all(e.rule == "auto" for e in dots)
-  assert plan.summary.startswith("auto: split pays")
-  assert "auto: split pays" in str(plan)
+  assert all(e.rule == "spread" for e in dots)
+  assert plan.summary.startswith("spread: split pays")
+  assert "spread: split pays" in str(plan)
   assert plan.estimated_seconds < plan.schedule.single_stream
   check_region_graph(plan)
-  assert_equal_results(jaxstreams.jit(three_chains, streams=3, auto=True)(x, w),
-                       jax.jit(three_chains)(x, w))
+  assert_equal_results(
+      jaxstreams.jit(three_chains, streams=3, spread=True)(x, w),
+      jax.jit(three_chains)(x, w))
 
 
-def test_auto_refuses_a_split_that_does_not_pay():
+def test_spread_refuses_a_split_that_does_not_pay():
   def tiny(x, y):
     return (x + 1) * 2 + (y - 1) * 3     # a few fusable scalar-sized ops
 
-  plan = jaxstreams.plan(tiny, streams=4, auto=True)(jnp.ones(3), jnp.ones(3))
+  plan = jaxstreams.plan(tiny, streams=4, spread=True)(jnp.ones(3),
+                                                       jnp.ones(3))
   assert plan.is_single_stream
-  assert plan.summary.startswith("auto: no split pays")
+  assert plan.summary.startswith("spread: no split pays")
   assert "unplaced equations stay on the main stream" in str(plan)
-  assert {e.rule for e in plan.equations} == {"auto"}
+  assert {e.rule for e in plan.equations} == {"spread"}
 
 
-def test_auto_never_moves_a_user_tag():
+def test_spread_never_moves_a_user_tag():
   def f(x, w):
     with jaxstreams.stream(2):
       a = jnp.tanh(x @ w)
     return three_chains(x, w) + a
 
   x, w = random_inputs((8, 256), (256, 256))
-  plan = jaxstreams.plan(f, streams=3, auto=True)(x, w)
+  plan = jaxstreams.plan(f, streams=3, spread=True)(x, w)
   tagged = [e for e in plan.equations if "jaxstreams_stream_2" in e.name]
   assert tagged and all((e.stream, e.rule) == (2, "user") for e in tagged)
-  assert_equal_results(jaxstreams.jit(f, streams=3, auto=True)(x, w),
+  assert_equal_results(jaxstreams.jit(f, streams=3, spread=True)(x, w),
                        jax.jit(f)(x, w))
 
 
-def test_auto_from_the_option_and_off_by_default():
+def test_spread_from_the_option_and_off_by_default():
   x, w = random_inputs((8, 256), (256, 256))
   assert jaxstreams.plan(three_chains, streams=3)(x, w).is_single_stream
-  config.update("jaxstreams_auto", True)
+  config.update("jaxstreams_spread", True)
   assert not jaxstreams.plan(three_chains, streams=3)(x, w).is_single_stream
-  assert jaxstreams.plan(three_chains, streams=3, auto=False)(x, w).is_single_stream
+  assert jaxstreams.plan(three_chains, streams=3,
+                         spread=False)(x, w).is_single_stream
 
 
-def test_auto_with_one_stream_says_so():
-  plan = jaxstreams.plan(three_chains, streams=1, auto=True)(
+def test_spread_with_one_stream_says_so():
+  plan = jaxstreams.plan(three_chains, streams=1, spread=True)(
       *random_inputs((8, 64), (64, 64)))
   assert plan.is_single_stream and "streams=1" in plan.summary
 
 
-def test_bad_auto_value():
-  with pytest.raises(TypeError, match="auto must be True, False or None"):
-    jaxstreams.jit(lambda x: x, auto="yes")
+def test_bad_spread_value():
+  with pytest.raises(TypeError, match="spread must be True, False or None"):
+    jaxstreams.jit(lambda x: x, spread="yes")
+
+
+def test_the_keyword_auto_is_not_taken():
+  # auto= is no keyword of jit: the error names those it takes.
+  with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) "
+                     r"auto; it takes streams=, spread=, gpu_lowering="):
+    jaxstreams.jit(lambda x: x, auto=True)
+  with pytest.raises(ValueError, match="unknown jaxstreams option "
+                     "'jaxstreams_auto'"):
+    config.update("jaxstreams_auto", True)
 
 
 def test_forward_propagation_joins_the_only_source_stream():
@@ -180,7 +194,7 @@ def test_reduce_stream_wait_off_keeps_every_edge():
 
 def test_plan_shows_estimates_and_the_critical_path(tmp_path):
   x, w = random_inputs((8, 256), (256, 256))
-  plan = jaxstreams.plan(three_chains, streams=3, auto=True)(x, w)
+  plan = jaxstreams.plan(three_chains, streams=3, spread=True)(x, w)
   text = str(plan)
   for fragment in ("est. GFLOP", "est. MB", "est. us", "estimated step:",
                    "critical path: R"):

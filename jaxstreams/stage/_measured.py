@@ -1,5 +1,6 @@
-"""``staged``'s modes ``"auto"`` (the default), ``"fused"`` and ``"plain"``:
-the fused pipeline where staging pays, the plain step where it does not.
+"""``staged``'s modes ``"measured"`` (the default), ``"fused"`` and
+``"plain"``: the fused pipeline where staging pays, the plain step where it
+does not, as the runner measures while it runs.
 
 Never slower than doing without. Staging hides what happens before a
 batch's consumer can run (reading it, placing it, on a GPU its producer
@@ -8,7 +9,7 @@ its own work: the fused program's bookkeeping, the reader thread's
 hand-off and its competition for the CPU. For a step under a millisecond
 whose result is read every step, on the shared 2-core development machine,
 that cost was the larger: the fused runner ran at 0.4x-0.7x of the plain
-loop (benchmarks/prefetch_sweep.py). So ``mode="auto"`` starts *plain*:
+loop (benchmarks/prefetch_sweep.py). So ``mode="measured"`` starts *plain*:
 each call reads the next batch in the caller's thread and runs the plain
 step on it (the whole step jitted, as the unstaged loop runs it: no reader
 thread, no bookkeeping), and measures itself (``_clock``): the cycle from
@@ -110,7 +111,7 @@ WORDS = Words(
     lost=("the plain step runs on batches read in the caller's thread, a "
           "trial found staging no faster ({result})"))
 
-WAYS = ("fused", "plain")       # "auto" chooses between them
+WAYS = ("fused", "plain")       # "measured" chooses between them
 
 
 def _platform() -> str:
@@ -124,8 +125,8 @@ def _with_batch(args: tuple, batch: Any, data_argnum: int) -> tuple:
   return (*args[:position], batch, *args[position:])
 
 
-class AutoRun:
-  """One runner's run in mode ``"auto"`` (``mode``), ``"fused"`` or
+class MeasuredRun:
+  """One runner's run in mode ``"measured"`` (``mode``), ``"fused"`` or
   ``"plain"``: the source, the reader (made the first time it stages), the
   fused pipeline, the plain step and what it measures. Made by the first
   call, in the caller's thread, with that call's other arguments: it reads
@@ -160,7 +161,7 @@ class AutoRun:
                                                   streams_now)
       self.fused = FusedRun(splits, self.stream, self.streams)
       self.plain = plain(self.last_split)
-      if mode == "auto":
+      if mode == "measured":
         # A producer on a stream of its own, on a platform that runs
         # streams: staging may hide device work no clock here sees.
         unseen = _platform() != "cpu" and self.stream != 0

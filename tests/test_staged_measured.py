@@ -1,5 +1,5 @@
-"""jaxstreams.staged(mode="auto"): how it chooses between the fused pipeline
-and the plain step, and that every promise holds across its switches.
+"""jaxstreams.staged(mode="measured"): how it chooses between the fused
+pipeline and the plain step, and that every promise holds across its switches.
 
 The decision is the chooser prefetch uses (``_chooser.Chooser``), worded for
 staged: first fed made-up times, then inside runners whose clock is fake
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from jaxstreams.stage import _auto, _chooser, _clock
+from jaxstreams.stage import _chooser, _clock, _measured
 from programs import (FlippingChooser, assert_equal_results, meter_for,
                       jaxstreams_threads, wait_until)
 
@@ -65,7 +65,8 @@ def step3(params, batch):
 # The chooser, worded for staged: made-up times ------------------------------
 
 def _chooser_for(unseen_gain=False):
-  return _chooser.Chooser(1, _auto.WORDS, verify=True, unseen_gain=unseen_gain)
+  return _chooser.Chooser(1, _measured.WORDS, verify=True,
+                          unseen_gain=unseen_gain)
 
 
 def _feed(chooser, n, cycle_us, read_us, made=None):
@@ -241,7 +242,7 @@ def _loop(clock, runner, params, n, step_us=100):
 
 
 @pytest.mark.cpu_backend
-def test_auto_keeps_the_plain_step_and_says_so_once(clock):
+def test_measured_keeps_the_plain_step_and_says_so_once(clock):
   params, data = _params(), _batches(100)
   with pytest.warns(jaxstreams.PerformanceWarning,
                     match=r"staged does not pay here and stepped aside: "
@@ -251,7 +252,7 @@ def test_auto_keeps_the_plain_step_and_says_so_once(clock):
       got = _loop(clock, runner, params, len(data))
       assert jaxstreams_threads("jaxstreams-prefetch") == []   # never staged
       stats = runner.stats()
-      assert repr(runner).endswith("mode='auto' (plain), capacity=1, "
+      assert repr(runner).endswith("mode='measured' (plain), capacity=1, "
                                    "smart=False>")
   assert len(w) == 1
   assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
@@ -263,7 +264,7 @@ def test_auto_keeps_the_plain_step_and_says_so_once(clock):
   assert runner.plan.producers      # split all the same (planning errors)
 
 
-def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
+def test_measured_stages_where_reading_dominates_and_a_trial_confirms(clock):
   params, data = _params(), _batches(420)
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxstreams.PerformanceWarning)
@@ -271,7 +272,7 @@ def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
                            capacity=2) as runner:
       got = _loop(clock, runner, params, len(data))
       stats = runner.stats()
-      assert repr(runner).endswith("mode='auto' (fused), capacity=2, "
+      assert repr(runner).endswith("mode='measured' (fused), capacity=2, "
                                    "smart=False>")
   assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
   # Plain, a read takes 1000 us of a 1100 us cycle; staged, the reader
@@ -295,7 +296,7 @@ def test_auto_stages_where_reading_dominates_and_a_trial_confirms(clock):
 
 
 @pytest.mark.cpu_backend
-def test_auto_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
+def test_measured_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
                                                           monkeypatch):
   # XLA:CPU: a read that never blocks (numpy work, a copy) needs a core the
   # step needs too: however long, it does not make staging worth a trial.
@@ -318,7 +319,7 @@ def test_auto_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
 
 
 @pytest.mark.cpu_backend
-def test_auto_steps_aside_when_reading_turns_cheap(clock):
+def test_measured_steps_aside_when_reading_turns_cheap(clock):
   params, data, pulled = _params(), _batches(800), []
   source = _source(clock, data, lambda i: 1000 if i < 450 else 5, pulled)
   with pytest.warns(jaxstreams.PerformanceWarning,
@@ -359,7 +360,7 @@ def test_a_trial_where_staging_may_hide_device_work(
   """On a platform that runs streams, with the producer on a stream of its
   own, staging may hide device work no clock sees: a trial runs even though
   reading is cheap. Not with the producer on the main stream, nor on CPU."""
-  monkeypatch.setattr(_auto, "_platform", lambda: platform)
+  monkeypatch.setattr(_measured, "_platform", lambda: platform)
   params, data = _params(), _batches(200)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxstreams.PerformanceWarning)
@@ -380,14 +381,14 @@ def test_stats_and_repr_before_the_first_call():
   runner = jaxstreams.staged(step1, data=_batches(2))
   assert runner.stats() == {"mode": "plain", "mode_reason": "no call yet",
                             "calls": 0, "switches": 0, "trials": []}
-  assert repr(runner).endswith("mode='auto', capacity=1, smart=False>")
+  assert repr(runner).endswith("mode='measured', capacity=1, smart=False>")
   runner.close()
 
 
 # Across switches: a chooser that switches every few calls ------------------
 
 def _flipping(monkeypatch, every):
-  monkeypatch.setattr(_auto, "Chooser",
+  monkeypatch.setattr(_measured, "Chooser",
                       functools.partial(FlippingChooser, every=every))
 
 
