@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
-from jaxstreams.stage.prefetch import BY_PLATFORM_TRANSFER
+from jaxstreams.staging.prefetch import BY_PLATFORM_TRANSFER
 
 BATCH, WIDTH, HIDDEN = 256, 64, 512
 
@@ -450,7 +450,7 @@ def main():
              f"no path wins most sizes, so {by_platform!r} stays"
              if measured is None else
              "DISAGREES: update BY_PLATFORM_TRANSFER in "
-             "jaxstreams/stage/_transfer.py")
+             "jaxstreams/staging/_transfer.py")
   print(f"\nfaster prefetch transfer on {backend}, by item size: {wins}; "
         f"transfer='by_platform' picks {by_platform!r}: {verdict}")
 

@@ -20,10 +20,10 @@ from jaxstreams._performance import PerformanceWarning
 from jaxstreams.assign import RulesFileError, StreamIdError
 from jaxstreams._jit import StreamJit, jit, plan
 from jaxstreams.partition import Dependency, PlannedEquation, Region, StreamPlan
-from jaxstreams.serve import QueueFullError, Server, ServerClosedError, serve
+from jaxstreams.serving import QueueFullError, Server, ServerClosedError, serve
 from jaxstreams.runtime.profile import profile
 from jaxstreams.tag import colocate_with, stream
-from jaxstreams.stage import prefetch, stage, staged
+from jaxstreams.staging import prefetch, stage, staged
 from jaxstreams.xla import (GpuTargetError, GraphLogError, HloParseError,
                             gpu_target, xla_graphs, xla_schedule)
 

@@ -41,7 +41,7 @@ import pytest
 
 import jaxstreams
 
-from jaxstreams.stage import _measured
+from jaxstreams.staging import _measured
 from programs import FlippingChooser, jaxstreams_threads, wait_until
 
 jax.config.update("jax_num_cpu_devices", 4)

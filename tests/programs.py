@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
-from jaxstreams.stage import _chooser
+from jaxstreams.staging import _chooser
 
 
 def random_inputs(*shapes, seed=0):
@@ -175,7 +175,7 @@ def keyboard_interrupt_after(seconds, then=None):
 
 class FlippingChooser:
   """Stands in for ``mode="measured"``'s chooser
-  (``jaxstreams.stage._chooser.Chooser``, shared by prefetch and staged)
+  (``jaxstreams.staging._chooser.Chooser``, shared by prefetch and staged)
   and switches between its two ways every ``every`` items (prefetch) or
   calls (staged) it is shown, so that every promise is checked across
   switches: ``monkeypatch.setattr(module, "Chooser", FlippingChooser)``,

@@ -26,8 +26,8 @@ import pytest
 import jaxstreams
 import jaxstreams.runtime as rt
 from jaxstreams import _compat
-from jaxstreams.stage import _chooser, _clock, _lookahead, _transfer
-from jaxstreams.stage.prefetch import BY_PLATFORM_TRANSFER, Prefetcher
+from jaxstreams.staging import _chooser, _clock, _lookahead, _transfer
+from jaxstreams.staging.prefetch import BY_PLATFORM_TRANSFER, Prefetcher
 from programs import (FlippingChooser, jaxstreams_threads, meter_for,
                       keyboard_interrupt_after, wait_until)
 

@@ -28,7 +28,7 @@ import jaxstreams
 import jaxstreams.runtime as rt
 from jaxstreams import config
 from jaxstreams.runtime import _ops
-from jaxstreams.stage import staged_plan
+from jaxstreams.staging import staged_plan
 from programs import (assert_equal_results, jaxstreams_threads,
                       keyboard_interrupt_after, wait_until)
 

@@ -656,7 +656,7 @@ def test_direct_mode_wait_for_room_times_out_or_ends_with_close():
 
 
 def test_tally_counts_every_add_from_many_threads():
-  from jaxstreams.serve._server import _Tally
+  from jaxstreams.serving._server import _Tally
   tally = _Tally()
   reads = []
 
@@ -679,7 +679,7 @@ def test_tally_counts_every_add_from_many_threads():
 
 
 def test_by_platform_runs_direct_on_a_gpu_too(monkeypatch):
-  from jaxstreams.serve import _server
+  from jaxstreams.serving import _server
   monkeypatch.setattr(_server, "_platform", lambda: "gpu")
   with jaxstreams.serve(mlp, groups=2) as server:
     assert server.mode == "direct"

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from jaxstreams.stage import staged_plan
+from jaxstreams.staging import staged_plan
 from programs import assert_equal_results, jaxstreams_threads, wait_until
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from jaxstreams.stage import _chooser, _clock, _measured
+from jaxstreams.staging import _chooser, _clock, _measured
 from programs import (FlippingChooser, assert_equal_results, meter_for,
                       jaxstreams_threads, wait_until)
 

@@ -47,8 +47,8 @@ from jax import tree_util
 from jaxstreams import _compat
 from jaxstreams._trace import trace
 from jaxstreams.partition.cut import cut, part_function
-from jaxstreams.stage._marker import has_nested_marker, is_marker
-from jaxstreams.stage._plan import StagedEquation, StagedPlan, StageSpec
+from jaxstreams.staging._marker import has_nested_marker, is_marker
+from jaxstreams.staging._plan import StagedEquation, StagedPlan, StageSpec
 from jaxstreams.tag.read import any_equation, stream_ids
 
 FUNC = "jaxstreams.staged"

@@ -29,12 +29,12 @@ import jax
 from jaxstreams import _checks, config
 from jaxstreams._jit import jit as streams_jit, spec_of
 from jaxstreams._performance import PerformanceWarning
-from jaxstreams.stage._analysis import FUNC, Split, build_split
-from jaxstreams.stage._measured import MeasuredRun
-from jaxstreams.stage._fused import FusedRun
-from jaxstreams.stage._plan import StagedPlan
-from jaxstreams.stage._splits import Splits
-from jaxstreams.stage._threads import ThreadRun, jit_parts
+from jaxstreams.staging._analysis import FUNC, Split, build_split
+from jaxstreams.staging._measured import MeasuredRun
+from jaxstreams.staging._fused import FusedRun
+from jaxstreams.staging._plan import StagedPlan
+from jaxstreams.staging._splits import Splits
+from jaxstreams.staging._threads import ThreadRun, jit_parts
 
 MODES = ("measured", "fused", "plain", "threads")
 
@@ -172,12 +172,12 @@ class StagedRunner:
 
   def staged_plan(self) -> StagedPlan:
     """What was staged: the ``StagedPlan`` of the latest batch (available
-    from the first call on; ``jaxstreams.stage.staged_plan`` makes one from
+    from the first call on; ``jaxstreams.staging.staged_plan`` makes one from
     example arguments without running)."""
     if self.plan is None:
       raise RuntimeError(f"{FUNC}: the runner has not traced a batch yet; call "
-                         "it once, or use jaxstreams.stage.staged_plan(step, "
-                         "*args) with an example batch")
+                         "it once, or use jaxstreams.staging.staged_plan("
+                         "step, *args) with an example batch")
     return self.plan
 
   def close(self) -> None:

@@ -1,5 +1,5 @@
 """``jaxstreams.prefetch``'s public names, kept importable from here
-(``from jaxstreams.stage.prefetch import Prefetcher,
+(``from jaxstreams.staging.prefetch import Prefetcher,
 BY_PLATFORM_TRANSFER``).
 
 The code lives in private modules, one concept each: ``_prefetcher``
@@ -9,7 +9,7 @@ The code lives in private modules, one concept each: ``_prefetcher``
 device).
 """
 
-from jaxstreams.stage._prefetcher import Prefetcher, prefetch
-from jaxstreams.stage._transfer import BY_PLATFORM_TRANSFER, TRANSFERS
+from jaxstreams.staging._prefetcher import Prefetcher, prefetch
+from jaxstreams.staging._transfer import BY_PLATFORM_TRANSFER, TRANSFERS
 
 __all__ = ["prefetch", "Prefetcher", "TRANSFERS", "BY_PLATFORM_TRANSFER"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import types
 from typing import Any, Iterable
 
-from jaxstreams.stage import _clock
-from jaxstreams.stage._transfer import place_on_device
+from jaxstreams.staging import _clock
+from jaxstreams.staging._transfer import place_on_device
 
 
 class DataError:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from jax import tree_util
 
 from jaxstreams._signature import signature
-from jaxstreams.stage._analysis import FUNC, Split, build_split
+from jaxstreams.staging._analysis import FUNC, Split, build_split
 
 _BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = \
     weakref.WeakKeyDictionary()

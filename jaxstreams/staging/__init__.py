@@ -21,14 +21,15 @@ both measure themselves with); for ``staged``, ``_marker``
 ``_fused`` and ``_threads`` (the two runs) and ``_runner`` (``staged``, its
 runner and ``staged_plan``). This file only re-exports.
 
-Note: ``jaxstreams.stage`` is the function (the package exports it), so reach
-this subpackage's other names with ``from jaxstreams.stage import ...``.
+The subpackage is ``staging``, not ``stage``: ``jaxstreams.stage`` is the
+marker function (the package exports it), and a subpackage of that name
+would be hidden behind it.
 """
 
-from jaxstreams.stage._marker import stage
-from jaxstreams.stage._plan import StagedPlan
-from jaxstreams.stage._runner import StagedRunner, staged, staged_plan
-from jaxstreams.stage._prefetcher import Prefetcher, prefetch
+from jaxstreams.staging._marker import stage
+from jaxstreams.staging._plan import StagedPlan
+from jaxstreams.staging._runner import StagedRunner, staged, staged_plan
+from jaxstreams.staging._prefetcher import Prefetcher, prefetch
 
 __all__ = ["Prefetcher", "StagedPlan", "StagedRunner", "prefetch", "stage",
            "staged", "staged_plan"]

@@ -15,11 +15,14 @@ H100 with jax 0.11.2); ``mode="grouped"`` asks for the stream groups::
       y = server(x)                  # from any number of threads
       fut = server.submit(x2)        # or a concurrent.futures.Future
 
-See ``jaxstreams.serve.serve`` for the options and the guarantees.
+See ``jaxstreams.serving.serve`` for the options and the guarantees. The
+subpackage is ``serving``, not ``serve``: ``jaxstreams.serve`` is the function
+(the package exports it), and a subpackage of that name would be hidden
+behind it.
 """
 
-from jaxstreams.serve._server import (QueueFullError, Server,
-                                      ServerClosedError, ServeStats, serve)
+from jaxstreams.serving._server import (QueueFullError, Server,
+                                        ServerClosedError, ServeStats, serve)
 
 __all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
            "serve"]

@@ -63,14 +63,14 @@ from typing import Any, Callable, Iterable
 import jax
 from jax import tree_util
 
-from jaxstreams.stage import _clock
-from jaxstreams.stage._analysis import FUNC, Split
-from jaxstreams.stage._chooser import Chooser, Meter, Words
-from jaxstreams.stage._fused import FusedRun, producer_stream
-from jaxstreams.stage._prefetcher import Prefetcher, holds_items, set_way
-from jaxstreams.stage._source import DataError, Source, place, timed
-from jaxstreams.stage._splits import Splits
-from jaxstreams.stage._transfer import place_on_device
+from jaxstreams.staging import _clock
+from jaxstreams.staging._analysis import FUNC, Split
+from jaxstreams.staging._chooser import Chooser, Meter, Words
+from jaxstreams.staging._fused import FusedRun, producer_stream
+from jaxstreams.staging._prefetcher import Prefetcher, holds_items, set_way
+from jaxstreams.staging._source import DataError, Source, place, timed
+from jaxstreams.staging._splits import Splits
+from jaxstreams.staging._transfer import place_on_device
 
 # How staged words the chooser's decisions (``runner.stats()``'s
 # ``mode_reason``).

@@ -23,11 +23,11 @@ import jax
 from jax import tree_util
 
 from jaxstreams._jit import jit as streams_jit
-from jaxstreams.stage import _clock
-from jaxstreams.stage._analysis import FUNC, Split
-from jaxstreams.stage._chooser import Meter
-from jaxstreams.stage._splits import Splits
-from jaxstreams.stage._prefetcher import Prefetcher
+from jaxstreams.staging import _clock
+from jaxstreams.staging._analysis import FUNC, Split
+from jaxstreams.staging._chooser import Meter
+from jaxstreams.staging._splits import Splits
+from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.tag import stream as stream_scope
 
 

@@ -54,12 +54,12 @@ from jax import tree_util
 
 from jaxstreams import config
 from jaxstreams._jit import jit as streams_jit
-from jaxstreams.stage._analysis import FUNC, Split
-from jaxstreams.stage._splits import Splits
-from jaxstreams.stage import _clock
-from jaxstreams.stage._lookahead import NOT_READY
-from jaxstreams.stage._prefetcher import Prefetcher, next_if_ready
-from jaxstreams.stage._source import DataError
+from jaxstreams.staging._analysis import FUNC, Split
+from jaxstreams.staging._splits import Splits
+from jaxstreams.staging import _clock
+from jaxstreams.staging._lookahead import NOT_READY
+from jaxstreams.staging._prefetcher import Prefetcher, next_if_ready
+from jaxstreams.staging._source import DataError
 from jaxstreams.tag import stream as stream_scope
 
 _SCHEDULE = 64        # programs the fused runner remembers for ``schedule``

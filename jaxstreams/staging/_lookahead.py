@@ -44,9 +44,9 @@ import time
 from typing import Any, Iterator
 
 from jaxstreams import _workers
-from jaxstreams.stage import _clock
-from jaxstreams.stage._chooser import SHORT_CYCLE_US, Chooser, Meter, Words
-from jaxstreams.stage._transfer import Transfer
+from jaxstreams.staging import _clock
+from jaxstreams.staging._chooser import SHORT_CYCLE_US, Chooser, Meter, Words
+from jaxstreams.staging._transfer import Transfer
 
 # What next_if_ready returns when the next item is not ready.
 NOT_READY = object()

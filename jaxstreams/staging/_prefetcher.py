@@ -43,11 +43,11 @@ from typing import Any, Callable, Iterable
 
 from jaxstreams import _checks, _compat
 from jaxstreams._performance import PerformanceWarning
-from jaxstreams.stage import _prefetch_checks, _transfer
-from jaxstreams.stage._chooser import SHORT_CYCLE_US
-from jaxstreams.stage._lookahead import Pipeline
-from jaxstreams.stage._prefetch_checks import FUNC
-from jaxstreams.stage._transfer import FunctionTransfer, Transfer
+from jaxstreams.staging import _prefetch_checks, _transfer
+from jaxstreams.staging._chooser import SHORT_CYCLE_US
+from jaxstreams.staging._lookahead import Pipeline
+from jaxstreams.staging._prefetch_checks import FUNC
+from jaxstreams.staging._transfer import FunctionTransfer, Transfer
 
 _names = itertools.count()
 
