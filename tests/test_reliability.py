@@ -299,13 +299,22 @@ def test_serve_non_finite_and_huge_arguments():
     assert server({}) == {}
 
 
-def test_staged_bad_data_argnum_for_a_plan_and_zero_size_batches():
+def test_staged_bad_data_argnums_for_a_plan_and_zero_size_batches():
   def step(p, b):
     return jnp.sum(jaxstreams.stage(b * 2.0)) + p
-  with pytest.raises(ValueError, match=r"data_argnum=5 does not name one of the 2"):
-    staged_plan(step, 1.0, np.ones(2), data_argnum=5)
-  with pytest.raises(ValueError, match=r"data_argnum=-3 does not name"):
-    staged_plan(step, 1.0, np.ones(2), data_argnum=-3)
+  with pytest.raises(ValueError,
+                     match=r"data_argnums=5 does not name one of the 2"):
+    staged_plan(step, 1.0, np.ones(2), data_argnums=5)
+  with pytest.raises(ValueError, match=r"data_argnums=-3 does not name"):
+    staged_plan(step, 1.0, np.ones(2), data_argnums=-3)
+  with pytest.raises(ValueError, match=r"data_argnums=\[2\] does not name"):
+    staged_plan(step, 1.0, np.ones(2), data_argnums=[2])
+  with pytest.raises(ValueError, match="staged reads one data argument"):
+    staged_plan(step, 1.0, np.ones(2), data_argnums=(0, 1))
+  first = lambda b, p: step(p, b)    # the data argument first
+  assert staged_plan(first, np.ones(2), 1.0,
+                     data_argnums=(0,)).data_argnums == 0
+  assert staged_plan(step, 1.0, np.ones(2)).data_argnums == 1
   data = [np.zeros((0,), np.float32)] * 3
   with jaxstreams.staged(step, data=data) as runner:
     assert [float(runner(jnp.float32(1))) for _ in range(3)] == [1.0] * 3

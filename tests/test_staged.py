@@ -164,26 +164,30 @@ def test_lookahead_bounded_by_capacity_per_stage(mode):
   assert pulled[0] == 30
 
 
-@pytest.mark.parametrize("data_argnum", [0, 1, -2])
-def test_data_argnum(data_argnum, mode):
+@pytest.mark.parametrize("data_argnums", [0, 1, -2, (0,), [-2]])
+def test_data_argnums(data_argnums, mode):
+  """An int, or as jax spells static_argnums a sequence of one int."""
   params, data = _params(), _batches(4)
   scale = jnp.float32(0.5)
+  position = (data_argnums if isinstance(data_argnums, int)
+              else data_argnums[0])
 
   def step(a, b, c):
     args = [a, b, c]
-    batch = args.pop(data_argnum)
+    batch = args.pop(position)
     p, s = args
     f = jaxstreams.stage(_features(batch))
     return jnp.sum(jnp.tanh(f @ p["w"])) * s
 
   def call(batch):
     args = [params, scale]
-    args.insert(data_argnum if data_argnum >= 0 else 3 + data_argnum, batch)
+    args.insert(position if position >= 0 else 3 + position, batch)
     return jax.jit(step)(*args)
 
   want = [call(b) for b in data]
-  with jaxstreams.staged(step, data=data, data_argnum=data_argnum,
+  with jaxstreams.staged(step, data=data, data_argnums=data_argnums,
                          mode=mode) as runner:
+    assert runner.data_argnums == position      # normalised to the int
     _assert_same(_run(runner, params, scale), want)
 
 
@@ -394,7 +398,21 @@ def test_abandoned_runner_stops_its_workers(mode, workers):
     (dict(capacity="2"), TypeError, "capacity must be an integer >= 1"),
     (dict(stream=-1), ValueError, "stream must be >= 0"),
     (dict(stream=1.0), TypeError, "stream must be None or an integer >= 0"),
-    (dict(data_argnum="x"), TypeError, "data_argnum must be an int"),
+    (dict(data_argnums="x"), TypeError, r"data_argnums must be an int or a "
+     r"sequence of exactly one int \(the position of the data argument, -1 "
+     r"for the last\), got 'x' of type str"),
+    (dict(data_argnums=True), TypeError, "data_argnums must be an int or a "
+     "sequence of exactly one int .*, got True of type bool"),
+    (dict(data_argnums=1.0), TypeError, "got 1.0 of type float"),
+    (dict(data_argnums=None), TypeError, "got None of type NoneType"),
+    (dict(data_argnums=["0"]), TypeError, r"got \['0'\] of type list"),
+    (dict(data_argnums=(0, 1)), ValueError, r"data_argnums must be an int or "
+     r"a sequence of exactly one int .*: staged reads one data argument, got "
+     r"\(0, 1\)"),
+    (dict(data_argnums=[]), ValueError, r"staged reads one data argument, got "
+     r"\[\]"),
+    (dict(data_argnum=0), TypeError, "unexpected keyword argument "
+     "'data_argnum'"),
     (dict(smart=1), TypeError, "smart must be True or False"),
     (dict(mode="thread"), ValueError, r"mode must be one of \('measured', "
      r"'fused', 'plain', 'threads'\), got 'thread'"),
@@ -412,8 +430,8 @@ def test_bad_step_and_data():
     jaxstreams.staged(3, data=[])
   with pytest.raises(TypeError, match="data must be an iterable of batches, got 5"):
     jaxstreams.staged(step1, data=5)
-  with pytest.raises(ValueError, match="data_argnum=5 does not name"):
-    jaxstreams.staged(step1, data=_batches(2), data_argnum=5)(_params())
+  with pytest.raises(ValueError, match="data_argnums=5 does not name"):
+    jaxstreams.staged(step1, data=_batches(2), data_argnums=5)(_params())
 
 
 @pytest.mark.parametrize("static", [dict(static_argnums=0),

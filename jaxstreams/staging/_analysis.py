@@ -101,13 +101,14 @@ class Split:
 
 
 def build_split(fun: Callable, function_name: str, other_args: tuple,
-                kwargs: dict, batch: Any, data_argnum: int,
+                kwargs: dict, batch: Any, data_argnums: int,
                 smart: bool) -> Split:
-  """Traces ``fun`` with ``batch`` at ``data_argnum`` and splits it."""
-  position = data_argnum if data_argnum >= 0 else len(other_args) + 1 + data_argnum
+  """Traces ``fun`` with ``batch`` at ``data_argnums`` and splits it."""
+  position = (data_argnums if data_argnums >= 0
+              else len(other_args) + 1 + data_argnums)
   if not 0 <= position <= len(other_args):
     raise ValueError(
-        f"{FUNC}: data_argnum={data_argnum} does not name an argument of a "
+        f"{FUNC}: data_argnums={data_argnums} does not name an argument of a "
         f"step called with {len(other_args)} other argument(s) plus the data "
         f"(valid: {-(len(other_args) + 1)} .. {len(other_args)})")
   args = other_args[:position] + (batch,) + other_args[position:]

@@ -119,9 +119,10 @@ def _platform() -> str:
   return jax.default_backend()
 
 
-def _with_batch(args: tuple, batch: Any, data_argnum: int) -> tuple:
-  """The step's arguments: ``args`` with ``batch`` at ``data_argnum``."""
-  position = data_argnum if data_argnum >= 0 else len(args) + 1 + data_argnum
+def _with_batch(args: tuple, batch: Any, data_argnums: int) -> tuple:
+  """The step's arguments: ``args`` with ``batch`` at ``data_argnums``."""
+  position = (data_argnums if data_argnums >= 0
+              else len(args) + 1 + data_argnums)
   return (*args[:position], batch, *args[position:])
 
 
@@ -137,11 +138,11 @@ class MeasuredRun:
   def __init__(self, splits: Splits, data: Iterable[Any], mode: str,
                capacity: int, stream: int | None,
                streams_now: Callable[[], int],
-               plain: Callable[[Split], Callable], data_argnum: int,
+               plain: Callable[[Split], Callable], data_argnums: int,
                other: tuple):
     self.splits = splits
     self.capacity = capacity
-    self.data_argnum = data_argnum
+    self.data_argnums = data_argnums
     self.source = Source(data)
     self.reader: Prefetcher | None = None
     self.fused: FusedRun | None = None
@@ -194,10 +195,10 @@ class MeasuredRun:
       busy = _clock.busy(busy_start, read) if busy_start else 0.0
       if type(batch) is DataError:
         raise batch.exc
-      if self.data_argnum == -1:             # the usual place: no tuple work
+      if self.data_argnums == -1:             # the usual place: no tuple work
         outs = self.plain(*other_args, batch, **kwargs)
       else:
-        outs = self.plain(*_with_batch(other_args, batch, self.data_argnum),
+        outs = self.plain(*_with_batch(other_args, batch, self.data_argnums),
                           **kwargs)
       self._count("plain", started, read, 0.0, True, busy=busy)
       return outs
@@ -238,7 +239,7 @@ class MeasuredRun:
       return self.call(other_args, kwargs)
     if isinstance(batch, DataError):
       raise batch.exc
-    outs = self.plain(*_with_batch(other_args, batch, self.data_argnum),
+    outs = self.plain(*_with_batch(other_args, batch, self.data_argnums),
                       **kwargs)
     self._count("plain", started, read, 0.0, made)
     return outs

@@ -36,7 +36,7 @@ class StagedPlan:
 
   function_name: str
   smart: bool
-  data_argnum: int
+  data_argnums: int     # the data argument's position, from 0
   stages: tuple[StageSpec, ...]
   boundaries: tuple[tuple[int, str], ...]
 
@@ -51,7 +51,7 @@ class StagedPlan:
   def __str__(self) -> str:
     how = "smart (widest data-only subgraph)" if self.smart else "stage() calls"
     lines = [f"StagedPlan {self.function_name}: {len(self.producers)} producer "
-             f"stage(s) + consumer, data argument {self.data_argnum}, "
+             f"stage(s) + consumer, data argument {self.data_argnums}, "
              f"split by {how}"]
     for level, source in self.boundaries:
       lines.append(f"  boundary -> level {level}: stage() at {source}")

@@ -21,7 +21,9 @@ the one ``step`` would run, on the same inputs, so the outputs are
 
 from __future__ import annotations
 
+import operator
 import warnings
+from collections.abc import Sequence
 from typing import Any, Callable, Iterable
 
 import jax
@@ -48,14 +50,16 @@ class StagedRunner:
   staged (the first batch's until one is; None before the first call);
   ``stream`` and ``streams`` (from the first call on, all modes but
   ``"threads"``) the producer's stream and the stream count its fused
-  program is compiled with."""
+  program is compiled with; ``data_argnums`` the data argument's position,
+  normalised to the one int that was given (``[1]`` is kept as ``1``, and
+  a negative position stays negative: counted from the end)."""
 
-  def __init__(self, step: Callable, data: Iterable[Any], data_argnum: int,
+  def __init__(self, step: Callable, data: Iterable[Any], data_argnums: int,
                capacity: int, stream: int | None, smart: bool, mode: str):
     fun, consumer_jit, self._name, self._streams_now, self._plain = \
         _unwrap(step)
     self._data = data
-    self.data_argnum = data_argnum
+    self.data_argnums = data_argnums
     self.capacity = capacity
     self.stream = stream
     self.streams: int | None = None
@@ -64,12 +68,12 @@ class StagedRunner:
     if mode == "threads":
       # Thread mode jits each part on its own (the producer on ``stream``);
       # fused programs apply the stream inside the one program they fuse.
-      self._splits = Splits(fun, self._name, data_argnum, smart,
+      self._splits = Splits(fun, self._name, data_argnums, smart,
                             jit_key=(stream, consumer_jit.key,
                                      config.read("jaxstreams_gpu_lowering")),
                             jit_parts=jit_parts(stream, consumer_jit.jit))
     else:
-      self._splits = Splits(fun, self._name, data_argnum, smart)
+      self._splits = Splits(fun, self._name, data_argnums, smart)
     self._run: MeasuredRun | ThreadRun | None = None
     self._done = False
 
@@ -84,7 +88,7 @@ class StagedRunner:
     else:
       self._run = MeasuredRun(self._splits, data, self.mode, self.capacity,
                               self.stream, self._streams_now, self._plain,
-                              self.data_argnum, other)
+                              self.data_argnums, other)
       self.stream, self.streams = self._run.stream, self._run.streams
 
   def __call__(self, *other_args, **kwargs):
@@ -234,10 +238,33 @@ def _unwrap(step: Callable) -> tuple[Callable, _ConsumerJit, str,
           lambda split: streams_jit(step, streams=split.streams_used))
 
 
-def _check_options(data_argnum, capacity, stream, smart, mode="measured"):
-  if isinstance(data_argnum, bool) or not isinstance(data_argnum, int):
-    raise TypeError(f"{FUNC}: data_argnum must be an int (the position of the "
-                    f"data argument, -1 for the last), got {data_argnum!r}")
+_DATA_ARGNUMS = ("an int or a sequence of exactly one int (the position of "
+                 "the data argument, -1 for the last)")
+
+
+def _data_argnums(value: Any) -> int:
+  """``data_argnums`` as the one position it names. Spelled as jax spells
+  ``static_argnums``: an int, or a sequence of ints; ``staged`` reads one
+  data argument, so a sequence must hold exactly one."""
+  item = value
+  if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+    if len(value) != 1:
+      raise ValueError(f"{FUNC}: data_argnums must be {_DATA_ARGNUMS}: "
+                       f"staged reads one data argument, got {value!r}")
+    item = value[0]
+  if not isinstance(item, bool):
+    try:
+      return operator.index(item)
+    except TypeError:
+      pass
+  raise TypeError(f"{FUNC}: data_argnums must be {_DATA_ARGNUMS}, got "
+                  f"{value!r} of type {type(value).__name__}")
+
+
+def _check_options(data_argnums, capacity, stream, smart, mode="measured"):
+  """The options checked; returns ``(data_argnums, capacity, stream)``
+  normalised (``data_argnums`` to the one int it names)."""
+  data_argnums = _data_argnums(data_argnums)
   capacity = _checks.integer(capacity, name="capacity", context=FUNC,
                              minimum=1)
   stream = _checks.integer(stream, name="stream", context=FUNC, minimum=0,
@@ -245,17 +272,20 @@ def _check_options(data_argnum, capacity, stream, smart, mode="measured"):
   if not isinstance(smart, bool):
     raise TypeError(f"{FUNC}: smart must be True or False, got {smart!r}")
   _checks.one_of(mode, MODES, name="mode", context=FUNC)
-  return capacity, stream
+  return data_argnums, capacity, stream
 
 
-def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
+def staged(step: Callable, data: Iterable[Any], *,
+           data_argnums: int | Sequence[int] = -1,
            capacity: int = 1, stream: int | None = None,
            smart: bool = False, mode: str = "measured") -> StagedRunner:
   """Runs ``step`` as a software pipeline over the batches of ``data``.
 
   ``runner = jaxstreams.staged(step, data=batches)``; then each
   ``runner(*other_args)`` takes the next batch ``b``, and returns what
-  ``step(*other_args, b)`` returns (``b`` goes in at ``data_argnum``), while
+  ``step(*other_args, b)`` returns (``b`` goes in at the position
+  ``data_argnums`` names: an int, -1 for the last, or as jax spells
+  ``static_argnums`` a sequence, which must hold exactly one int), while
   the producer part of the step (what computes the ``jaxstreams.stage()``
   values from ``b``; with ``smart=True`` all of the step that depends only on
   ``b``) already runs for the following batches. The first call warms the
@@ -335,24 +365,28 @@ def staged(step: Callable, data: Iterable[Any], *, data_argnum: int = -1,
   if not callable(step):
     raise TypeError(f"{FUNC}: step must be callable, got {step!r} of type "
                     f"{type(step).__name__}")
-  capacity, stream = _check_options(data_argnum, capacity, stream, smart, mode)
+  data_argnums, capacity, stream = _check_options(data_argnums, capacity,
+                                                  stream, smart, mode)
   try:
     iter(data)
   except TypeError:
     raise TypeError(f"{FUNC}: data must be an iterable of batches, got "
                     f"{data!r} of type {type(data).__name__}") from None
-  return StagedRunner(step, data, data_argnum, capacity, stream, smart, mode)
+  return StagedRunner(step, data, data_argnums, capacity, stream, smart, mode)
 
 
-def staged_plan(step: Callable, *args, data_argnum: int = -1,
+def staged_plan(step: Callable, *args,
+                data_argnums: int | Sequence[int] = -1,
                 smart: bool = False, **kwargs) -> StagedPlan:
   """The ``StagedPlan`` ``staged`` would make for ``step(*args, **kwargs)``,
-  where ``args[data_argnum]`` is an example batch. Traces; runs nothing."""
-  _check_options(data_argnum, 1, None, smart)
+  where the argument ``data_argnums`` names (as for ``staged``) is an
+  example batch. Traces; runs nothing."""
+  given = data_argnums
+  data_argnums, _, _ = _check_options(data_argnums, 1, None, smart)
   fun, _, name, _, _ = _unwrap(step)
-  position = data_argnum if data_argnum >= 0 else len(args) + data_argnum
+  position = data_argnums if data_argnums >= 0 else len(args) + data_argnums
   if not 0 <= position < len(args):
-    raise ValueError(f"{FUNC}: data_argnum={data_argnum} does not name one of "
+    raise ValueError(f"{FUNC}: data_argnums={given!r} does not name one of "
                      f"the {len(args)} argument(s)")
   other = args[:position] + args[position + 1:]
   return build_split(fun, name, other, kwargs, args[position], position,

@@ -46,11 +46,11 @@ class Splits:
   ``split.fns``; fused mode fuses ``split.bodies`` itself and passes None);
   ``cache`` is the step function's cache, which fused programs share too."""
 
-  def __init__(self, fun: Callable, name: str, data_argnum: int, smart: bool,
+  def __init__(self, fun: Callable, name: str, data_argnums: int, smart: bool,
                jit_key: Any = None,
                jit_parts: Callable[[Split], None] | None = None):
     self.fun, self.name = fun, name
-    self.data_argnum, self.smart = data_argnum, smart
+    self.data_argnums, self.smart = data_argnums, smart
     self.jit_key, self.jit_parts = jit_key, jit_parts
     self.cache = _per_function(fun)
     self.other: tuple | None = None   # the (args, kwargs) splits are made for
@@ -104,12 +104,12 @@ class Splits:
 
   def _shared(self, batch: Any, data_key: tuple) -> Split:
     other_args, kwargs = self.other
-    key = (data_key, self._other_key, self.data_argnum, self.smart,
+    key = (data_key, self._other_key, self.data_argnums, self.smart,
            self.jit_key)
     split = self.cache.get(key)
     if split is None:
       split = build_split(self.fun, self.name, other_args, kwargs, batch,
-                          self.data_argnum, self.smart)
+                          self.data_argnums, self.smart)
       if self.jit_parts is not None:
         self.jit_parts(split)
       self.cache[key] = split
