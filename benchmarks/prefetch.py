@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
-from jaxstreams.staging.prefetch import BY_PLATFORM_TRANSFER
+from jaxstreams.staging import BY_PLATFORM_TRANSFER
 
 BATCH, WIDTH, HIDDEN = 256, 64, 512
 

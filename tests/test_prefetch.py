@@ -27,7 +27,7 @@ import jaxstreams
 import jaxstreams.runtime as rt
 from jaxstreams import _compat
 from jaxstreams.staging import _chooser, _clock, _lookahead, _transfer
-from jaxstreams.staging.prefetch import BY_PLATFORM_TRANSFER, Prefetcher
+from jaxstreams.staging import BY_PLATFORM_TRANSFER, Prefetcher
 from programs import (FlippingChooser, jaxstreams_threads, meter_for,
                       keyboard_interrupt_after, wait_until)
 

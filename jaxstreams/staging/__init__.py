@@ -13,7 +13,7 @@
 Modules: for ``prefetch``, ``_prefetcher`` (``Prefetcher``, ``prefetch()``),
 ``_prefetch_checks`` (its arguments), ``_lookahead`` (the pipeline of
 workers or the consumer's thread), ``_transfer`` (how items reach the
-device), and ``prefetch`` (its public names, re-exported); ``_chooser``
+device; ``TRANSFERS`` and ``BY_PLATFORM_TRANSFER`` are exported here); ``_chooser``
 (whether overlap pays, for ``prefetch`` and ``staged``) and ``_clock`` (what
 both measure themselves with); for ``staged``, ``_marker``
 (``stage(x)``), ``_analysis`` (how a step is split), ``_plan`` (the
@@ -23,13 +23,15 @@ runner and ``staged_plan``). This file only re-exports.
 
 The subpackage is ``staging``, not ``stage``: ``jaxstreams.stage`` is the
 marker function (the package exports it), and a subpackage of that name
-would be hidden behind it.
+would be hidden behind it; for the same reason no module here is named
+after a function it exports.
 """
 
 from jaxstreams.staging._marker import stage
 from jaxstreams.staging._plan import StagedPlan
 from jaxstreams.staging._runner import StagedRunner, staged, staged_plan
 from jaxstreams.staging._prefetcher import Prefetcher, prefetch
+from jaxstreams.staging._transfer import BY_PLATFORM_TRANSFER, TRANSFERS
 
-__all__ = ["Prefetcher", "StagedPlan", "StagedRunner", "prefetch", "stage",
-           "staged", "staged_plan"]
+__all__ = ["BY_PLATFORM_TRANSFER", "Prefetcher", "StagedPlan", "StagedRunner",
+           "TRANSFERS", "prefetch", "stage", "staged", "staged_plan"]
