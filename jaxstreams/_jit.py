@@ -63,8 +63,9 @@ def jit(fun: Callable | None = None, *, streams: int | None = None,
   ``jaxstreams.jit(f, streams=4)``. ``streams`` is the number of stream
   groups (stream ids ``0 .. streams-1``, 0 the main stream); ``None`` reads
   the ``jaxstreams_streams`` option at calls (again after an option
-  changes), so an absl flag parsed after decoration counts. Every other keyword is ``jax.jit``'s (``static_argnums``,
-  ``donate_argnums``, ``in_shardings``, ...). The result has ``.lower``,
+  changes), so an absl flag parsed after decoration counts. Every other
+  keyword is ``jax.jit``'s (``static_argnums``, ``donate_argnums``,
+  ``in_shardings``, ...). The result has ``.lower``,
   ``.trace``, ``.eval_shape`` and ``.plan`` and gives exactly the results of
   ``jax.jit(fun)`` on CPU. ``spread=True`` lets the cost-model scheduler
   spread what no block placed over the streams, where its estimate says the
