@@ -6,7 +6,7 @@ worker thread outlives the runner.
 
 Every way is checked: ``mode="fused"`` (one jaxstreams.jit program per call
 runs the consumer of batch k and the producer stages of the following
-batches, seed 004's ``A0; A1 B0; A2 B1 C0; ...``), ``mode="threads"`` (a
+batches, ``A0; A1 B0; A2 B1 C0; ...``), ``mode="threads"`` (a
 worker thread and a program per producer stage), ``mode="plain"`` (the
 plain step on batches read in the caller's thread) and ``mode="measured"``
 (the default) with its chooser replaced by one that switches between plain
@@ -452,7 +452,7 @@ def test_staged_plan_before_first_call_is_an_error():
 
 
 # ---------------------------------------------------------------------------
-# Fused mode: one program per call, seed 004's pipeline, producer on a stream.
+# Fused mode: one program per call, a software pipeline, producer on a stream.
 
 def _seed_004(n_batches, k):
   """Seed 004's programs for ``k`` producer stages (letters A.., the
@@ -477,7 +477,7 @@ def test_fused_runs_seed_004_pipeline(step, k, capacity):
     assert runner.stats()["mode"] == "fused"
   _assert_same(got, want)
   ideal = _seed_004(len(data), k)
-  # The first call warms up exactly as seed 004: A0; A1 B0; ...
+  # The first call warms up exactly as the pipeline does: A0; A1 B0; ...
   assert schedule[:k] == ideal[:k]
   if programs == len(ideal):      # the reader kept up: one program per call
     assert schedule == ideal

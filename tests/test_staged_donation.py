@@ -173,7 +173,7 @@ def _staged_values(runner):
 def test_fused_donates_staged_values_never_the_batch():
   params, data = _params(), _batches(6)
   want = [jax.jit(two_stage)(params, b) for b in data]
-  # Once the reader holds every batch, each call's program is seed 004's
+  # Once the reader holds every batch, each call's program is the steady pipeline's
   # (no catch-up for a batch not read yet): the schedule is known.
   source, finished = _ready_source(data)
   got, donated = [], 0
@@ -216,7 +216,7 @@ def test_threads_mode_donates_nothing():
 
 def _ready_source(data):
   """``data``'s items, and a flag set once the reader has pulled (so placed
-  and stored) all of them: waiting for it makes every program seed 004's."""
+  and stored) all of them: waiting for it makes every program the steady pipeline's."""
   finished = [False]
 
   def source():

@@ -4,7 +4,7 @@
   the device by worker threads, a bounded number of items ahead.
 * ``stage(x)``: marks a stage boundary inside a step function.
 * ``staged(step, data=iterable, ...)``: runs a step as a software pipeline
-  (seed 004's staging areas, DeepRec's SmartStage): the producer part of the
+  (TensorFlow's staging areas, DeepRec's SmartStage): the producer part of the
   step (what computes the staged values from the data argument) runs for the
   next batches while the consumer part runs for this one; by default in one
   program per call, the producer on a stream of its own (``mode="fused"``),

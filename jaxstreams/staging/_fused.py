@@ -10,9 +10,9 @@ the producer's equations under ``jaxstreams.stream(stream)``: on a GPU they
 become a call annotated with that stream (``_xla_stream_annotation``) beside
 the consumer on the main stream; on CPU regions are inlined. The staged
 values stay on the device from call to call (the pipeline holds at most
-``K + 1`` batches), as in seed 004: the first call warms up with
-``A0; A1 B0; ...``, steady calls run ``A2 B1 C0``, and the last ones drain
-(``B4 C3``, ``C4``); a pipeline that stops admitting batches drains the
+``K + 1`` batches), as with TensorFlow's staging areas: the first call warms
+up with ``A0; A1 B0; ...``, steady calls run ``A2 B1 C0``, and the last ones
+drain (``B4 C3``, ``C4``); a pipeline that stops admitting batches drains the
 same way (``mode="measured"`` then runs the plain step). A reader thread (a
 ``Prefetcher``, made by the runner) pulls the batches from the iterable and
 places them on the device ``capacity`` ahead. Once warm, a call takes a new
@@ -274,7 +274,7 @@ class FusedRun:
       if entry is not head and entry.error is None and entry.done < self.k:
         stages[entry.done] = entry
     # A new batch enters at stage 0 while the pipeline holds fewer than
-    # ``k`` batches besides the one consumed now (seed 004's depth).
+    # ``k`` batches besides the one consumed now (the pipeline's depth).
     if stages[0] is None and len(self.inflight) - (1 if consume else 0) < self.k:
       entry = self._admit(block)
       if entry is not None:
@@ -290,7 +290,7 @@ class FusedRun:
     return tuple(pieces)
 
   def labels(self) -> list[str]:
-    """The schedule in seed 004's notation, formatted when asked for."""
+    """The schedule in the ``A2 B1 C0`` notation, formatted when asked for."""
     return [" ".join(f"{chr(ord('A') + part)}{index}" for part, index in pieces)
             for pieces in self.schedule]
 

@@ -38,7 +38,7 @@ Every promise holds across a switch:
 * **Order, each batch once.** One ``_source.Source`` serves both ways, read
   by the caller's thread or by the reader thread, never both. Going plain,
   the pipeline stops admitting batches and drains (each call still consumes
-  its oldest batch, with a fused program: seed 004's ``B4 C3``, ``C4``),
+  its oldest batch, with a fused program: the drain, ``B4 C3``, ``C4``),
   the reader's workers park, the batches the reader had read run next, with
   the plain step, and only then does the caller's thread read on. Going
   fused, the reader resumes where the source is; an empty pipeline warms up

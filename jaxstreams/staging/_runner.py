@@ -4,7 +4,7 @@ A training step usually begins with work that depends only on the batch
 (decoding, hashing, casting, feature crosses, the host-to-device copy) and
 continues with work on parameters and state. The first part of batch
 ``k + 1`` does not need batch ``k``'s results, so it can run while batch
-``k``'s second part runs: seed 004's staging areas (warm-up
+``k``'s second part runs: TensorFlow's staging areas (warm-up
 ``A0; A1 B0; A2 B1 C0; ...``), DeepRec's ``tf.staged`` and SmartStage.
 
 Where each piece lives: ``_marker`` (``stage(x)``), ``_analysis`` (how a step
@@ -130,8 +130,8 @@ class StagedRunner:
 
   @property
   def schedule(self) -> list[str]:
-    """The latest fused programs run (up to 64), oldest first, in seed
-    004's notation: ``"A2 B1 C0"`` is one program that ran producer stage A
+    """The latest fused programs run (up to 64), oldest first, in the
+    pipeline's notation: ``"A2 B1 C0"`` is one program that ran producer stage A
     (stage 0) for batch 2, stage B for batch 1 and the consumer (the letter
     after the last stage) for batch 0. Calls that ran the plain step (and
     mode ``"threads"``) add none."""
@@ -321,7 +321,7 @@ def staged(step: Callable, data: Iterable[Any], *,
   ``mode="fused"``, always staged: each call runs ONE ``jaxstreams.jit``
   program that computes the consumer part for batch ``k`` and, at the same
   time, producer stage ``j`` for batch ``k + K - j`` (``K`` producer stages),
-  and hands the staged values on to the next call on the device: seed 004's
+  and hands the staged values on to the next call on the device: a
   software pipeline, ``A0; A1 B0`` on the first call (warm-up), then
   ``A2 B1 C0``, ``A3 B2 C1``, ... and ``B4 C3``, ``C4`` at the end (drain);
   ``runner.schedule`` lists the programs run in that notation. The producer
