@@ -3,10 +3,13 @@
 Four CPU devices are requested before JAX starts, so sharding tests have a
 mesh to use on any machine. Every test must leave no jaxstreams worker
 thread behind. ``staged_mode`` runs a test once per way a staged runner
-runs. No test decides on how long something took: waits are for events
-and counts, bounded by generous timeouts so that a bug fails instead of
+runs. Tests decide on events and counts, not on how long something took:
+waits are bounded by generous timeouts so that a bug fails instead of
 hanging; the few lower bounds on time (a wait that must outlast a sleep)
-cannot fail from load.
+cannot fail from load, and the two upper bounds leave a margin the test
+explains (``put`` returns before a 1 s copy; ``close(timeout=0.05)``
+returns within 5 s). The suite runs in two xdist workers
+(``scripts/test.sh``) and passes with a second suite beside it.
 
 What skips, and why (each says so in its reason):
 
