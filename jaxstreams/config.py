@@ -48,7 +48,7 @@ _OPTIONS: dict[str, Option] = {}
 _explicit: dict[str, Any] = {}   # set with update()
 _resolved: dict[str, Any] = {}   # cache of read(); cleared by _changed()
 _from_env: dict[str, Any] = {}   # environment or default, read once per option
-_on_change: list[Callable[[], None]] = []   # called after update() and reset()
+_on_change: list[Callable[[], None]] = []   # called by _changed()
 
 
 def _define(option: Option) -> Option:
