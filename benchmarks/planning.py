@@ -90,7 +90,7 @@ def main():
                        f"{os.cpu_count()} cores",
             "rows": rows}
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "planning_cpu.json")
+  path = os.path.join(args.out, f"planning_{jax.default_backend()}.json")
   with open(path, "w") as f:
     json.dump(result, f, indent=2)
   print(f"saved {path}")

@@ -313,6 +313,13 @@ def _find_top_level_check() -> Callable[[], bool]:
 at_top_level = _find_top_level_check()
 
 
+def trace_context() -> Any:
+  """The configuration jax's own trace cache is keyed on (x64, default
+  precision, abstract mesh, axis environment, ...)."""
+  from jax._src import config as jax_config
+  return jax_config.trace_context()
+
+
 def jit_disabled() -> bool:
   """Whether ``jax.disable_jit()`` is in force."""
   return bool(jax.config.jax_disable_jit)

@@ -21,6 +21,7 @@ for the count in force, until an option changes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -136,7 +137,8 @@ class _Staged:
   handed to users hold the function strongly."""
 
   def __init__(self, fun: Callable, streams: int, spread: bool | None,
-               source: str, program: str, shared: bool):
+               source: str, program: str, shared: bool, plans: "_Plans"):
+    self.plans = plans   # shared with the function's other programs
     if shared:
       self._fun_ref = weakref.ref(fun)
     else:   # held by its jit object only: no cycle, hold the function
@@ -161,35 +163,108 @@ class _Staged:
       # so do we (stream() blocks are then name scopes that do nothing).
       return fun(*args, **kwargs)
     plan, out_tree, dynamic = make_plan(fun, self.streams, self.spread,
-                                        self.source, args, kwargs)
+                                        self.source, args, kwargs, self.plans)
     outs = emit(plan, dynamic, profile=profiling_now(),
                 gpu_lowering=self.program)
     return tree_util.tree_unflatten(out_tree, outs)
 
 
-# function -> {(streams, spread, source, program): _Staged}, the function
-# held weakly.
+class _Plans:
+  """The plans of one function (at one stream count and set of options), by
+  the signature it was traced with, shared by all its programs.
+
+  On a GPU one function has several ``jax.jit`` functions (one per way: the
+  top-level one with its compiler options, the one for calls inside another
+  jit, the candidates the first call times) and jax traces each apart.
+  They find the plan here, so the user's function is traced once per
+  signature, as under ``jax.jit``. The key is what jax's own trace cache
+  keys on that can differ between them: the argument tree, the avals, the
+  static values (with their types), jax's trace context, and the
+  jaxstreams options the plan was made with. The newest ``SIZE`` plans are
+  kept.
+  """
+
+  SIZE = 64
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._plans: "collections.OrderedDict[Any, tuple]" = collections.OrderedDict()
+
+  @staticmethod
+  def key(args, kwargs, options) -> Any:
+    """The key of a trace with these arguments, or None where a static
+    value cannot be hashed (then the plan is not kept)."""
+    leaves, tree = tree_util.tree_flatten((args, kwargs))
+    parts = tuple(("traced", leaf.aval) if isinstance(leaf, jax.core.Tracer)
+                  else ("static", type(leaf), leaf) for leaf in leaves)
+    key = (tree, parts, _compat.trace_context(), options)
+    try:
+      hash(key)
+    except TypeError:
+      return None
+    return key
+
+  def get(self, key) -> tuple | None:
+    if key is None:
+      return None
+    with self._lock:
+      entry = self._plans.get(key)
+      if entry is not None:
+        self._plans.move_to_end(key)
+      return entry
+
+  def put(self, key, plan: PartitionedProgram, out_tree) -> None:
+    if key is None:
+      return
+    with self._lock:
+      self._plans[key] = (plan, out_tree)
+      while len(self._plans) > self.SIZE:
+        self._plans.popitem(last=False)
+
+
+# function -> {(streams, spread, source, program): _Staged,
+#              (streams, spread, source): _Plans}, the function held weakly.
 _STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
 _STAGED_LOCK = threading.Lock()
 
 
-def _staged_for(fun: Callable, streams: int, spread: bool | None,
-                source: str, program: str) -> _Staged:
-  """The shared staged function of ``fun``. Only callables compared by
-  identity are shared: an equal but distinct callable (a bound method made
-  again) would find the entry of one that may die before it."""
-  args = (streams, spread, source, program)
+def _shared(fun: Callable) -> dict | None:
+  """``fun``'s entry in ``_STAGED`` (hold ``_STAGED_LOCK``), or None where
+  it cannot share one. Only callables compared by identity share: an equal
+  but distinct callable (a bound method made again) would find the entry of
+  one that may die before it."""
   if type(fun).__eq__ is not object.__eq__:
-    return _Staged(fun, *args, shared=False)
+    return None
+  try:
+    return _STAGED.setdefault(fun, {})
+  except TypeError:   # not weakly referable
+    return None
+
+
+def _staged_for(fun: Callable, streams: int, spread: bool | None,
+                source: str, program: str, own_plans: _Plans) -> _Staged:
+  """The shared staged function of ``fun`` for ``program``; a function
+  that cannot share one gets its own, with its ``jaxstreams.jit``'s plans."""
+  args = (streams, spread, source, program)
   with _STAGED_LOCK:
-    try:
-      by_key = _STAGED.setdefault(fun, {})
-    except TypeError:   # not weakly referable
-      return _Staged(fun, *args, shared=False)
+    by_key = _shared(fun)
+    if by_key is None:
+      return _Staged(fun, *args, shared=False, plans=own_plans)
     staged = by_key.get(args)
     if staged is None:
-      staged = by_key[args] = _Staged(fun, *args, shared=True)
+      plans = by_key.setdefault(args[:3], _Plans())
+      staged = by_key[args] = _Staged(fun, *args, shared=True, plans=plans)
     return staged
+
+
+def _plans_for(fun: Callable, streams: int, spread: bool | None, source: str,
+               own_plans: _Plans) -> _Plans:
+  """The plans every program of ``fun`` at these settings shares."""
+  with _STAGED_LOCK:
+    by_key = _shared(fun)
+    if by_key is None:
+      return own_plans
+    return by_key.setdefault((streams, spread, source), _Plans())
 
 
 class _Spec:
@@ -206,6 +281,12 @@ class _Spec:
     self.gpu_lowering = gpu_lowering   # None: the option's, when made
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
                    else "the jaxstreams_streams option")
+    self._own_plans: dict[int, _Plans] = {}
+
+  def plans(self, streams: int) -> _Plans:
+    """The plans this function's programs at ``streams`` share."""
+    own = self._own_plans.setdefault(streams, _Plans())
+    return _plans_for(self.fun, streams, self.spread, self.source, own)
 
   def lowering(self) -> str:
     """The GPU lowering of the functions made from this spec now (fixed
@@ -238,7 +319,7 @@ class _Spec:
     (``"inline"`` or ``"streams"``), with the way's ``compiler_options``
     under the user's own."""
     staged = _staged_for(self.fun, streams, self.spread, self.source,
-                         program)
+                         program, self._own_plans.setdefault(streams, _Plans()))
     kwargs = dict(self.jit_kwargs)
     options = {**(compiler_options or {}), **(kwargs.get("compiler_options") or {})}
     if options:
@@ -256,7 +337,7 @@ class _Spec:
     @functools.wraps(self.fun)
     def plan_only(*a, **k):
       plans.append(make_plan(self.fun, streams, self.spread, self.source,
-                             a, k)[0])
+                             a, k, self.plans(streams))[0])
 
     trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
                     if k in _TRACE_ONLY_PARAMETERS}
@@ -265,18 +346,30 @@ class _Spec:
 
 
 def make_plan(fun: Callable, streams: int, spread: bool | None, source: str,
-              args, kwargs) -> tuple[PartitionedProgram, Any, list]:
+              args, kwargs, plans: _Plans | None = None
+              ) -> tuple[PartitionedProgram, Any, list]:
   """Trace the user function on the traced arguments and plan it: the
   partitioned program (what ``emit`` lowers), the output tree and the
-  traced arguments in flat order.
+  traced arguments in flat order. With ``plans``, a plan made for the same
+  signature is used instead of tracing again.
 
   Called inside a ``jax.jit`` trace: array arguments are tracers, static
   arguments are the values themselves and stay baked in, as in jax.jit.
   """
+  options = _pipeline.options_from_config(spread)
+  key = plans.key(args, kwargs, options) if plans is not None else None
+  known = plans.get(key) if plans is not None else None
+  if known is not None:
+    plan, out_tree = known
+    dynamic = [leaf for leaf in tree_util.tree_leaves((args, kwargs))
+               if isinstance(leaf, jax.core.Tracer)]
+    return plan, out_tree, dynamic
   closed, dynamic, out_tree = trace(
       fun, args, kwargs, traced=lambda leaf: isinstance(leaf, jax.core.Tracer))
   plan = _pipeline.plan_program(closed, streams, source, _function_name(fun),
-                                _pipeline.options_from_config(spread))
+                                options)
+  if plans is not None:
+    plans.put(key, plan, out_tree)
   return plan, out_tree, dynamic
 
 

@@ -197,6 +197,36 @@ def test_static_arguments_are_passed_to_the_candidates(on_a_gpu, monkeypatch):
   assert clock.calls
 
 
+def test_every_way_shares_one_trace_per_signature(on_a_gpu, monkeypatch):
+  """The candidates, the chosen way, the nested way and ``plan`` are jax.jit
+  functions of their own, each traced by jax; the user's function is
+  traced once per signature all the same, as under one jax.jit."""
+  monkeypatch.setattr(autotune, "time_call", FakeClock(
+      {w.name: 1e-3 for w in gpu.candidates()}))
+  traces = []
+
+  def step(x, w1, w2):
+    traces.append(x.shape)
+    return two_towers(x, w1, w2)
+
+  f = jaxstreams.jit(step, streams=3)
+  args = _args()
+  f.plan(*args)
+  f(*args)
+  jax.jit(lambda *a: f(*a))(*args)
+  assert traces == [(8, 16)]
+  f(*random_inputs((4, 16), (16, 16), (16, 16)))
+  assert traces == [(8, 16), (4, 16)]
+  # Another stream count is another plan, and so is x64 (jax's trace
+  # context): traced again, as jax.jit traces again.
+  jaxstreams.jit(step, streams=4)(*args)
+  assert traces[2:] == [(8, 16)]
+  with jax.enable_x64(True):
+    f(*args)
+  assert traces[3:] == [(8, 16)]
+
+
+@pytest.mark.cpu_backend
 def test_on_cpu_calls_go_straight_to_jax_jit():
   f = jaxstreams.jit(two_towers, streams=3)
   f(*_args())
