@@ -709,9 +709,13 @@ def test_long_staged_training_loop_keeps_memory_flat_and_results_exact():
   w0 = jnp.zeros((3,), jnp.float32)
   plain = jax.jit(step)
   w, want_losses = w0, np.empty(LONG_STEPS, np.float32)
+  plain_rss = {}
   for i, b in enumerate(data()):
     w, loss = plain(w, b)
     want_losses[i] = loss
+    if i + 1 in (1_000, LONG_STEPS):
+      gc.collect()
+      plain_rss[i + 1] = _rss_bytes()
   want_w = w
 
   w, pending = w0, []
@@ -731,9 +735,14 @@ def test_long_staged_training_loop_keeps_memory_flat_and_results_exact():
       runner(w)
   np.testing.assert_array_equal(got_losses, want_losses)
   assert_equal_results(w, want_w)
-  # Measured: under 1 MB (jax 0.10.2 and 0.12). The bound leaves room for
-  # allocator arenas and jax's caches settling, and still catches a leak
-  # of a kilobyte per step (about what one leaked array costs).
+  # What the staged loop grows beyond what jax.jit's own loop grew in the
+  # same process, since a platform's runtime may keep host memory of its
+  # own: on CPU both grow under 1 MB (jax 0.10.2 and 0.12); on an H100 (jax
+  # 0.11.2) the staged loop grew 8.5 MB. The bound leaves room for
+  # allocator arenas and caches settling, and still catches a leak of a
+  # kilobyte per step (about what one leaked array costs).
   growth = rss[LONG_STEPS] - rss[1_000]
-  assert growth < 8 * 2**20, f"host RSS grew {growth / 2**20:.1f} MB over " \
-      f"{LONG_STEPS - 1_000} steps"
+  plain_growth = plain_rss[LONG_STEPS] - plain_rss[1_000]
+  assert growth - max(plain_growth, 0) < 8 * 2**20, (
+      f"host RSS grew {growth / 2**20:.1f} MB over {LONG_STEPS - 1_000} "
+      f"staged steps, {plain_growth / 2**20:.1f} MB over as many jax.jit steps")
