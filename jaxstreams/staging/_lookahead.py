@@ -1,151 +1,67 @@
-"""The lookahead behind ``jaxstreams.prefetch``: items pulled from an
+"""The pipeline behind ``jaxstreams.prefetch``: items pulled from an
 iterable and placed on the device, in order, by worker threads or by the
-consumer's own thread (*inline*), a bounded number ahead.
+consumer's own thread (*inline*), a bounded number ahead. Its guarantees
+hold either way and across a switch:
 
-The pipeline, and the guarantees it keeps (both ways, and across a switch):
+* **Bounded lookahead.** A worker takes one of ``size`` slots before it
+  pulls an item; the consumer gives it back when it receives the item.
+* **Order.** Pulls are serialised and numbered; results are delivered by
+  number whatever the number of threads. Inline, the consumer pulls only
+  once every earlier item was delivered.
+* **Exceptions where they happened.** An exception raised for item ``k`` is
+  item ``k``'s result: ``closed_exception_types`` end the iteration there,
+  ``ignored_exception_types`` drop the item, any other is raised and
+  nothing further is pulled.
+* **Lifetime.** Workers hold this shared state, never the public iterator,
+  so an abandoned iterator is collected and its finalizer stops them.
 
-* **Bounded lookahead.** A worker takes a *slot* before it pulls an item from
-  the iterable; the consumer gives the slot back when it receives that item.
-  With ``size`` slots, at most ``size`` items have been pulled and not yet
-  delivered, so memory is ``size`` items whatever the speed of either side.
-  A worker waiting for a slot looks for one again after short sleeps
-  (``POLL_*``) before it parks: in a loop of short steps the consumer
-  then only takes a ready item and never has to wake a worker (a system
-  call between two steps). A parked worker is woken once the lookahead is
-  half empty and then fills it.
-* **Order.** Pulls from the iterable are serialised (iterators are not
-  thread-safe) and numbered; results are delivered by number, so the order is
-  the iterable's even when ``num_threads > 1`` workers place items at once.
-  Inline, the consumer pulls the next number only once every earlier item
-  was delivered (items workers made before a switch come first).
-* **Exceptions where they happened.** An exception raised for item ``k``
-  (by the iterable or by the placement) is stored as item ``k``'s result: the
-  consumer gets items ``< k`` first, then the exception. Types in
-  ``closed_exception_types`` end the iteration there (``StopIteration`` from
-  the iterable always does: that is the iterator protocol); types in
-  ``ignored_exception_types`` make item ``k`` disappear. After any other
-  exception no further item is pulled: the iterable is broken, and looking
-  past the failure would just hide it.
-* **Lifetime.** ``close()``, leaving a ``with`` block, reaching the end, or the
-  iterator being garbage-collected stops the workers. Workers hold only the
-  shared ``Pipeline`` state, never the public iterator, so an abandoned
-  iterator can be collected; a ``weakref.finalize`` then stops them.
-
-Who produces the items is ``mode``: ``"workers"``, ``"inline"``, or
-``"measured"``, where ``_chooser.Chooser`` decides from the pipeline's
-measurements of itself (``_clock``), and the pipeline switches between the
-two at any item.
+Who produces is ``mode``: ``"workers"``, ``"inline"``, or ``"measured"``,
+where the ``_policy`` chooser decides from the pipeline's ``Meter``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from jaxstreams import _workers
-from jaxstreams.staging import _clock
-from jaxstreams.staging._chooser import SHORT_CYCLE_US, Chooser, Meter, Words
+from jaxstreams.staging import _clock, _policy
+from jaxstreams.staging._meter import Meter
 from jaxstreams.staging._transfer import Transfer
 
-# What next_if_ready returns when the next item is not ready.
-NOT_READY = object()
+NOT_READY = object()    # what get(wait=False) returns for an item not ready
 
-# How a worker waits for a free slot: it sleeps ``POLL_FIRST_S``, then twice
-# as long each time up to ``POLL_MAX_S``, and looks again, for ``POLL_FOR_S``;
-# only then does it park on the condition, which the consumer must signal.
-# Why: the consumer's thread, between reading one step's result and
-# dispatching the next, is where a short step's loop spends what it loses,
-# and on XLA:CPU with asynchronous dispatch even a few microseconds there
-# cost the next step up to about 20 us more (benchmarks/cpu_dispatch_gap.py);
-# waking a worker is a system call there, every other item at ``size=2``.
-# Measured at 0.1 ms steps reading every result (2-core CPU, jax 0.10.2,
-# one run of 21 rounds): a hand-written worker woken by the consumer
-# 0.83x of the plain loop, one that polls 1.05x; prefetch's own workers
-# 0.90x before they polled, 0.96x-1.07x after (several runs). So on
-# XLA:CPU with asynchronous dispatch ``mode="measured"`` tries workers at
-# short cycles even where producing an item is cheap (the chooser's
-# ``unseen_gain``). Polling costs the worker a wake-up per sleep while the
-# lookahead is full: about 8 per ``POLL_FOR_S`` (sleeps last 50-70 us
-# longer than asked here: the kernel's timer slack), and none once parked.
+# A worker waiting for a free slot sleeps POLL_FIRST_S, doubling up to
+# POLL_MAX_S, for POLL_FOR_S before it parks: in a loop of short steps the
+# consumer then only takes a ready item and never has to wake a worker (a
+# system call between two steps, which XLA:CPU's asynchronous dispatch
+# makes the next step pay for several times over).
 POLL_FIRST_S = 20e-6
 POLL_MAX_S = 320e-6
 POLL_FOR_S = 2e-3
 
-# prefetch's steady windows (the Chooser's steady_s): 0.1 s of items, not
-# the default 0.01 s. Its judging costs a loop of short steps more than it
-# takes (the consumer's time between steps, POLL_FOR_S): at 0.1 ms steps
-# reading every result, mode="measured" held in workers by a trial ran 2.2%
-# under mode="workers" on average with windows of 10 ms and 0.8% with
-# windows of 100 ms, the longer windows ahead in all five processes (by
-# 0.4%-3.7%; 31 rounds each, 2-core machine, jax 0.10.2). A change in
-# production is then seen within 0.1 s.
-STEADY_S = 0.1
-
-# Result kinds stored per item number.
 _VALUE, _ERROR, _END, _SKIP = "value", "error", "end", "skip"
-
-# How prefetch words the chooser's decisions (Prefetcher.stats()'s
-# ``mode_reason``).
-WORDS = Words(
-    overlap="workers", inline="inline", unit="items",
-    judging=("judging: items are produced in the consumer's thread until "
-             "producing one is worth hiding (judged every {window} items)"),
-    sure=("producing an item is {share:.0%} of a cycle ({figures}): workers "
-          "hide it behind the step"),
-    cheap_us=("producing an item takes {us:.0f} us ({figures}), less than a "
-              "worker's hand-off and its competition for the CPU cost"),
-    cheap_share=("producing an item is {share:.1%} of a cycle ({figures}): a "
-                 "worker could save at most that, and its hand-off and "
-                 "competition for the CPU cost about as much"),
-    busy=("producing an item mostly needs a core ({figures}): a worker "
-          "would compete with the step for it rather than hide the work"),
-    stays=("{cheap}, so items are produced in the consumer's thread at "
-           "next(), as without prefetching"),
-    lost_before=" (a trial found workers no faster at {tried:.0%})",
-    leave=("producing an item fell to {share:.1%} of a cycle ({figures}) and "
-           "the consumer waited for {waited} of {n} items: items are "
-           "produced in the consumer's thread at next()"),
-    steady=("workers produce the items: producing one is {share:.0%} of a "
-            "cycle ({figures})"),
-    trial=("trial: producing an item is {share:.0%} of a cycle ({figures}); "
-           "comparing cycles with and without workers"),
-    trial_unseen=("trial: on CPU with asynchronous dispatch the consumer's "
-                  "own time between steps costs a step more than it takes, "
-                  "and workers take the placement out of it (producing an "
-                  "item is {share:.0%} of a cycle, {figures}); comparing "
-                  "cycles with and without workers"),
-    result=("median cycle {overlap_us:.0f} us with workers, {inline_us:.0f} "
-            "us without; workers faster in {wins} of {rounds} rounds"),
-    won="workers produce the items: a trial found them faster ({result})",
-    lost=("items are produced in the consumer's thread at next(), a trial "
-          "found workers no faster ({result})"))
 
 
 class Pipeline:
-  """State shared by the workers and the consumer (never the public object,
-  so that the public iterator can be garbage-collected while workers run).
+  """State shared by the workers and the consumer. A worker stores item
+  ``k``'s result in ``results``; an inline item is pulled, placed and handed
+  out by the consumer's own call. Either way the pull takes the next number
+  under the lock, so a switch keeps order, bound and errors."""
 
-  Items are numbered in pull order and handed out by number. A worker
-  stores item ``k``'s result in ``results``; an inline item is pulled,
-  placed and handed out by the consumer's own call, when every earlier item
-  has been handed out and no worker is pulling. Either way the pull takes
-  the next number under the lock, so switching between the two keeps the
-  order, the bound and where each exception is raised."""
-
-  def __init__(self, iterator: Iterator[Any], transfer: Transfer,
-               size: int, num_threads: int, closed: tuple, ignored: tuple,
+  def __init__(self, iterator: Iterator[Any],
+               make_transfer: Callable[[int], Transfer], size: int,
+               num_threads: int, closed: tuple, ignored: tuple,
                description: str, name: str, mode: str, reason: str,
-               upstream: Pipeline | None = None, owned: Any = None,
-               shares_cores: bool = False, unseen_gain: bool = False):
+               upstream: Pipeline | None = None, owned: Any = None):
     self.iterator = iterator
-    # The iterable's own pipeline when it is another prefetcher (a staged
-    # step's chain of stages), stopped first; what the pipeline closes once
-    # no worker can be inside the iterable (that prefetcher, a generator).
+    # The iterable's pipeline when it is another prefetcher (stopped first),
+    # and what is closed once no worker can be inside the iterable.
     self.upstream = upstream
     self.owned = owned
-    self.transfer = transfer
     self.size = size
+    self.transfer = make_transfer(size)
     self.num_threads = num_threads
     self.closed_types = closed
     self.ignored_types = ignored
@@ -173,11 +89,7 @@ class Pipeline:
     self.inline_thread = None   # the consumer thread producing an item
     self.released = False       # the transfer's resources were freed
     self.close_owned_on_exit = False   # close() stopped waiting for workers
-    # What it measures of itself, per way, and mode="measured"'s chooser.
-    chooser = (Chooser(size, WORDS, shares_cores=shares_cores,
-                       unseen_gain=unseen_gain,
-                       unseen_cycle_s=SHORT_CYCLE_US * 1e-6,
-                       steady_s=STEADY_S)
+    chooser = (_policy.for_prefetch(size, self.transfer.shares_cores())
                if mode == "measured" else None)
     self.meter = Meter(("workers", "inline"), chooser,
                        ("items", "handoff_us", "produce_us"))
@@ -331,11 +243,7 @@ class Pipeline:
     waited_s = 0.0
     while True:
       with self.lock:
-        # A ready item: the common case in a loop of short steps, where the
-        # consumer's time between two steps costs more than itself (on
-        # XLA:CPU at gaps of 1-3 us, about 3-4 us per us more:
-        # benchmarks/cpu_dispatch_gap.py). So one dict lookup, and no call
-        # that is not needed.
+        # A ready item, the common case: one dict lookup, no needless call.
         number = self.next_out
         result = self.results.pop(number, None)
         if result is not None:
@@ -368,44 +276,26 @@ class Pipeline:
             return NOT_READY
           waited_s += self._wait_for(number, timeout)
           continue
-        # Inline: this thread pulls item ``number`` and places it. It holds
-        # the right to pull alone (workers are parked), so the ticket is
-        # the next one and the bookkeeping waits for the lock below.
+        # Inline: this thread pulls item ``number`` and places it.
         self.pulling = True
         self.next_pull += 1
         self.live_workers += 1
         self.inline_thread = threading.get_ident()
         if not self.max_in_flight:
           self.max_in_flight = 1
-        ticket = self.next_ticket
       try:
-        time_busy = self.meter.time_busy
         started = _clock.now()
-        busy_start = _clock.reading() if time_busy else None
-        try:
-          item = next(self.iterator)
-          kind = _VALUE
-        except StopIteration:
-          kind, item = _END, None
-        except BaseException as exc:  # noqa: BLE001 - item k's, raised below
-          kind, item = self._classify(exc), exc
-        if kind is _VALUE:
-          self.next_ticket = ticket + 1
-          try:
-            item = self.transfer.place(ticket, item, False)
-          except BaseException as exc:  # noqa: BLE001
-            kind, item = self._classify(exc), exc
+        busy_start = _clock.reading() if self.meter.time_busy else None
+        kind, item, ticket = self._pull()
+        kind, item = self._place(kind, item, ticket, wait=False)
       except BaseException:     # interrupted between the lines above
         with self.lock:
           self.pulling = False
         self._leave(inline=True)
         raise
       now = _clock.now()
-      busy = _clock.busy(busy_start, now - started) if time_busy else 0.0
+      busy = _clock.busy(busy_start, now - started) if busy_start else 0.0
       with self.lock:
-        self.pulling = False
-        if kind is _END or kind is _ERROR:
-          self.source_done = True
         if not self.stopped:
           self.live_workers -= 1
           self.inline_thread = None

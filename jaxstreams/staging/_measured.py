@@ -65,51 +65,13 @@ from jax import tree_util
 
 from jaxstreams.staging import _clock
 from jaxstreams.staging._analysis import FUNC, Split
-from jaxstreams.staging._chooser import Chooser, Meter, Words
+from jaxstreams.staging import _policy
+from jaxstreams.staging._meter import Meter
 from jaxstreams.staging._fused import FusedRun, producer_stream
 from jaxstreams.staging._prefetcher import Prefetcher, holds_items, set_way
 from jaxstreams.staging._source import DataError, Source, place, timed
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._transfer import place_on_device
-
-# How staged words the chooser's decisions (``runner.stats()``'s
-# ``mode_reason``).
-WORDS = Words(
-    overlap="fused", inline="plain", unit="calls",
-    judging=("judging: the plain step runs on batches read in the caller's "
-             "thread until staging is worth its own cost (judged every "
-             "{window} calls)"),
-    sure=("reading a batch is {share:.0%} of a cycle ({figures}): staging "
-          "hides it behind the step (checked: staged calls must come out "
-          "faster)"),
-    cheap_us=("reading a batch takes {us:.0f} us ({figures}), less than "
-              "staging's own work per call (the fused program's "
-              "bookkeeping, the reader's hand-off) costs"),
-    cheap_share=("reading a batch is {share:.1%} of a cycle ({figures}): "
-                 "staging could hide at most that, and its own work per call "
-                 "costs about as much"),
-    busy=("reading a batch mostly needs a core ({figures}): staging "
-          "would compete with the step for it rather than hide the work"),
-    stays=("{cheap}, so the plain step runs on batches read in the caller's "
-           "thread, as without staging"),
-    lost_before=(" (a trial found staging no faster, reading a batch then "
-                 "{tried:.0%} of a cycle)"),
-    leave=("reading a batch fell to {share:.1%} of a cycle ({figures}) and "
-           "{waited} of {n} calls waited for the reader: the plain step runs "
-           "on batches read in the caller's thread"),
-    steady=("staged: reading a batch is {share:.0%} of a cycle "
-            "({figures})"),
-    trial=("trial: reading a batch is {share:.0%} of a cycle ({figures}); "
-           "comparing cycles with and without staging"),
-    trial_unseen=("trial: the producer runs on a stream of its own, so "
-                  "staging may hide device work no clock here sees (reading "
-                  "a batch is {share:.0%} of a cycle, {figures}); comparing "
-                  "cycles with and without staging"),
-    result=("median cycle {overlap_us:.0f} us staged, {inline_us:.0f} us "
-            "plain; staged faster in {wins} of {rounds} rounds"),
-    won="staged: a trial found it faster ({result})",
-    lost=("the plain step runs on batches read in the caller's thread, a "
-          "trial found staging no faster ({result})"))
 
 WAYS = ("fused", "plain")       # "measured" chooses between them
 
@@ -163,13 +125,9 @@ class MeasuredRun:
       self.fused = FusedRun(splits, self.stream, self.streams)
       self.plain = plain(self.last_split)
       if mode == "measured":
-        # A producer on a stream of its own, on a platform that runs
-        # streams: staging may hide device work no clock here sees.
-        unseen = _platform() != "cpu" and self.stream != 0
-        chooser = Chooser(capacity, WORDS, verify=True, unseen_gain=unseen,
-                          shares_cores=_platform() == "cpu")
+        chooser = _policy.for_staged(capacity, _platform(), self.stream)
         self.reason = ""
-        self.way = WORDS.inline
+        self.way = "plain"
       else:
         chooser = None
         self.reason = f"mode={mode!r} was asked for"
@@ -268,10 +226,8 @@ class MeasuredRun:
         set_way(self.reader, "inline")       # its workers park
       return
     if self.reader is None:
-      self.reader = Prefetcher(
-          timed(self.source), self.capacity, transform=place, num_threads=1,
-          timeout=None, closed_exception_types=(StopIteration,),
-          ignored_exception_types=(), func=FUNC)
+      self.reader = Prefetcher(timed(self.source), self.capacity,
+                               transform=place)
     else:
       set_way(self.reader, "workers")
     if not fused.inflight:

@@ -25,7 +25,7 @@ from jax import tree_util
 from jaxstreams._jit import jit as streams_jit
 from jaxstreams.staging import _clock
 from jaxstreams.staging._analysis import FUNC, Split
-from jaxstreams.staging._chooser import Meter
+from jaxstreams.staging._meter import Meter
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.tag import stream as stream_scope
@@ -82,9 +82,7 @@ class ThreadRun:
     self.pipeline = pipe
 
   def _pipe(self, items, capacity: int, transform) -> Prefetcher:
-    pipe = Prefetcher(items, capacity, transform=transform, num_threads=1,
-                      timeout=None, closed_exception_types=(StopIteration,),
-                      ignored_exception_types=(), func=FUNC)
+    pipe = Prefetcher(items, capacity, transform=transform)
     self.stages.append(pipe)
     return pipe
 
