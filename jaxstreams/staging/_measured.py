@@ -1,59 +1,16 @@
-"""``staged``'s modes ``"measured"`` (the default), ``"fused"`` and
-``"plain"``: the fused pipeline where staging pays, the plain step where it
-does not, as the runner measures while it runs.
+"""``staged``'s modes ``"measured"``, ``"fused"`` and ``"plain"``: the
+fused pipeline where staging pays, the plain step where it does not
+(``_policy`` decides from what the run measures of its calls).
 
-Never slower than doing without. Staging hides what happens before a
-batch's consumer can run (reading it, placing it, on a GPU its producer
-stages' device work beside the previous consumer), and costs every call
-its own work: the fused program's bookkeeping, the reader thread's
-hand-off and its competition for the CPU. For a step under a millisecond
-whose result is read every step, on the shared 2-core development machine,
-that cost was the larger: the fused runner ran at 0.4x-0.7x of the plain
-loop (benchmarks/prefetch_sweep.py). So ``mode="measured"`` starts *plain*:
-each call reads the next batch in the caller's thread and runs the plain
-step on it (the whole step jitted, as the unstaged loop runs it: no reader
-thread, no bookkeeping), and measures itself (``_clock``): the cycle from
-one call's return to the next, and how long reading a batch takes. Where
-reading is worth hiding (``_chooser.Chooser``: at once where it takes a
-third of a cycle and at least 200 us, after a trial that times calls both
-ways where it takes a fifth and 30 us), it stages (*fused*). Staging's own
-cost is not a known hand-off (on the shared 2-core machine, calls of a
-DLRM-style step took 2.5 ms fused where the plain step took 2.05 ms, its
-batches already on the device), so it checks itself: staged at once, its
-first 16 staged calls must have a shorter cycle than the plain calls that
-chose it, or a trial runs at once; and while staged, trials check it at
-doubling intervals (the first after 256 staged calls). On a platform that
-runs streams, with the producer on a stream of its own, staging may also
-hide device work no clock here sees, so there a trial decides even when
-reading is cheap. On XLA:CPU, whose device is the host's own cores, only
-reading during which the caller's thread blocked (storage, a network)
-counts: reading that needs a core would compete with the step for it
-(``_chooser.Chooser``'s ``shares_cores``, as for prefetch). It steps aside
-when a trial finds the plain step faster or reading turns cheap, and says
-so once (a ``jaxstreams.PerformanceWarning``, from the runner). ``"fused"``
-and ``"plain"`` fix the way.
-
-Every promise holds across a switch:
-
-* **Order, each batch once.** One ``_source.Source`` serves both ways, read
-  by the caller's thread or by the reader thread, never both. Going plain,
-  the pipeline stops admitting batches and drains (each call still consumes
-  its oldest batch, with a fused program: the drain, ``B4 C3``, ``C4``),
-  the reader's workers park, the batches the reader had read run next, with
-  the plain step, and only then does the caller's thread read on. Going
-  fused, the reader resumes where the source is; an empty pipeline warms up
-  again (``A5; A6 B5 ...``).
-* **Results.** Each call returns what the step returns for its batch, from
-  the fused program or the plain step (bitwise the same on CPU).
-* **Errors at call k.** A batch the iterable failed to give is raised by
-  its call either way; a producer stage's failure too (the fused run's
-  own bookkeeping). The plain step raises its own errors at its call.
-* **Donation.** Fused programs donate staged values only (``_fused``); a
-  pipeline drains before the plain step runs, so no staged value outlives
-  it, and the plain step donates nothing it was not asked to.
-* **The other arguments** must keep their shapes while it stages (checked
-  every staged call); the plain step takes what the step takes. An empty
-  pipeline starting anew takes them as they are then.
+Plain, each call reads the next batch in the caller's thread and runs the
+step jitted whole, as the unstaged loop does. Every promise holds across a
+switch: one ``_source.Source`` is read by the caller's thread or by the
+reader thread, never both; going plain, the pipeline stops admitting
+batches and drains with fused programs, the reader's workers park, the
+batches it had read run next, and only then does the caller read on; going
+fused, the reader resumes where the source is and an empty pipeline warms
+up again. Fused programs donate staged values only, and no staged value
+outlives a drain.
 """
 
 from __future__ import annotations
@@ -63,9 +20,8 @@ from typing import Any, Callable, Iterable
 import jax
 from jax import tree_util
 
-from jaxstreams.staging import _clock
-from jaxstreams.staging._analysis import FUNC, Split
-from jaxstreams.staging import _policy
+from jaxstreams.staging import _clock, _policy
+from jaxstreams.staging._analysis import Split
 from jaxstreams.staging._meter import Meter
 from jaxstreams.staging._fused import FusedRun, producer_stream
 from jaxstreams.staging._prefetcher import Prefetcher, holds_items, set_way
@@ -89,13 +45,10 @@ def _with_batch(args: tuple, batch: Any, data_argnums: int) -> tuple:
 
 
 class MeasuredRun:
-  """One runner's run in mode ``"measured"`` (``mode``), ``"fused"`` or
-  ``"plain"``: the source, the reader (made the first time it stages), the
-  fused pipeline, the plain step and what it measures. Made by the first
-  call, in the caller's thread, with that call's other arguments: it reads
-  the first batch and splits the step with it (a planning error is raised
-  by the first call, whichever way it runs). ``plain(split)`` gives the
-  plain step (the step jitted whole) for the first batch's split."""
+  """One runner's source, reader (made when it first stages), fused
+  pipeline, plain step and meter. Made by the first call, which reads the
+  first batch and splits the step with it (a planning error is that
+  call's); ``plain(split)`` gives the plain step."""
 
   def __init__(self, splits: Splits, data: Iterable[Any], mode: str,
                capacity: int, stream: int | None,
@@ -204,11 +157,9 @@ class MeasuredRun:
 
   def _count(self, way: str, started: float, read: float, wait: float,
              made: bool, judged: bool = True, busy: float = 0.0) -> None:
-    """One call done: ``read`` is what reading its batch took (in this
-    thread when plain, in the reader when fused; ``busy`` of it needed a
-    core, where measured), ``wait`` how long it waited for the reader,
-    ``made`` whether the call read its batch itself, as the plain loop
-    does. Lets the chooser judge (unless not ``judged``)."""
+    """One call done: reading its batch took ``read`` (``busy`` of it
+    needed a core), it waited ``wait`` for the reader, and ``made``: it
+    read its batch itself. The chooser may switch ways."""
     self.calls += 1
     now = _clock.now()
     if self.meter.count(way, now - started, wait, read, made, now, judged,
@@ -216,7 +167,7 @@ class MeasuredRun:
       self._go(self.meter.chooser.mode)
 
   def _go(self, way: str) -> None:
-    """Switches to ``way`` for the next calls (see the module's notes)."""
+    """Switches to ``way`` for the next calls."""
     self.way = way
     self.direct = False
     fused = self.fused
@@ -239,8 +190,8 @@ class MeasuredRun:
     return self.meter.report(self.way, self.reason)
 
   def close(self) -> None:
-    """Stops the reader (waiting for it) and closes the source; staged
-    values still in flight are dropped. Idempotent."""
+    """Stops the reader and closes the source; staged values in flight
+    are dropped. Idempotent."""
     if self.fused is not None:
       self.fused.close()
     if self.reader is not None:
