@@ -66,8 +66,7 @@ class Pipeline:
     self.closed_types = closed
     self.ignored_types = ignored
     self.description = description
-    # One lock; ``with self.lock`` where no wait or notify is needed
-    # (entering a Condition is a Python-level call: slower per item).
+    # ``with self.lock`` where no wait or notify is needed (cheaper).
     self.lock = threading.RLock()
     self.cond = threading.Condition(self.lock)   # consumers: an item, a stop
     self.work = threading.Condition(self.lock)   # workers: a slot, the right
@@ -124,15 +123,9 @@ class Pipeline:
       return _SKIP
     return _ERROR
 
-  def _work(self) -> None:
-    try:
-      self._work_loop()
-    finally:
-      self._leave()
-
   def _leave(self, inline: bool = False) -> None:
-    """A worker, or the consumer's inline pull, is done with the iterable
-    and the transfer: the last one out after ``stop()`` frees them."""
+    """A worker or an inline pull is done: the last one out after
+    ``stop()`` frees the transfer and closes what is owned."""
     with self.lock:
       self.live_workers -= 1
       if inline:
@@ -158,9 +151,7 @@ class Pipeline:
       if kind in (_END, _ERROR):
         self.source_done = True   # nothing is pulled past an end or failure
       ticket = -1
-      if kind == _VALUE:
-        # Tickets follow pull order: the transfer may need to place items
-        # in order (a stage area is a FIFO) while threads place at once.
+      if kind == _VALUE:    # tickets follow pull order (a stage area's)
         ticket = self.next_ticket
         self.next_ticket += 1
       if not self.inline and self.workers_parked:
@@ -181,9 +172,8 @@ class Pipeline:
       return kind, exc
 
   def _wait_for_work(self) -> None:
-    """Waits (under self.lock) for a slot and the right to pull (pulls are
-    serialised to keep order), parked while the consumer produces inline.
-    For a slot it polls first (see ``POLL_FOR_S``)."""
+    """Waits (under self.lock) for a slot and the right to pull, parked
+    while the consumer produces inline; for a slot it polls first."""
     sleep_s, poll_until = POLL_FIRST_S, None
     while not self.stopped and not self.source_done and (
         self.free_slots == 0 or self.pulling or self.inline):
@@ -206,32 +196,35 @@ class Pipeline:
         self.workers_parked -= 1
       sleep_s, poll_until = POLL_FIRST_S, None
 
-  def _work_loop(self) -> None:
-    while True:
-      with self.lock:
-        self._wait_for_work()
-        if self.stopped or self.source_done:
-          return
-        self.free_slots -= 1
-        self.pulling = True
-        number = self.next_pull
-        self.next_pull += 1
-        self.max_in_flight = max(self.max_in_flight,
-                                 self.next_pull - self.next_out)
-      started = _clock.now()
-      kind, item, ticket = self._pull()
-      if self.stopped:
-        return                      # closed while pulling: deliver nothing
-      kind, item = self._place(kind, item, ticket, wait=True)
-      produced = _clock.now() - started
-      with self.lock:
+  def _work(self) -> None:
+    try:
+      while True:
+        with self.lock:
+          self._wait_for_work()
+          if self.stopped or self.source_done:
+            return
+          self.free_slots -= 1
+          self.pulling = True
+          number = self.next_pull
+          self.next_pull += 1
+          self.max_in_flight = max(self.max_in_flight,
+                                   self.next_pull - self.next_out)
+        started = _clock.now()
+        kind, item, ticket = self._pull()
         if self.stopped:
-          return                    # closed meanwhile: nothing is handed out
-        if kind is _VALUE:
-          self.placed += 1
-        self.results[number] = (kind, item, produced)
-        if self.consumers_waiting:
-          self.cond.notify_all()
+          return                    # closed while pulling: deliver nothing
+        kind, item = self._place(kind, item, ticket, wait=True)
+        produced = _clock.now() - started
+        with self.lock:
+          if self.stopped:
+            return                  # closed meanwhile: nothing is handed out
+          if kind is _VALUE:
+            self.placed += 1
+          self.results[number] = (kind, item, produced)
+          if self.consumers_waiting:
+            self.cond.notify_all()
+    finally:
+      self._leave()
 
   # Consumer ------------------------------------------------------------------
   def get(self, timeout: float | None, wait: bool = True) -> Any:
@@ -255,9 +248,7 @@ class Pipeline:
             self.work.notify_all()    # half empty: a worker refills it
           if self.consumers_waiting:
             self.cond.notify_all()
-          if kind is _VALUE:
-            # Under the lock: takes from a stage area happen in item order
-            # even if several threads call next() at once.
+          if kind is _VALUE:    # under the lock: deliveries in item order
             deliver = self.transfer.deliver
             out = value if deliver is None else deliver(value)
             now = _clock.now()
@@ -317,9 +308,9 @@ class Pipeline:
       raise StopIteration
 
   def _wait_for(self, number: int, timeout: float | None) -> float:
-    """Waits (under self.lock) until item ``number`` is in, or is this
+    """Waits (under self.lock) until item ``number`` is in, is this
     thread's to produce, or the pipeline stopped; returns the seconds
-    waited. Raises TimeoutError after ``timeout`` seconds."""
+    waited, or raises TimeoutError after ``timeout``."""
     wait_started = _clock.now()
     self.consumers_waiting += 1
     try:
@@ -351,8 +342,7 @@ class Pipeline:
     raise value
 
   def set_mode(self, mode: str) -> None:
-    """Switches between workers and inline production (under self.lock):
-    workers park while inline, and resume where the numbering is."""
+    """Switches who produces (under self.lock); workers park inline."""
     if mode == "workers" and len(self.workers.threads) < self.num_threads:
       try:
         self._start_workers()
@@ -370,14 +360,10 @@ class Pipeline:
       return self.meter.report(self.mode, self.reason)
 
   def stop(self, join: bool, timeout: float | None = None) -> bool:
-    """Ends the workers; with ``join``, waits for them (and for an inline
-    pull running in another thread) up to ``timeout`` seconds: one inside
-    the iterable's ``__next__`` can only stop once that call returns.
-    Returns whether all have ended; when one has not, the last one out
-    frees what the pipeline owns.
-
-    When the iterable is another prefetch pipeline (a staged step's chain of
-    stages), it is stopped first, so a worker waiting on it wakes up."""
+    """Ends the workers (and an upstream pipeline, so a worker waiting on
+    it wakes); with ``join``, waits up to ``timeout`` seconds for them and
+    an inline pull in another thread. Returns whether all have ended; if
+    not, the last one out frees what the pipeline owns."""
     with self.lock:
       self.stopped = True
       self.results.clear()
@@ -404,10 +390,8 @@ class Pipeline:
     return True
 
   def _close_owned(self) -> None:
-    """Closes what the pipeline owns: an upstream pipeline (joins its
-    workers) and a generator (its finally blocks run now, not at interpreter
-    exit). Other iterators (a file the caller opened) are the caller's to
-    close. Runs once no worker can be inside the iterator any more."""
+    """Closes what the pipeline owns (an upstream prefetcher, a generator
+    whose finally blocks run now), once no worker can be inside it."""
     if self.owned is not None:
       try:
         self.owned.close()
@@ -415,8 +399,7 @@ class Pipeline:
         pass
 
   def _release_if_idle(self) -> None:
-    """Frees the transfer's resources (a stage area) once the pipeline is
-    stopped and no worker can touch them any more; exactly once."""
+    """Frees the transfer's resources once stopped and idle; once."""
     with self.lock:
       if not self.stopped or self.live_workers > 0 or self.released:
         return

@@ -63,7 +63,6 @@ class MeasuredRun:
     self.fused: FusedRun | None = None
     self.calls = 0
     self.meter: Meter | None = None    # what it measures, and the chooser
-    self.direct = False       # plain, nothing of staging left to run
     self.restart = False      # the next staged call starts an empty pipeline
     try:
       self.first_started = _clock.now()
@@ -99,20 +98,6 @@ class MeasuredRun:
   def call(self, other_args: tuple, kwargs: dict) -> Any:
     """The step's outputs for the next batch; ``StopIteration`` at the end."""
     started = _clock.now()
-    if self.direct:        # a plain loop's own work, and the measurements
-      busy_start = _clock.reading() if self.meter.time_busy else None
-      batch = next(self.source)              # StopIteration: the end
-      read = _clock.now() - started
-      busy = _clock.busy(busy_start, read) if busy_start else 0.0
-      if type(batch) is DataError:
-        raise batch.exc
-      if self.data_argnums == -1:             # the usual place: no tuple work
-        outs = self.plain(*other_args, batch, **kwargs)
-      else:
-        outs = self.plain(*_with_batch(other_args, batch, self.data_argnums),
-                          **kwargs)
-      self._count("plain", started, read, 0.0, True, busy=busy)
-      return outs
     if self.way == "fused" or self.fused.inflight:
       return self._staged_call(other_args, kwargs, started)
     return self._plain_call(other_args, kwargs, started)
@@ -136,23 +121,25 @@ class MeasuredRun:
 
   def _plain_call(self, other_args: tuple, kwargs: dict,
                   started: float) -> Any:
-    """The plain step on what was read before: the first batch, then the
-    batches the reader holds; then on what the caller's thread reads."""
-    read = 0.0
+    """The plain step on the first batch, then on the batches the reader
+    holds, then on what this thread reads, as the plain loop does."""
+    read, busy, made = 0.0, 0.0, True
     if self.first is not None:   # read before this call's clock started
       batch, self.first = self.first, None
-      started, read, made = self.first_started, self.first_read, True
+      started, read = self.first_started, self.first_read
     elif self.reader is not None and holds_items(self.reader):
       batch, _ = next(self.reader)           # StopIteration: the end
       made = False     # read by the reader: not what reading here costs
     else:
-      self.direct = True
-      return self.call(other_args, kwargs)
-    if isinstance(batch, DataError):
+      busy_start = _clock.reading() if self.meter.time_busy else None
+      batch = next(self.source)              # StopIteration: the end
+      read = _clock.now() - started
+      busy = _clock.busy(busy_start, read) if busy_start else 0.0
+    if type(batch) is DataError:
       raise batch.exc
     outs = self.plain(*_with_batch(other_args, batch, self.data_argnums),
                       **kwargs)
-    self._count("plain", started, read, 0.0, made)
+    self._count("plain", started, read, 0.0, made, busy=busy)
     return outs
 
   def _count(self, way: str, started: float, read: float, wait: float,
@@ -169,7 +156,6 @@ class MeasuredRun:
   def _go(self, way: str) -> None:
     """Switches to ``way`` for the next calls."""
     self.way = way
-    self.direct = False
     fused = self.fused
     if way == "plain":
       fused.stop_admitting()
