@@ -178,7 +178,6 @@ class FusedRun:
   def stop_admitting(self) -> None:
     self.admitting = False
 
-  # Reading -------------------------------------------------------------------
   def _admit(self, block: bool) -> _InFlight | None:
     """The next batch as a new in-flight entry; None when none may enter
     or the reader has none ready (``block=False``) or has ended."""
@@ -210,7 +209,6 @@ class FusedRun:
     self.next_index += 1
     return entry
 
-  # One program ---------------------------------------------------------------
   def _slots(self, consume: bool, block: bool):
     """Who runs next: the head batch's consumer (when ``consume``) and per
     producer stage ``j`` the batch that has done ``j`` stages."""
@@ -333,7 +331,6 @@ class FusedRun:
       self.reader.close()         # nothing is read past a failure
     return None
 
-  # One call ------------------------------------------------------------------
   def step(self, other_leaves):
     """Runs until the head batch is consumed; returns its split and flat
     outputs. Producer-only programs first until the head has done every

@@ -115,7 +115,6 @@ class Pipeline:
           self.live_workers -= 1
         raise
 
-  # Workers -------------------------------------------------------------------
   def _classify(self, exc: BaseException) -> str:
     if isinstance(exc, self.closed_types):
       return _END
@@ -226,7 +225,6 @@ class Pipeline:
     finally:
       self._leave()
 
-  # Consumer ------------------------------------------------------------------
   def get(self, timeout: float | None, wait: bool = True) -> Any:
     """The next item in order; raises its exception, StopIteration at the
     end, TimeoutError when it is not ready within ``timeout`` seconds. With

@@ -94,7 +94,6 @@ class MeasuredRun:
       self.close()
       raise
 
-  # One call ------------------------------------------------------------------
   def call(self, other_args: tuple, kwargs: dict) -> Any:
     """The step's outputs for the next batch; ``StopIteration`` at the end."""
     started = _clock.now()
@@ -171,7 +170,6 @@ class MeasuredRun:
       self.restart = True
     fused.resume(self.reader, self.calls)
 
-  # Reports and lifetime ------------------------------------------------------
   def stats(self) -> dict[str, Any]:
     return self.meter.report(self.way, self.reason)
 

@@ -70,11 +70,10 @@ class Meter:
   def count(self, way: str, took: float, wait: float, produce: float,
             inline_made: bool, now: float, judged: bool = True,
             busy: float = 0.0) -> bool:
-    """One item delivered ``now`` the ``way`` it was made: the consumer
-    spent ``took`` on it, ``wait`` of that waiting, and producing it took
-    ``produce`` (in ``took`` when ``inline_made``; ``busy`` of it needed a
-    core, where measured); shown to the chooser when ``judged``. Returns
-    whether the chooser's mode changed. (Runs for every item: lean.)"""
+    """One item delivered ``now``, made ``way``: the consumer spent
+    ``took`` on it (``wait`` waiting; ``produce`` producing it too when
+    ``inline_made``), ``busy`` of the production needed a core; judged
+    unless not ``judged``. Returns whether the chooser's mode changed."""
     tally = self.tallies[way]
     tally.items += 1
     if wait > 0:
@@ -105,8 +104,7 @@ class Meter:
 
   def _leave_out(self, cycle: float, wait: float, produce: float,
                  busy: float) -> None:
-    """An item of the watched way the chooser does not judge: one compiling
-    the step, or (inline) one made by the other way before the switch."""
+    """An item of the watched way the chooser must not judge."""
     self.due += 1
     if self.begin is not None:
       items, cycles, produced, busied, waited, waits = self.left_out
@@ -115,8 +113,7 @@ class Meter:
                        waits + wait)
 
   def _act(self) -> bool:
-    """The watched tally reached ``due``: the window starts, or the chooser
-    judges it."""
+    """The window starts, or the chooser judges it."""
     if self.begin is None:        # the items to skip have passed
       self._begin()
       return False
@@ -133,16 +130,15 @@ class Meter:
     return changed
 
   def _begin(self) -> None:
-    """The window starts here, after the watched tally's latest item; in a
-    trial it also collects each item's cycle."""
+    """The window starts after the watched tally's latest item."""
     tally, chooser = self.watched, self.chooser
     self.begin = tally.sums()
     self.due = tally.cycles + chooser.check_at
     self.cycles = [] if chooser.trial is not None else None
 
   def _follow(self) -> None:
-    """After the chooser judged: the same window goes on to its next
-    ``check_at``, or a new one starts, in its way, after ``skip`` items."""
+    """After a judgement: the window goes on to its next ``check_at``, or
+    a new one starts in the chooser's way after ``skip`` items."""
     chooser = self.chooser
     tally = self.tallies[chooser.mode]
     if chooser.windows == self.windows and tally is self.watched:
@@ -158,9 +154,8 @@ class Meter:
       self._begin()
 
   def report(self, mode: str, reason: str) -> dict[str, Any]:
-    """``stats()``: the way it runs now and why (the chooser's reason, or
-    ``reason`` where there is none), the items, switches and trials, and
-    per way its items and per-item times."""
+    """``stats()``: the way and why, items, switches, trials, and per way
+    its items and per-item times."""
     chooser = self.chooser
     items, own, produce = self.names
     report = {"mode": mode,

@@ -204,7 +204,6 @@ class _StageAreaTransfer(Transfer):
     self.staged = 0
     self.fallbacks = 0
 
-  # Worker side -----------------------------------------------------------------
   def place(self, ticket: int, item: Any, wait: bool) -> Any:
     with self.cond:
       while self.turn != ticket and not self.stopped:
@@ -222,8 +221,7 @@ class _StageAreaTransfer(Transfer):
         fits = self.area is not None and spec == self.spec and (
             treedef == self.treedef)
       if fits:
-        # Blocks while the area is full (a get dispatched but not yet run);
-        # stop() closes the area, which ends the wait with StageClosedError.
+        # Blocks while the area is full; stop() closes it, ending the wait.
         self.area.put(arrays)
         with self.cond:
           self.staged += 1
@@ -247,14 +245,11 @@ class _StageAreaTransfer(Transfer):
           capacity=self.size, platform=self.platform)
       self.spec, self.treedef = spec, treedef
       area = self.area
-      # One small program per area: the area's id is an attribute of the
-      # custom call. The extra scalar is written by the same execution; the
-      # consumer keeps it to know when the get has run (the arrays handed out
-      # may be donated or deleted by then).
+      # One program per area (its id is an attribute of the call); the
+      # scalar tells when the get has run (its arrays may be donated).
       self.getter = jax.jit(lambda: (area.get(timeout_ms=_GET_TIMEOUT_MS),
                                      jax.numpy.zeros((), jax.numpy.int32)))
 
-  # Consumer side ---------------------------------------------------------------
   def deliver(self, value: Any) -> Any:
     if not isinstance(value, _InStage):
       return value              # placed with device_put
@@ -264,7 +259,6 @@ class _StageAreaTransfer(Transfer):
     self.pending.append(done)
     return value.treedef.unflatten(leaves)
 
-  # Lifetime ----------------------------------------------------------------------
   def stop(self) -> None:
     with self.cond:
       self.stopped = True
