@@ -44,7 +44,7 @@ import pytest
 
 import jaxstreams
 
-from jaxstreams.staging import _measured
+from jaxstreams.staging import _policy
 from programs import FlippingChooser, jaxstreams_threads, wait_until
 
 jax.config.update("jax_num_cpu_devices", 4)
@@ -84,7 +84,7 @@ def staged_mode(request, monkeypatch):
   replaced by one that switches between plain and fused every two calls,
   so that every promise is checked across switches."""
   if request.param == "switching":
-    monkeypatch.setattr(_measured, "Chooser", FlippingChooser)
+    monkeypatch.setattr(_policy, "Chooser", FlippingChooser)
     return "measured"
   return request.param
 

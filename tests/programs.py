@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
-from jaxstreams.staging import _chooser
+from jaxstreams.staging import _meter
 
 
 def random_inputs(*shapes, seed=0):
@@ -175,7 +175,7 @@ def keyboard_interrupt_after(seconds, then=None):
 
 class FlippingChooser:
   """Stands in for ``mode="measured"``'s chooser
-  (``jaxstreams.staging._chooser.Chooser``, shared by prefetch and staged)
+  (``jaxstreams.staging._policy.Chooser``, shared by prefetch and staged)
   and switches between its two ways every ``every`` items (prefetch) or
   calls (staged) it is shown, so that every promise is checked across
   switches: ``monkeypatch.setattr(module, "Chooser", FlippingChooser)``,
@@ -183,10 +183,10 @@ class FlippingChooser:
   the ``Meter`` sums them, are ``every`` items of the way it runs, and each
   ends in a switch.)"""
 
-  def __init__(self, size, words, verify=False, unseen_gain=False,
+  def __init__(self, ahead, words, verify=False, unseen_gain=False,
                shares_cores=False, unseen_cycle_s=float("inf"),
                steady_s=0.0, every=2):
-    del size, verify, unseen_gain, shares_cores, unseen_cycle_s, steady_s
+    del ahead, verify, unseen_gain, shares_cores, unseen_cycle_s, steady_s
     self.words = words
     self.mode, self.inline = words.inline, True
     self.reason, self.news, self.news_cycle = "switching (test)", None, 0.0
@@ -209,7 +209,7 @@ def meter_for(chooser):
   meter = _meters.get(id(chooser))
   if meter is None or meter.chooser is not chooser:
     ways = (chooser.words.overlap, chooser.words.inline)
-    meter = _chooser.Meter(ways, chooser, ("items", "own_us", "produce_us"))
+    meter = _meter.Meter(ways, chooser, ("items", "own_us", "produce_us"))
     meter.last = 0.0
     _meters[id(chooser)] = meter
   return meter

@@ -26,7 +26,7 @@ import pytest
 import jaxstreams
 import jaxstreams.runtime as rt
 from jaxstreams import _compat
-from jaxstreams.staging import _chooser, _clock, _lookahead, _transfer
+from jaxstreams.staging import _clock, _policy, _transfer
 from jaxstreams.staging import BY_PLATFORM_TRANSFER, Prefetcher
 from programs import (FlippingChooser, jaxstreams_threads, meter_for,
                       keyboard_interrupt_after, wait_until)
@@ -43,7 +43,7 @@ WAYS = ["workers", "inline", "switching"]
 def way(request, monkeypatch):
   """The ``mode=`` to pass for one way of producing items."""
   if request.param == "switching":
-    monkeypatch.setattr(_lookahead, "Chooser", FlippingChooser)
+    monkeypatch.setattr(_policy, "Chooser", FlippingChooser)
     return "measured"
   return request.param
 
@@ -846,9 +846,9 @@ def test_stats_say_which_way_it_runs(way):
 # How mode="measured" chooses: the chooser fed made-up times -----------------
 
 # The chooser as prefetch words it.
-Chooser = functools.partial(_chooser.Chooser, words=_lookahead.WORDS,
-                            steady_s=_lookahead.STEADY_S)
-WINDOW = _chooser.WINDOW
+Chooser = functools.partial(_policy.Chooser, words=_policy.PREFETCH_WORDS,
+                            steady_s=_policy.PREFETCH_STEADY_S)
+WINDOW = _policy.WINDOW
 US = 1e-6
 
 
@@ -868,11 +868,11 @@ def _feed(chooser, n, cycle_us, produce_us, inline_made=None, wait_us=0.0,
 
 
 def test_chooser_stays_inline_where_production_is_cheap():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   assert chooser.mode == "inline" and "judging" in chooser.reason
   # A small share of the cycle (after the first window of WINDOW items,
-  # windows of _lookahead.STEADY_S: 100 items of 1 ms) ...
-  steady = round(_lookahead.STEADY_S / 1e-3)
+  # windows of _policy.PREFETCH_STEADY_S: 100 items of 1 ms) ...
+  steady = round(_policy.PREFETCH_STEADY_S / 1e-3)
   assert _feed(chooser, 2 + WINDOW + steady, cycle_us=1000,
                produce_us=50) == []
   assert chooser.mode == "inline" and not chooser.trials
@@ -891,14 +891,14 @@ def test_chooser_stays_inline_where_production_is_cheap():
 
 
 def test_chooser_ignores_the_first_items():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   # Two slow first items (compiling) do not count.
   assert _feed(chooser, 2, cycle_us=10_000, produce_us=9_000) == []
   assert chooser.mode == "inline"
 
 
 def test_chooser_moves_to_workers_at_once_when_production_dominates():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   assert _feed(chooser, 4, cycle_us=1000, produce_us=600) == ["workers"]
   assert chooser.mode == "workers" and "60% of a cycle" in chooser.reason
   assert meter_for(chooser).news is None             # nothing to warn about
@@ -908,12 +908,12 @@ def test_chooser_moves_to_workers_at_once_when_production_dominates():
   # A share that large is not enough when an item is cheap, nor is an
   # expensive item that is a small share of a long step.
   for cycle, produce in ((100, 60), (10_000, 300)):
-    chooser = Chooser(size=2)
+    chooser = Chooser(ahead=2)
     assert _feed(chooser, 4, cycle_us=cycle, produce_us=produce) == []
 
 
 def test_chooser_steps_aside_when_production_turns_cheap():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 4, cycle_us=1000, produce_us=600)
   assert chooser.mode == "workers"
   # The first size + 1 items after the switch (the lookahead filling) do
@@ -922,16 +922,16 @@ def test_chooser_steps_aside_when_production_turns_cheap():
   assert "fell to 1.0% of a cycle" in chooser.reason
   assert meter_for(chooser).news == chooser.reason
   # Also when an item turns cheaper than a worker costs.
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 4, cycle_us=1000, produce_us=600)
   assert _feed(chooser, 3 + WINDOW, cycle_us=50, produce_us=10) == ["inline"]
 
 
 def test_chooser_keeps_workers_while_the_consumer_waits_for_them():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 4, cycle_us=1000, produce_us=600)
   # The lookahead fills (3 items), a first window, then two of STEADY_S.
-  steady = round(_lookahead.STEADY_S / 1e-3)
+  steady = round(_policy.PREFETCH_STEADY_S / 1e-3)
   _feed(chooser, 3 + WINDOW + 2 * steady, cycle_us=1000, produce_us=10,
         wait_us=2)
   assert chooser.mode == "workers"
@@ -953,7 +953,7 @@ def _trial(chooser, workers_cycle_us, inline_cycle_us, produce_us):
 
 
 def test_chooser_trial_keeps_workers_when_they_are_faster():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   # 30% of a cycle: worth a trial, not sure enough to skip one.
   assert _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300) == [
       "workers"]
@@ -978,7 +978,7 @@ def test_chooser_trial_keeps_workers_when_they_are_faster():
     ((750, 1250, 750), "workers"), ((750, 1250, 1250), "inline")])
 def test_chooser_trial_runs_a_third_round_after_a_split(workers_cycles_us,
                                                        chose):
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300)
   windows = iter(workers_cycles_us)
   while chooser.trial is not None:
@@ -996,7 +996,7 @@ def test_chooser_trial_runs_a_third_round_after_a_split(workers_cycles_us,
 def _trial_with_stalls(every, stall_us):
   """A trial at 0.1 ms cycles, workers 10% faster, where every ``every``-th
   counted item of each workers window takes ``stall_us`` longer."""
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 2 + WINDOW, cycle_us=100, produce_us=40)
   assert chooser.trial is not None
   count = 0
@@ -1029,7 +1029,7 @@ def test_chooser_trial_counts_a_stall_that_recurs():
 
 
 def test_chooser_trial_steps_aside_when_workers_are_no_faster():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 2 + WINDOW, cycle_us=200, produce_us=44)
   _trial(chooser, workers_cycle_us=280, inline_cycle_us=200, produce_us=44)
   assert chooser.mode == "inline"
@@ -1039,8 +1039,8 @@ def test_chooser_trial_steps_aside_when_workers_are_no_faster():
   # The same production share does not start another trial ...
   assert _feed(chooser, 50 * WINDOW, cycle_us=200, produce_us=44) == []
   assert "a trial found workers no faster at 22%" in chooser.reason
-  # (Windows of _lookahead.STEADY_S here: 500 items of 200 us.)
-  steady = round(_lookahead.STEADY_S / 200e-6)
+  # (Windows of _policy.PREFETCH_STEADY_S here: 500 items of 200 us.)
+  steady = round(_policy.PREFETCH_STEADY_S / 200e-6)
   assert chooser.steady == steady
   assert _feed(chooser, 3 * steady, cycle_us=200, produce_us=80) == []
   # ... doubled, it does (once enough items have passed since the last).
@@ -1051,14 +1051,14 @@ def test_chooser_trial_steps_aside_when_workers_are_no_faster():
 
 
 def test_chooser_trial_ends_early_when_workers_are_plainly_slower():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300)
   assert chooser.mode == "workers" and chooser.trial is not None
   # The lookahead refills (size + 1 items, not judged), then EARLY_ITEMS
   # items at 1.6 times inline's cycle: the trial ends, lost, without
   # running the rest of its windows (a 32-step loop would otherwise spend
   # most of itself in the slower way).
-  early = 3 + _chooser.EARLY_ITEMS
+  early = 3 + _policy.EARLY_ITEMS
   assert _feed(chooser, early, cycle_us=1600, produce_us=300) == ["inline"]
   assert chooser.trial is None and chooser.mode == "inline"
   assert chooser.trials == [{"workers_cycle_us": pytest.approx(1600),
@@ -1068,20 +1068,20 @@ def test_chooser_trial_ends_early_when_workers_are_plainly_slower():
   assert "stopped after 4 items" in chooser.reason
   assert meter_for(chooser).news == chooser.reason
   # Workers a little slower at first are given the whole window.
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 2 + WINDOW, cycle_us=1000, produce_us=300)
   assert _feed(chooser, early, cycle_us=1400, produce_us=300) == []
   assert chooser.mode == "workers" and chooser.trial is not None
 
 
 def test_chooser_goes_back_inline_when_workers_taken_at_once_are_slower():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   # Production dominates a short cycle (a loop that does not read its
   # results): workers at once ...
   assert _feed(chooser, 4, cycle_us=300, produce_us=250) == ["workers"]
   # ... but on this machine they make each cycle twice as long: back
   # inline after the refill and EARLY_ITEMS items, recorded as a lost trial.
-  early = 3 + _chooser.EARLY_ITEMS
+  early = 3 + _policy.EARLY_ITEMS
   assert _feed(chooser, early, cycle_us=600, produce_us=250) == ["inline"]
   assert chooser.trials == [{"workers_cycle_us": pytest.approx(600),
                              "inline_cycle_us": pytest.approx(300),
@@ -1096,7 +1096,7 @@ def test_chooser_goes_back_inline_when_workers_taken_at_once_are_slower():
 
 
 def test_chooser_keeps_workers_taken_at_once_that_are_not_plainly_slower():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   assert _feed(chooser, 4, cycle_us=1000, produce_us=600) == ["workers"]
   # Slower at first by less than EARLY_LOSS: the window runs whole, and
   # then workers stay while production is worth hiding.
@@ -1116,7 +1116,7 @@ def test_chooser_on_shared_cores_counts_only_production_that_waits():
   # XLA:CPU: production that keeps a core busy (copying a large item)
   # would compete with the step: however large a share, it stays inline,
   # without a trial, and says why.
-  chooser = Chooser(size=2, shares_cores=True)
+  chooser = Chooser(ahead=2, shares_cores=True)
   assert _feed_busy(chooser, 2 + 8 * WINDOW, cycle_us=800, produce_us=400,
                     busy_us=395) == []
   assert chooser.mode == "inline" and not chooser.trials
@@ -1126,18 +1126,18 @@ def test_chooser_on_shared_cores_counts_only_production_that_waits():
       "which the step needs too here)")
   assert meter_for(chooser).news == chooser.reason
   # Production that waits (storage, a network) is hidden at once ...
-  chooser = Chooser(size=2, shares_cores=True)
+  chooser = Chooser(ahead=2, shares_cores=True)
   assert _feed_busy(chooser, 4, cycle_us=1000, produce_us=600,
                     busy_us=20) == ["workers"]
   assert "58% of a cycle (580 us of 1000 us" in chooser.reason
   # ... and a mix whose waiting part is a middling share runs a trial.
-  chooser = Chooser(size=2, shares_cores=True)
+  chooser = Chooser(ahead=2, shares_cores=True)
   assert _feed_busy(chooser, 2 + WINDOW, cycle_us=1000, produce_us=600,
                     busy_us=300) == ["workers"]
   assert chooser.trial is not None and "30% of a cycle" in chooser.reason
   # Where the device has cores of its own (a GPU), CPU time is production
   # like any other: the same items move at once.
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   assert _feed_busy(chooser, 4, cycle_us=800, produce_us=400,
                     busy_us=395) == ["workers"]
 
@@ -1147,7 +1147,7 @@ def test_chooser_with_the_dispatch_gap_tries_workers_at_short_cycles():
   # rarely: cheap production (a 4 us placement, all of it needing a core)
   # decides nothing at cycles under unseen_cycle_s; a trial does.
   def gap_chooser():
-    return Chooser(size=16, shares_cores=True, unseen_gain=True,
+    return Chooser(ahead=16, shares_cores=True, unseen_gain=True,
                    unseen_cycle_s=1000 * US)
   chooser = gap_chooser()
   assert _feed_busy(chooser, 2 + WINDOW, cycle_us=110, produce_us=4,
@@ -1175,7 +1175,7 @@ def test_chooser_with_the_dispatch_gap_tries_workers_at_short_cycles():
   # At long cycles the same production stays inline without a trial; so
   # it does without the gain (synchronous dispatch, a small lookahead).
   for chooser, cycle_us in ((gap_chooser(), 2000),
-                            (Chooser(size=2, shares_cores=True), 110)):
+                            (Chooser(ahead=2, shares_cores=True), 110)):
     assert _feed_busy(chooser, 2 + 4 * WINDOW, cycle_us=cycle_us,
                       produce_us=4, busy_us=4) == []
     assert chooser.mode == "inline" and not chooser.trials
@@ -1218,7 +1218,7 @@ def test_busy_tells_waiting_from_needing_a_core():
 
 
 def test_chooser_counts_only_inline_items_when_inline():
-  chooser = Chooser(size=2)
+  chooser = Chooser(ahead=2)
   _feed(chooser, 4, cycle_us=1000, produce_us=600)
   _feed(chooser, 3 + WINDOW, cycle_us=1000, produce_us=10)
   assert chooser.mode == "inline"
@@ -1231,7 +1231,7 @@ def test_chooser_counts_only_inline_items_when_inline():
 
 def test_chooser_trial_gap_doubles():
   # Cycles of 10 ms: RECHECK_S is fewer items than the gap here.
-  chooser = Chooser(size=1)
+  chooser = Chooser(ahead=1)
   gaps = []
   for _ in range(3):
     for _ in range(10_000):      # until the next trial starts
@@ -1246,7 +1246,7 @@ def test_chooser_trial_gap_doubles():
     _feed(chooser, 2 + WINDOW, cycle_us=10_000, produce_us=1)
     assert chooser.mode == "inline"
   # (Counted from the trial's last window.)
-  first = _chooser.FIRST_TRIAL_GAP
+  first = _policy.FIRST_TRIAL_GAP
   for k, gap in enumerate(gaps):
     assert abs(gap - first * 2**k) <= WINDOW, gaps
 
@@ -1255,17 +1255,17 @@ def test_chooser_rechecks_a_won_trial_no_sooner_than_recheck_s():
   # At 0.1 ms cycles, FIRST_TRIAL_GAP items would be 26 ms: the re-check
   # after workers won waits RECHECK_S instead; after a lost trial, only
   # the item gap applies (inline may be the worse way).
-  won = Chooser(size=2, unseen_gain=True, unseen_cycle_s=1e-3)
+  won = Chooser(ahead=2, unseen_gain=True, unseen_cycle_s=1e-3)
   _feed(won, 2 + WINDOW, cycle_us=100, produce_us=3)
   _trial(won, workers_cycle_us=90, inline_cycle_us=100, produce_us=3)
   assert won.mode == "workers"
-  expected = round(_chooser.RECHECK_S / 90e-6)
+  expected = round(_policy.RECHECK_S / 90e-6)
   assert abs(won.next_trial - won.judged - expected) <= WINDOW
-  lost = Chooser(size=2, unseen_gain=True, unseen_cycle_s=1e-3)
+  lost = Chooser(ahead=2, unseen_gain=True, unseen_cycle_s=1e-3)
   _feed(lost, 2 + WINDOW, cycle_us=100, produce_us=3)
   _trial(lost, workers_cycle_us=110, inline_cycle_us=100, produce_us=3)
   assert lost.mode == "inline"
-  expected = _chooser.FIRST_TRIAL_GAP
+  expected = _policy.FIRST_TRIAL_GAP
   assert abs(lost.next_trial - lost.judged - expected) <= WINDOW
 
 
@@ -1462,7 +1462,7 @@ def test_measured_on_cpu_keeps_busy_production_inline(monkeypatch):
   device = jax.devices("cpu")[0]
   for sharding in (None, device, jax.sharding.SingleDeviceSharding(device),
                    {"a": device}):
-    assert _transfer.resolve("device_put", sharding, 2, "t").shares_cores()
+    assert _transfer.resolve("device_put", sharding, "t")(2).shares_cores()
 
 
 def test_only_the_public_prefetch_warns(monkeypatch, clock):

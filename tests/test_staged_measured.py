@@ -1,7 +1,7 @@
 """jaxstreams.staged(mode="measured"): how it chooses between the fused
 pipeline and the plain step, and that every promise holds across its switches.
 
-The decision is the chooser prefetch uses (``_chooser.Chooser``), worded for
+The decision is the chooser prefetch uses (``_policy.Chooser``), worded for
 staged: first fed made-up times, then inside runners whose clock is fake
 (time moves only when a test says so: the source when it reads a batch, the
 loop when it steps). Then a chooser that switches every few calls drives
@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from jaxstreams.staging import _chooser, _clock, _measured
+from jaxstreams.staging import _clock, _measured, _policy
 from programs import (FlippingChooser, assert_equal_results, meter_for,
                       jaxstreams_threads, wait_until)
 
-WINDOW = _chooser.WINDOW
+WINDOW = _policy.WINDOW
 US = 1e-6
 
 
@@ -65,8 +65,8 @@ def step3(params, batch):
 # The chooser, worded for staged: made-up times ------------------------------
 
 def _chooser_for(unseen_gain=False):
-  return _chooser.Chooser(1, _measured.WORDS, verify=True,
-                          unseen_gain=unseen_gain)
+  return _policy.Chooser(1, _policy.STAGED_WORDS, verify=True,
+                         unseen_gain=unseen_gain)
 
 
 def _feed(chooser, n, cycle_us, read_us, made=None):
@@ -118,7 +118,7 @@ def test_chooser_stages_at_once_where_reading_dominates_then_checks():
   assert meter_for(chooser).news is None
   # Staging's own cost is not known: a trial checks it, a gap later.
   due = chooser.next_trial
-  assert due - chooser.judged == _chooser.FIRST_TRIAL_GAP
+  assert due - chooser.judged == _policy.FIRST_TRIAL_GAP
   assert due <= _until_trial(chooser, cycle_us=600, read_us=1000) < due + 18
   assert chooser.mode == "fused"
   _trial(chooser, fused_cycle_us=600, plain_cycle_us=1500, read_us=1000)
@@ -160,7 +160,7 @@ def test_chooser_checks_staging_again_while_it_runs():
   _trial(chooser, fused_cycle_us=600, plain_cycle_us=1500, read_us=1000)
   assert chooser.mode == "fused" and chooser.trial is None
   due = chooser.next_trial          # about twice the first gap
-  assert due - chooser.judged > 1.5 * _chooser.FIRST_TRIAL_GAP
+  assert due - chooser.judged > 1.5 * _policy.FIRST_TRIAL_GAP
   assert due <= _until_trial(chooser, cycle_us=600, read_us=1000) < due + 18
   assert chooser.mode == "fused"
   _trial(chooser, fused_cycle_us=1800, plain_cycle_us=1500, read_us=1000)
@@ -388,7 +388,7 @@ def test_stats_and_repr_before_the_first_call():
 # Across switches: a chooser that switches every few calls ------------------
 
 def _flipping(monkeypatch, every):
-  monkeypatch.setattr(_measured, "Chooser",
+  monkeypatch.setattr(_policy, "Chooser",
                       functools.partial(FlippingChooser, every=every))
 
 

@@ -1,39 +1,17 @@
 """The split analysis: which part of a step each equation runs in.
 
-``staged`` traces the step once per batch signature to a jaxpr and gives
-every top-level equation a *level*: the data argument's leaves (and
-constants) are level 0, an equation is at the highest level of its inputs,
-and a ``stage()`` marker adds one. Equations that read any other argument
-(parameters, optimizer state) or have effects are *consumer* equations, and
-so is everything that depends on them. With ``K`` the highest marker level
-there are ``K`` producer stages and the consumer:
-
-* ``smart=False``: producer stage ``l`` holds the data-only equations of level
-  ``l`` that the markers need (what computes the staged value); the rest is
-  the consumer's.
-* ``smart=True``: every data-only equation that reads the data argument
-  (directly or not) is staged, at stage ``min(level, max(K, 1) - 1)``: the
-  widest subgraph that depends only on the data argument, SmartStage's
-  choice, with or without ``stage()`` calls.
-
-Constant-only equations, data-only ones that read no leaf of the data
-(``jnp.arange(n)``, ``jnp.zeros``, arithmetic on closed-over constants), are
-not staged values: every part (producer stage or consumer) that reads such a
-value computes it itself, the consumer when none does. Per batch they would
-be the same, so carrying them from part to part would only cost device
-memory; one that two parts read runs in both (XLA folds most into
-constants). The plan lists it in each part and marks it ``const``. A
-``stage()`` call is staged as written, even on a constant.
-
-A marker whose input depends on a non-data argument is an error naming that
-argument: the producer runs ahead on later batches, so it would read the
-parameters of an earlier step, silently.
-
-Given which equations each part runs, ``partition.cut`` says what each part
-reads and hands on and makes its function. Each equation is the one the
-step would run, on the same inputs, so the outputs are the step's (bitwise
-on CPU). The result, a ``Split``, is what both runs (fused and threads) use;
-its ``plan`` is the user's report.
+``staged`` traces the step once per batch signature and gives every
+top-level equation a *level*: the data argument's leaves and constants are
+level 0, an equation is at the highest level of its inputs, a ``stage()``
+marker adds one. Equations that read another argument or have effects, and
+all that depend on them, are the consumer's. With ``K`` the highest marker
+level there are ``K`` producer stages: ``smart=False`` stages what the
+markers need; ``smart=True`` every data-only equation that reads the data
+(SmartStage's widest data-only subgraph), at ``min(level, max(K, 1) - 1)``.
+Constant-only equations (``jnp.arange(n)``) are recomputed by each part
+that reads them, never carried. A marker on a value that depends on another
+argument is an error naming it: the producer runs ahead, so it would read
+that argument from an earlier step.
 """
 
 from __future__ import annotations
@@ -53,20 +31,17 @@ from jaxstreams.tag.read import any_equation, stream_ids
 
 FUNC = "jaxstreams.staged"
 
-# Primitives that can fail while a program runs, after it has taken its
-# donated inputs: host callbacks and foreign function calls. XLA's own
-# operations do not raise (bad indices clamp, NaNs propagate).
+# Primitives that can fail while a program runs (XLA's own do not raise).
 _MAY_RAISE = frozenset({"pure_callback", "io_callback", "debug_callback",
                         "debug_print", "ffi_call"})
 
 
 class Split:
-  """A step split for one batch signature: per part (producer stages
-  ``0 .. K-1``, then the consumer ``K``) the values it reads (``stage_ins``;
-  the consumer's besides the step's other arguments), hands on
-  (``stage_outs``) and its function (``bodies``, None for a producer stage
-  without equations), and what the fused program needs to decide donation.
-  ``fns`` is what thread mode made of ``bodies`` (``_threads.jit_parts``)."""
+  """A step split for one batch signature: per part (producer stages, then
+  the consumer) the values it reads (``stage_ins``; the consumer's besides
+  the other arguments), hands on (``stage_outs``) and its function
+  (``bodies``; None for an empty stage). ``fns``: thread mode's jitted
+  ``bodies``."""
 
   def __init__(self, *, plan: StagedPlan, other_invars, data_invars,
                const_vars, consts, stage_ins, stage_outs, bodies, out_tree,
@@ -77,20 +52,17 @@ class Split:
     self.const_vars, self.consts = const_vars, consts
     self.stage_ins = stage_ins
     self.stage_outs = stage_outs
-    # The values later parts still read, after each part: what an in-flight
-    # batch keeps.
+    # What an in-flight batch keeps after each part.
     self.keep_after = [set().union(*stage_ins[s + 1:])
                        for s in range(len(stage_ins))]
     self.bodies = bodies
     self.fns: list | None = None
     self.out_tree = out_tree
-    # What fused programs donate: the values producer stages made, the
-    # consumer's output types, and which parts may raise while running.
+    # For donation: what producer stages made, and who may raise.
     self.staged = {v for outs in stage_outs[:-1] for v in outs}
     self.out_avals = out_avals
     self.may_raise = may_raise
-    # Streams the step's own stream() blocks ask for: a fused program needs
-    # them all, and the producer's default stream is the first one above.
+    # The streams the step's own stream() blocks use.
     self.streams_used = streams_used
 
   def batch_env(self, data_leaves) -> dict:

@@ -1,17 +1,7 @@
-"""The clocks staging measures itself with.
-
-``prefetch(mode="measured")`` and ``staged(mode="measured")`` decide whether
-overlap pays from their own readings of these clocks alone, so tests replace
-them with fakes (``monkeypatch.setattr(_clock, "now", fake)``) and drive
-every decision with made-up times. Callers read them as ``_clock.now()``
-(looked up at each call), never ``from ... import now``, so the replacement
-reaches them.
-
-``now``: wall time. ``cpu`` and ``switches``: the calling thread's CPU time
-and how many times it blocked (voluntary context switches), which together
-tell production that needs a core (a copy, numpy work, or waiting to be
-scheduled while the step holds the cores) from production that waits
-(storage, a network, a sleep): ``reading`` and ``busy``.
+"""The clocks staging measures itself with. Tests replace them
+(``monkeypatch.setattr(_clock, "now", fake)``), so callers read
+``_clock.now()`` at each call. ``reading`` and ``busy`` tell production that
+needs a core from production that waits (storage, a network, a sleep).
 """
 
 import itertools
@@ -31,8 +21,7 @@ if _RUSAGE_THREAD is not None:
     """Voluntary context switches of the calling thread so far."""
     return resource.getrusage(_RUSAGE_THREAD).ru_nvcsw
 else:
-  # Unknown: as if the thread had blocked every time (``busy`` then counts
-  # only CPU time as needing a core).
+  # Unknown: as if it always blocked (``busy`` counts CPU time only).
   switches = itertools.count().__next__
 
 
@@ -44,9 +33,7 @@ def reading() -> tuple[float, int]:
 def busy(start: tuple[float, int], wall: float) -> float:
   """Of ``wall`` seconds of work in this thread since ``start``, the part
   that needed a core: its CPU time, or all of it if the thread never
-  blocked (time neither running nor blocked is time it waited to be
-  scheduled: it needed a core that something else, such as the step, was
-  using)."""
+  blocked (it then waited for a core something else was using)."""
   cpu_s, switched = cpu(), switches()
   if switched == start[1]:
     return wall

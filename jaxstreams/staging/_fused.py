@@ -1,47 +1,20 @@
-"""``staged``'s fused pipeline: one program per call (``mode="fused"``, and
-``mode="measured"`` where staging pays).
+"""``staged``'s fused pipeline: one program per call.
 
-On a GPU, separate programs on one device do not run their device work at
-the same time, so the producer of batch ``k + 1`` can only overlap the
-consumer of batch ``k`` inside one program. Each call therefore runs ONE
-``jaxstreams.jit`` program that computes the consumer part for batch ``k``
-and producer stage ``j`` for batch ``k + K - j`` (``K`` producer stages),
-the producer's equations under ``jaxstreams.stream(stream)``: on a GPU they
-become a call annotated with that stream (``_xla_stream_annotation``) beside
-the consumer on the main stream; on CPU regions are inlined. The staged
-values stay on the device from call to call (the pipeline holds at most
-``K + 1`` batches), as with TensorFlow's staging areas: the first call warms
-up with ``A0; A1 B0; ...``, steady calls run ``A2 B1 C0``, and the last ones
-drain (``B4 C3``, ``C4``); a pipeline that stops admitting batches drains the
-same way (``mode="measured"`` then runs the plain step). A reader thread (a
-``Prefetcher``, made by the runner) pulls the batches from the iterable and
-places them on the device ``capacity`` ahead. Once warm, a call takes a new
-batch into the pipeline only if the reader has it ready (a slow read never
-delays the consumer of a batch already staged; a later program catches
-up); programs are cached per set of batch shapes in flight. ``stream=None`` picks the first stream the step does not use itself
-(above its own ``stream()`` blocks, and ``N`` for
-``jaxstreams.jit(streams=N)``), so the producer never queues behind a
-consumer region; the program has ``max(N, stream + 1)`` streams.
+Separate programs on one GPU do not run their device work at the same time,
+so the producer of batch ``k + 1`` can overlap the consumer of batch ``k``
+only inside one program: each call runs ONE ``jaxstreams.jit`` program with
+the consumer part for batch ``k`` and producer stage ``j`` for batch
+``k + K - j``, the producer under ``jaxstreams.stream(stream)``. Staged
+values stay on the device from call to call (at most ``K + 1`` batches);
+the pipeline warms up (``A0; A1 B0``), runs (``A2 B1 C0``) and drains
+(``B4 C3``, ``C4``). Once warm, a call admits a new batch only if the
+reader has it ready, so a slow read never delays a staged consumer.
 
-Staged values are donated. A value a producer stage made is the runner's
-own, and dead once the program that reads it last has run, so that program
-gets it with ``donate_argnums``: XLA then writes an output of the same shape
-and dtype into its buffer (in the steady state, the next batch's staged
-value) instead of allocating one. Never donated: a leaf of the batch
-(placing an array that is already on the device returns that very array, the
-caller's), a closed-over constant, the step's other arguments, a value a
-later part of its batch still reads. Only as many values of a shape and
-dtype are donated as the program has outputs of it (jax warns about, and
-keeps, a buffer it cannot reuse). A program with a part that can raise while
-it runs (a host callback or foreign function call) is waited for, so that
-its error is raised by the call that ran it, on a GPU too. A failed program
-is run again part by part to find the batch the error belongs to, and a
-failed run has taken its donated buffers, so a part donates only when
-neither it nor a part of a newer batch contains a host callback or foreign
-function call (what can raise in a running program); should a part's input
-be gone all the same (a failure of another kind), the error is raised by
-this call, whichever batch it belongs to (where XLA raises it at the call,
-as XLA:CPU does; a GPU raises it with the results).
+Staged values are donated to the program that reads them last (never a
+leaf of the batch, a constant or another argument). A failed program is
+run again part by part to find the batch its error belongs to, so a part
+donates only when neither it nor a newer batch's part can raise while
+running (a host callback or foreign call).
 """
 
 from __future__ import annotations
@@ -78,10 +51,9 @@ class _InFlight:
 
 
 def _layout(consumer: Split | None, stages: tuple) -> list[tuple]:
-  """The parts of a fused program in the order of its (flat) arguments, as
-  ``(split, part, first argument)``: the consumer (part ``K``; the step's
-  other arguments, then its carried values), then each producer stage ``j``
-  that runs (part ``j``; its inputs)."""
+  """The parts of a fused program in the order of its flat arguments, as
+  ``(split, part, first argument)``: the consumer (part ``K``: the other
+  arguments, then its carried values), then each producer stage run."""
   n, parts, first = len(stages), [], 0
   if consumer is not None:
     parts.append((consumer, n, 0))
@@ -94,21 +66,10 @@ def _layout(consumer: Split | None, stages: tuple) -> list[tuple]:
 
 
 def _donated(consumer: Split | None, stages: tuple) -> tuple[int, ...]:
-  """The arguments a fused program donates, so that XLA can write its
-  outputs into their buffers: values a producer stage made (the runner's
-  own, never a leaf of the batch, a constant or an other argument) that no
-  later part of their batch reads.
-
-  Only as many of one shape and dtype as the program has outputs of that
-  shape and dtype: jax reuses a donated buffer for such an output only, and
-  warns about the others ("Some donated buffers were not usable"), which it
-  leaves alone anyway. In the steady state the next batch's staged values
-  take the buffers of the current one's.
-
-  A program that fails is run again part by part, oldest batch first, up to
-  the part that failed (``FusedRun._run``), and a failed run has still taken
-  its donated buffers. So a part donates only if neither it nor a part of a
-  newer batch can raise while the program runs (``_analysis._MAY_RAISE``)."""
+  """The arguments a fused program donates: values a producer stage made
+  that no later part of their batch reads, only as many of one shape and
+  dtype as the program has outputs of it (jax can reuse no other), and
+  none from the first part that may raise on (newest batch first)."""
   n = len(stages)
   free = collections.Counter()
   for split, part, _ in _layout(consumer, stages):
@@ -133,15 +94,11 @@ def _donated(consumer: Split | None, stages: tuple) -> tuple[int, ...]:
 
 def _fused_program(cache: dict, consumer: Split | None,
                    stages: tuple, stream: int, streams: int) -> Callable:
-  """The ``jaxstreams.jit`` program that runs, in one execution, the consumer
-  part of ``consumer``'s batch (when not None) and producer stage ``j`` of
-  the batch whose split is ``stages[j]`` (when not None), that stage's
-  equations under ``stream(stream)``. Its arguments are flat, in
-  ``_layout``'s order, so that single staged values can be donated
-  (``_donated``). Cached by the splits' identities (the splits live in the
-  same cache, so the ids stay theirs)."""
-  # The GPU way is read when the program is made: a program made under
-  # another jaxstreams_gpu_lowering is another program.
+  """The program that runs the consumer part of ``consumer``'s batch and
+  producer stage ``j`` of ``stages[j]``'s (each when not None), the
+  producer under ``stream(stream)``, on flat arguments in ``_layout``'s
+  order. Cached by the splits' ids (they live in the same cache) and the
+  GPU lowering option in force."""
   key = ("fused", id(consumer), tuple(map(id, stages)), stream, streams,
          config.read("jaxstreams_gpu_lowering"))
   program = cache.get(key)
@@ -164,9 +121,6 @@ def _fused_program(cache: dict, consumer: Split | None,
     return outs, produced
 
   fused.__name__ = fused.__qualname__ = "jaxstreams_staged_step"
-  # The producer is a region on its own stream, run the way
-  # jaxstreams_gpu_lowering says (jaxstreams.lower.gpu); mode="measured"
-  # measures whether the fused program pays.
   program = streams_jit(fused, streams=streams,
                         donate_argnums=_donated(consumer, stages))
   cache[key] = program
@@ -175,24 +129,19 @@ def _fused_program(cache: dict, consumer: Split | None,
 
 def producer_stream(first: Split, stream: int | None,
                     streams_now: Callable[[], int]) -> tuple[int, int]:
-  """``(stream, streams)``: the producer's stream, the first one the step
-  does not use itself unless one was asked for, and the streams the
-  program has (every stream either uses)."""
+  """The producer's stream (the first one the step does not use, unless
+  one was asked for) and the program's stream count."""
   consumer_streams = max(streams_now(), first.streams_used)
   stream = consumer_streams if stream is None else stream
   return stream, max(consumer_streams, stream + 1)
 
 
 class FusedRun:
-  """One runner's fused pipeline: the batches in flight and the programs
-  run. Used from the caller's thread only (the reader thread holds none of
-  it). Batches come from a reader (a ``Prefetcher`` of ``(batch, seconds)``
-  pairs, ``_source.place``'s) given by ``resume``, first the one ``hold``
-  gave; ``stop_admitting`` lets the pipeline drain (each call still consumes
-  one batch, no new one enters) so that the runner can run the plain step
-  without a batch staged twice or skipped. ``read_s`` and ``wait_s`` add up
-  what reading and placing the admitted batches took (in the reader) and
-  how long calls waited for the reader; ``first_calls`` counts the programs
+  """One runner's fused pipeline, used from the caller's thread only.
+  Batches come from a reader (``(batch, seconds)`` pairs) given by
+  ``resume``, first the one ``hold`` gave; ``stop_admitting`` lets the
+  pipeline drain. ``read_s`` and ``wait_s`` sum what reading the admitted
+  batches took and how long calls waited; ``first_calls`` counts programs
   called for the first time (each may have compiled then)."""
 
   def __init__(self, splits: Splits, stream: int, streams: int):
@@ -218,9 +167,8 @@ class FusedRun:
     self.held = batch
 
   def resume(self, reader: Prefetcher, next_index: int) -> None:
-    """Admits batches again, from ``reader``; ``next_index`` is the number
-    of the next batch (for ``schedule``) when the pipeline is empty. An
-    empty pipeline warms up again: its next call waits for its batch."""
+    """Admits batches again, from ``reader``; ``next_index`` numbers the
+    next batch if the pipeline is empty (which then warms up again)."""
     self.reader = reader
     self.admitting = True
     if not self.inflight:
@@ -230,11 +178,9 @@ class FusedRun:
   def stop_admitting(self) -> None:
     self.admitting = False
 
-  # Reading -------------------------------------------------------------------
   def _admit(self, block: bool) -> _InFlight | None:
-    """The next batch from the reader, as a new in-flight entry; None when
-    none may enter, or the reader has none ready (``block=False``) or has
-    ended."""
+    """The next batch as a new in-flight entry; None when none may enter
+    or the reader has none ready (``block=False``) or has ended."""
     if self.ended or not self.admitting:
       return None
     if self.held is not None:
@@ -263,18 +209,15 @@ class FusedRun:
     self.next_index += 1
     return entry
 
-  # One program ---------------------------------------------------------------
   def _slots(self, consume: bool, block: bool):
-    """Who runs in the next program: the consumer's batch (the head, when
-    ``consume``) and, per producer stage ``j``, the in-flight batch that has
-    done ``j`` stages (at most one: batches enter one per program)."""
+    """Who runs next: the head batch's consumer (when ``consume``) and per
+    producer stage ``j`` the batch that has done ``j`` stages."""
     head = self.inflight[0] if consume else None
     stages: list[_InFlight | None] = [None] * self.k
     for entry in self.inflight:
       if entry is not head and entry.error is None and entry.done < self.k:
         stages[entry.done] = entry
-    # A new batch enters at stage 0 while the pipeline holds fewer than
-    # ``k`` batches besides the one consumed now (the pipeline's depth).
+    # A new batch enters while fewer than ``k`` others are in flight.
     if stages[0] is None and len(self.inflight) - (1 if consume else 0) < self.k:
       entry = self._admit(block)
       if entry is not None:
@@ -320,10 +263,7 @@ class FusedRun:
         only = [None] * self.k
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in
                self._inputs(entry, self.k if who == "consumer" else who)):
-          # Donated to the failed program (``_donated`` rules this out when
-          # it knows how a program can fail): whose error it was cannot be
-          # told, so it is this call's.
-          raise exc
+          raise exc   # donated to the failed program: this call's error
         try:
           if who == "consumer":
             outs, _ = self._call(entry, only, other_leaves)
@@ -357,10 +297,7 @@ class FusedRun:
         args += self._inputs(entry, j)
         may_raise = may_raise or entry.split.may_raise[j]
     outs = program(*args)
-    if may_raise:
-      # Where XLA runs asynchronously (a GPU) a failing part's error comes
-      # with its results, and would take the older batch's results with
-      # it: waiting here raises it in ``_run``, which finds its batch.
+    if may_raise:     # raise it here, where ``_run`` finds its batch
       outs = jax.block_until_ready(outs)
     return outs
 
@@ -378,9 +315,8 @@ class FusedRun:
     entry.done = j + 1
 
   def _failed(self, piece, exc):
-    """Piece ``(who, entry)`` raised ``exc``: the consumer's error is raised
-    now; a producer stage's error becomes its batch's, raised by the call
-    for that batch, and nothing after that batch runs."""
+    """Piece ``(who, entry)`` raised ``exc``: the consumer's is raised now;
+    a producer stage's becomes its batch's, and nothing after it runs."""
     who, entry = piece
     if who == "consumer":
       raise exc
@@ -395,12 +331,10 @@ class FusedRun:
       self.reader.close()         # nothing is read past a failure
     return None
 
-  # One call ------------------------------------------------------------------
   def step(self, other_leaves):
     """Runs until the head batch is consumed; returns its split and flat
-    outputs."""
-    # Warm-up (the first call) and catch-up: producer-only programs until
-    # the oldest batch has done every stage: ``A0; A1 B0; ...``.
+    outputs. Producer-only programs first until the head has done every
+    stage (warm-up, catch-up)."""
     while True:
       if not self.inflight:
         if self.ended:
@@ -428,9 +362,8 @@ class FusedRun:
     return head.split, outs
 
   def step_program(self, split: Split) -> tuple[Callable, list]:
-    """The steady-state program for ``split``'s batch shapes (consumer of
-    batch ``k`` with every producer stage of the following batches) and its
-    arguments as ``jax.ShapeDtypeStruct``s."""
+    """The steady-state program for ``split``'s shapes and its arguments
+    as ``jax.ShapeDtypeStruct``s."""
     stages = tuple(split if split.bodies[j] is not None else None
                    for j in range(self.k))
     program = _fused_program(self.splits.cache, split, stages, self.stream,

@@ -1,12 +1,7 @@
-"""``stage(x)``, the mark of a stage boundary, and how a trace shows it.
-
-Inside a trace ``stage(x)`` leaves one identity equation per leaf:
-``checkpoint_name`` with a reserved name, an identity JAX differentiates,
-batches and lowers already, and XLA removes. Outside a staged step (eagerly,
-under ``jax.jit`` or a plain ``jaxstreams.jit`` call) it is therefore the
-identity, so the same step function runs staged and unstaged, and the
-unstaged loop is the reference the staged one is checked against. The split
-analysis finds these equations with ``is_marker``.
+"""``stage(x)``, the mark of a stage boundary: one ``checkpoint_name``
+identity per leaf with a reserved name, which JAX differentiates, batches
+and lowers, and XLA removes. Outside a staged step it is the identity, so
+the same step runs staged and unstaged.
 """
 
 from __future__ import annotations
@@ -24,14 +19,10 @@ STAGE_NAME = "jaxstreams_stage"
 
 
 def stage(x: Any) -> Any:
-  """Marks a stage boundary: what computes ``x`` from the step's data
-  argument is the producer, which ``jaxstreams.staged`` runs ahead on later
-  batches. ``x`` is a pytree of arrays; returns it unchanged.
-
-  Outside a traced function this returns ``x`` itself, and under ``jax.jit``
-  or an unstaged ``jaxstreams.jit`` call it is an identity, so a step that
-  calls ``stage`` also runs as an ordinary step.
-  """
+  """Marks a stage boundary: what computes ``x`` (a pytree of arrays) from
+  the step's data argument is the producer, which ``jaxstreams.staged``
+  runs ahead on later batches. Returns ``x`` unchanged; outside a staged
+  step it is an identity."""
   leaves = tree_util.tree_leaves(x)
   if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
     return x
@@ -44,7 +35,6 @@ def is_marker(eqn) -> bool:
 
 
 def has_nested_marker(eqn) -> bool:
-  """Whether a ``stage()`` marker sits inside ``eqn`` (a nested jit, a loop
-  body, a branch), where the split cannot use it."""
+  """Whether a ``stage()`` marker sits inside ``eqn``'s sub-jaxprs."""
   return any(any_equation(sub.eqns, is_marker)
              for sub in _compat.sub_jaxprs(eqn))

@@ -1,59 +1,16 @@
-"""``staged``'s modes ``"measured"`` (the default), ``"fused"`` and
-``"plain"``: the fused pipeline where staging pays, the plain step where it
-does not, as the runner measures while it runs.
+"""``staged``'s modes ``"measured"``, ``"fused"`` and ``"plain"``: the
+fused pipeline where staging pays, the plain step where it does not
+(``_policy`` decides from what the run measures of its calls).
 
-Never slower than doing without. Staging hides what happens before a
-batch's consumer can run (reading it, placing it, on a GPU its producer
-stages' device work beside the previous consumer), and costs every call
-its own work: the fused program's bookkeeping, the reader thread's
-hand-off and its competition for the CPU. For a step under a millisecond
-whose result is read every step, on the shared 2-core development machine,
-that cost was the larger: the fused runner ran at 0.4x-0.7x of the plain
-loop (benchmarks/prefetch_sweep.py). So ``mode="measured"`` starts *plain*:
-each call reads the next batch in the caller's thread and runs the plain
-step on it (the whole step jitted, as the unstaged loop runs it: no reader
-thread, no bookkeeping), and measures itself (``_clock``): the cycle from
-one call's return to the next, and how long reading a batch takes. Where
-reading is worth hiding (``_chooser.Chooser``: at once where it takes a
-third of a cycle and at least 200 us, after a trial that times calls both
-ways where it takes a fifth and 30 us), it stages (*fused*). Staging's own
-cost is not a known hand-off (on the shared 2-core machine, calls of a
-DLRM-style step took 2.5 ms fused where the plain step took 2.05 ms, its
-batches already on the device), so it checks itself: staged at once, its
-first 16 staged calls must have a shorter cycle than the plain calls that
-chose it, or a trial runs at once; and while staged, trials check it at
-doubling intervals (the first after 256 staged calls). On a platform that
-runs streams, with the producer on a stream of its own, staging may also
-hide device work no clock here sees, so there a trial decides even when
-reading is cheap. On XLA:CPU, whose device is the host's own cores, only
-reading during which the caller's thread blocked (storage, a network)
-counts: reading that needs a core would compete with the step for it
-(``_chooser.Chooser``'s ``shares_cores``, as for prefetch). It steps aside
-when a trial finds the plain step faster or reading turns cheap, and says
-so once (a ``jaxstreams.PerformanceWarning``, from the runner). ``"fused"``
-and ``"plain"`` fix the way.
-
-Every promise holds across a switch:
-
-* **Order, each batch once.** One ``_source.Source`` serves both ways, read
-  by the caller's thread or by the reader thread, never both. Going plain,
-  the pipeline stops admitting batches and drains (each call still consumes
-  its oldest batch, with a fused program: the drain, ``B4 C3``, ``C4``),
-  the reader's workers park, the batches the reader had read run next, with
-  the plain step, and only then does the caller's thread read on. Going
-  fused, the reader resumes where the source is; an empty pipeline warms up
-  again (``A5; A6 B5 ...``).
-* **Results.** Each call returns what the step returns for its batch, from
-  the fused program or the plain step (bitwise the same on CPU).
-* **Errors at call k.** A batch the iterable failed to give is raised by
-  its call either way; a producer stage's failure too (the fused run's
-  own bookkeeping). The plain step raises its own errors at its call.
-* **Donation.** Fused programs donate staged values only (``_fused``); a
-  pipeline drains before the plain step runs, so no staged value outlives
-  it, and the plain step donates nothing it was not asked to.
-* **The other arguments** must keep their shapes while it stages (checked
-  every staged call); the plain step takes what the step takes. An empty
-  pipeline starting anew takes them as they are then.
+Plain, each call reads the next batch in the caller's thread and runs the
+step jitted whole, as the unstaged loop does. Every promise holds across a
+switch: one ``_source.Source`` is read by the caller's thread or by the
+reader thread, never both; going plain, the pipeline stops admitting
+batches and drains with fused programs, the reader's workers park, the
+batches it had read run next, and only then does the caller read on; going
+fused, the reader resumes where the source is and an empty pipeline warms
+up again. Fused programs donate staged values only, and no staged value
+outlives a drain.
 """
 
 from __future__ import annotations
@@ -63,53 +20,14 @@ from typing import Any, Callable, Iterable
 import jax
 from jax import tree_util
 
-from jaxstreams.staging import _clock
-from jaxstreams.staging._analysis import FUNC, Split
-from jaxstreams.staging._chooser import Chooser, Meter, Words
+from jaxstreams.staging import _clock, _policy
+from jaxstreams.staging._analysis import Split
+from jaxstreams.staging._meter import Meter
 from jaxstreams.staging._fused import FusedRun, producer_stream
 from jaxstreams.staging._prefetcher import Prefetcher, holds_items, set_way
 from jaxstreams.staging._source import DataError, Source, place, timed
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._transfer import place_on_device
-
-# How staged words the chooser's decisions (``runner.stats()``'s
-# ``mode_reason``).
-WORDS = Words(
-    overlap="fused", inline="plain", unit="calls",
-    judging=("judging: the plain step runs on batches read in the caller's "
-             "thread until staging is worth its own cost (judged every "
-             "{window} calls)"),
-    sure=("reading a batch is {share:.0%} of a cycle ({figures}): staging "
-          "hides it behind the step (checked: staged calls must come out "
-          "faster)"),
-    cheap_us=("reading a batch takes {us:.0f} us ({figures}), less than "
-              "staging's own work per call (the fused program's "
-              "bookkeeping, the reader's hand-off) costs"),
-    cheap_share=("reading a batch is {share:.1%} of a cycle ({figures}): "
-                 "staging could hide at most that, and its own work per call "
-                 "costs about as much"),
-    busy=("reading a batch mostly needs a core ({figures}): staging "
-          "would compete with the step for it rather than hide the work"),
-    stays=("{cheap}, so the plain step runs on batches read in the caller's "
-           "thread, as without staging"),
-    lost_before=(" (a trial found staging no faster, reading a batch then "
-                 "{tried:.0%} of a cycle)"),
-    leave=("reading a batch fell to {share:.1%} of a cycle ({figures}) and "
-           "{waited} of {n} calls waited for the reader: the plain step runs "
-           "on batches read in the caller's thread"),
-    steady=("staged: reading a batch is {share:.0%} of a cycle "
-            "({figures})"),
-    trial=("trial: reading a batch is {share:.0%} of a cycle ({figures}); "
-           "comparing cycles with and without staging"),
-    trial_unseen=("trial: the producer runs on a stream of its own, so "
-                  "staging may hide device work no clock here sees (reading "
-                  "a batch is {share:.0%} of a cycle, {figures}); comparing "
-                  "cycles with and without staging"),
-    result=("median cycle {overlap_us:.0f} us staged, {inline_us:.0f} us "
-            "plain; staged faster in {wins} of {rounds} rounds"),
-    won="staged: a trial found it faster ({result})",
-    lost=("the plain step runs on batches read in the caller's thread, a "
-          "trial found staging no faster ({result})"))
 
 WAYS = ("fused", "plain")       # "measured" chooses between them
 
@@ -127,13 +45,10 @@ def _with_batch(args: tuple, batch: Any, data_argnums: int) -> tuple:
 
 
 class MeasuredRun:
-  """One runner's run in mode ``"measured"`` (``mode``), ``"fused"`` or
-  ``"plain"``: the source, the reader (made the first time it stages), the
-  fused pipeline, the plain step and what it measures. Made by the first
-  call, in the caller's thread, with that call's other arguments: it reads
-  the first batch and splits the step with it (a planning error is raised
-  by the first call, whichever way it runs). ``plain(split)`` gives the
-  plain step (the step jitted whole) for the first batch's split."""
+  """One runner's source, reader (made when it first stages), fused
+  pipeline, plain step and meter. Made by the first call, which reads the
+  first batch and splits the step with it (a planning error is that
+  call's); ``plain(split)`` gives the plain step."""
 
   def __init__(self, splits: Splits, data: Iterable[Any], mode: str,
                capacity: int, stream: int | None,
@@ -148,7 +63,6 @@ class MeasuredRun:
     self.fused: FusedRun | None = None
     self.calls = 0
     self.meter: Meter | None = None    # what it measures, and the chooser
-    self.direct = False       # plain, nothing of staging left to run
     self.restart = False      # the next staged call starts an empty pipeline
     try:
       self.first_started = _clock.now()
@@ -163,13 +77,9 @@ class MeasuredRun:
       self.fused = FusedRun(splits, self.stream, self.streams)
       self.plain = plain(self.last_split)
       if mode == "measured":
-        # A producer on a stream of its own, on a platform that runs
-        # streams: staging may hide device work no clock here sees.
-        unseen = _platform() != "cpu" and self.stream != 0
-        chooser = Chooser(capacity, WORDS, verify=True, unseen_gain=unseen,
-                          shares_cores=_platform() == "cpu")
+        chooser = _policy.for_staged(capacity, _platform(), self.stream)
         self.reason = ""
-        self.way = WORDS.inline
+        self.way = "plain"
       else:
         chooser = None
         self.reason = f"mode={mode!r} was asked for"
@@ -184,24 +94,9 @@ class MeasuredRun:
       self.close()
       raise
 
-  # One call ------------------------------------------------------------------
   def call(self, other_args: tuple, kwargs: dict) -> Any:
     """The step's outputs for the next batch; ``StopIteration`` at the end."""
     started = _clock.now()
-    if self.direct:        # a plain loop's own work, and the measurements
-      busy_start = _clock.reading() if self.meter.time_busy else None
-      batch = next(self.source)              # StopIteration: the end
-      read = _clock.now() - started
-      busy = _clock.busy(busy_start, read) if busy_start else 0.0
-      if type(batch) is DataError:
-        raise batch.exc
-      if self.data_argnums == -1:             # the usual place: no tuple work
-        outs = self.plain(*other_args, batch, **kwargs)
-      else:
-        outs = self.plain(*_with_batch(other_args, batch, self.data_argnums),
-                          **kwargs)
-      self._count("plain", started, read, 0.0, True, busy=busy)
-      return outs
     if self.way == "fused" or self.fused.inflight:
       return self._staged_call(other_args, kwargs, started)
     return self._plain_call(other_args, kwargs, started)
@@ -225,32 +120,32 @@ class MeasuredRun:
 
   def _plain_call(self, other_args: tuple, kwargs: dict,
                   started: float) -> Any:
-    """The plain step on what was read before: the first batch, then the
-    batches the reader holds; then on what the caller's thread reads."""
-    read = 0.0
+    """The plain step on the first batch, then on the batches the reader
+    holds, then on what this thread reads, as the plain loop does."""
+    read, busy, made = 0.0, 0.0, True
     if self.first is not None:   # read before this call's clock started
       batch, self.first = self.first, None
-      started, read, made = self.first_started, self.first_read, True
+      started, read = self.first_started, self.first_read
     elif self.reader is not None and holds_items(self.reader):
       batch, _ = next(self.reader)           # StopIteration: the end
       made = False     # read by the reader: not what reading here costs
     else:
-      self.direct = True
-      return self.call(other_args, kwargs)
-    if isinstance(batch, DataError):
+      busy_start = _clock.reading() if self.meter.time_busy else None
+      batch = next(self.source)              # StopIteration: the end
+      read = _clock.now() - started
+      busy = _clock.busy(busy_start, read) if busy_start else 0.0
+    if type(batch) is DataError:
       raise batch.exc
     outs = self.plain(*_with_batch(other_args, batch, self.data_argnums),
                       **kwargs)
-    self._count("plain", started, read, 0.0, made)
+    self._count("plain", started, read, 0.0, made, busy=busy)
     return outs
 
   def _count(self, way: str, started: float, read: float, wait: float,
              made: bool, judged: bool = True, busy: float = 0.0) -> None:
-    """One call done: ``read`` is what reading its batch took (in this
-    thread when plain, in the reader when fused; ``busy`` of it needed a
-    core, where measured), ``wait`` how long it waited for the reader,
-    ``made`` whether the call read its batch itself, as the plain loop
-    does. Lets the chooser judge (unless not ``judged``)."""
+    """One call done: reading its batch took ``read`` (``busy`` of it
+    needed a core), it waited ``wait`` for the reader, and ``made``: it
+    read its batch itself. The chooser may switch ways."""
     self.calls += 1
     now = _clock.now()
     if self.meter.count(way, now - started, wait, read, made, now, judged,
@@ -258,9 +153,8 @@ class MeasuredRun:
       self._go(self.meter.chooser.mode)
 
   def _go(self, way: str) -> None:
-    """Switches to ``way`` for the next calls (see the module's notes)."""
+    """Switches to ``way`` for the next calls."""
     self.way = way
-    self.direct = False
     fused = self.fused
     if way == "plain":
       fused.stop_admitting()
@@ -268,23 +162,20 @@ class MeasuredRun:
         set_way(self.reader, "inline")       # its workers park
       return
     if self.reader is None:
-      self.reader = Prefetcher(
-          timed(self.source), self.capacity, transform=place, num_threads=1,
-          timeout=None, closed_exception_types=(StopIteration,),
-          ignored_exception_types=(), func=FUNC)
+      self.reader = Prefetcher(timed(self.source), self.capacity,
+                               transform=place)
     else:
       set_way(self.reader, "workers")
     if not fused.inflight:
       self.restart = True
     fused.resume(self.reader, self.calls)
 
-  # Reports and lifetime ------------------------------------------------------
   def stats(self) -> dict[str, Any]:
     return self.meter.report(self.way, self.reason)
 
   def close(self) -> None:
-    """Stops the reader (waiting for it) and closes the source; staged
-    values still in flight are dropped. Idempotent."""
+    """Stops the reader and closes the source; staged values in flight
+    are dropped. Idempotent."""
     if self.fused is not None:
       self.fused.close()
     if self.reader is not None:

@@ -1,9 +1,5 @@
-"""``StagedPlan``: how ``staged`` split a step, for people to read.
-
-A report only: built by the split analysis next to what the runs use
-(``_analysis.Split``), never read by them, as ``StreamPlan`` is kept apart
-from what lowering reads.
-"""
+"""``StagedPlan``: how ``staged`` split a step, for people to read (built
+beside the ``Split`` the runs use, never read by them)."""
 
 from __future__ import annotations
 

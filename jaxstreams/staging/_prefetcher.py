@@ -1,35 +1,12 @@
 """``jaxstreams.prefetch``: a host iterator whose items are on the device
 before the consumer asks for them.
 
-Why threads: the work that stalls a training loop between steps is host work
-(reading, parsing, hashing) and the host-to-device copy. JAX's async dispatch
-hides neither of them from a loop that does them in the same thread, which is
-what ``flax.jax_utils.prefetch_to_device`` does (it only issues the copies
-early). Here worker threads pull items from the iterable and place them with
-``jax.device_put`` while the consumer's step runs; the GIL is released while
-a producer waits on I/O and while XLA copies or computes, so they overlap.
-
-Never slower than doing without. A worker costs a hand-off per item and
-competes with the step for the CPU; where producing an item is cheap there
-is nothing for it to hide: a loop of sub-millisecond steps that reads
-each result ran at 0.2x-0.85x of the plain loop with one while the
-consumer woke it every other item at ``size=2``, and one that does not
-read each result still runs at 0.87x-0.95x now that workers poll. So by
-default (``mode="measured"``) the consumer's own thread produces each item
-at ``next()`` (*inline*: pull, then place, as the plain loop would) until
-the iterator's measurements of itself say producing one is worth hiding
-(``_chooser``); then workers take over, and they step aside again when
-production turns cheap. One exception, found by trials: on XLA:CPU with
-asynchronous dispatch, the consumer's own time between short steps costs
-more than it takes, and a worker (which polls for a free slot rather than
-be woken from there) can take the placement out of it: ``mode="measured"``
-tries workers there at short cycles. ``mode="workers"`` / ``"inline"``
-force one way; ``stats()`` says which way it runs and why.
-
-Where each piece lives: ``_prefetch_checks`` (the arguments),
-``_lookahead`` (the pipeline: workers or the consumer's thread, its
-guarantees), ``_chooser`` (whether workers pay), ``_transfer`` (how items
-reach the device). This module is the public iterator and ``prefetch()``.
+The work that stalls a training loop between steps is host work (reading,
+parsing) and the host-to-device copy; JAX's async dispatch hides neither
+from a loop that does them in its own thread. Worker threads do them while
+the step runs (the GIL is released during I/O and while XLA copies or
+computes), where that pays (``_policy``). This module checks the arguments
+and is the public iterator; ``_lookahead`` is the pipeline behind it.
 """
 
 from __future__ import annotations
@@ -41,22 +18,24 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
-from jaxstreams import _checks, _compat
+import jax
+
+from jaxstreams import _checks
 from jaxstreams._performance import PerformanceWarning
-from jaxstreams.staging import _prefetch_checks, _transfer
-from jaxstreams.staging._chooser import SHORT_CYCLE_US
+from jaxstreams.staging import _transfer
 from jaxstreams.staging._lookahead import Pipeline
-from jaxstreams.staging._prefetch_checks import FUNC
-from jaxstreams.staging._transfer import FunctionTransfer, Transfer
+from jaxstreams.staging._policy import SHORT_CYCLE_US
+
+FUNC = "jaxstreams.prefetch"
+MODES = ("measured", "workers", "inline")
+MAX_THREADS = 1024   # far more than the items worth placing at once
 
 _names = itertools.count()
 
 
 def _describe(iterable: Any) -> str:
-  """A short description for error messages, made from the iterable's type
-  (and length, or a generator's function name), never from its items: a repr
-  of a few large numpy arrays costs tens of milliseconds, which every
-  ``prefetch()`` call would pay for an error message it rarely prints."""
+  """For error messages, from the iterable's type and length, never its
+  items (a repr of large arrays would cost every call)."""
   if isinstance(iterable, types.GeneratorType):
     return f"generator {iterable.__qualname__}()"
   kind = type(iterable).__qualname__
@@ -67,22 +46,15 @@ def _describe(iterable: Any) -> str:
 
 
 def next_if_ready(prefetcher: Prefetcher) -> Any:
-  """The prefetcher's next item if it is ready now, else ``NOT_READY``: no
-  waiting for a worker and no exception to build. Package-internal, for
-  ``staged``'s fused runner, which polls its reader every call and must
-  never wait for a batch the reader has not finished; the end and item
-  errors are raised as by ``next``. (Where items are produced inline, the
-  item is produced now, in the calling thread: staged's reader keeps its
-  workers.)"""
+  """The next item if it is ready now, else ``NOT_READY``; the end and item
+  errors are raised as by ``next``. For ``staged``'s fused run, which must
+  never wait for a batch its reader has not finished."""
   return prefetcher._get(wait=False)
 
 
 def set_way(prefetcher: Prefetcher, way: str) -> None:
-  """Who produces the prefetcher's items from now on: ``"workers"``, or
-  ``"inline"`` (its workers park). Package-internal, for ``staged``'s
-  reader, whose runner decides (``mode="measured"``) and reads the iterable in
-  its own thread while the reader's workers are parked and
-  ``holds_items`` is false."""
+  """Who produces the items from now on: ``"workers"``, or ``"inline"``
+  (the workers park). For ``staged``'s reader, whose runner decides."""
   pipeline = prefetcher._pipeline
   with pipeline.lock:
     if not pipeline.stopped:
@@ -90,17 +62,15 @@ def set_way(prefetcher: Prefetcher, way: str) -> None:
 
 
 def holds_items(prefetcher: Prefetcher) -> bool:
-  """Whether the prefetcher has pulled (or is pulling) an item it has not
-  delivered yet: ``next()`` delivers that one, in order, before any other
-  pull. Package-internal, with ``set_way``."""
+  """Whether an item was pulled and not delivered yet (``next()`` delivers
+  it, in order, before any other pull)."""
   pipeline = prefetcher._pipeline
   with pipeline.lock:
     return not pipeline.stopped and pipeline.next_out < pipeline.next_pull
 
 
 def _stop_unjoined(pipeline: Pipeline) -> None:
-  # Run by weakref.finalize at collection time: it may run on any thread,
-  # even a worker, so it only signals.
+  # Run at collection, on any thread (even a worker): it only signals.
   pipeline.stop(join=False)
 
 
@@ -109,57 +79,54 @@ class Prefetcher:
 
   Iterate it, or use it as a context manager; ``close()`` stops the workers
   and waits for them. Attributes: ``size``, ``num_threads``, ``timeout``,
-  ``mode`` (the mode asked for; ``stats()["mode"]`` is the way it runs).
+  ``transfer`` (the path in use), ``mode`` (the mode asked for;
+  ``stats()["mode"]`` is the way it runs). ``transform`` (package-internal)
+  places each item with a function instead of a transfer path.
   """
 
   def __init__(self, iterable: Iterable[Any], size: int, *,
-               transform: Callable[[Any], Any] | None = None, num_threads: int,
-               timeout: float | None, closed_exception_types: tuple,
-               ignored_exception_types: tuple, func: str = "jaxstreams.prefetch",
-               transfer: Transfer | None = None, warn: bool = False,
-               mode: str = "workers"):
+               transform: Callable[[Any], Any] | None = None,
+               num_threads: int = 1, timeout: float | None = None,
+               closed_exception_types: tuple = (StopIteration,),
+               ignored_exception_types: tuple = (),
+               transfer: Callable[[int], _transfer.Transfer] | None = None,
+               warn: bool = False, mode: str = "workers"):
     if (transform is None) == (transfer is None):
-      raise TypeError(f"{func}: give exactly one of transform and transfer")
+      raise TypeError(f"{FUNC}: give exactly one of transform and transfer")
     if transfer is None:
-      transfer = FunctionTransfer(transform)
-    self.transfer = transfer.name
-    self.size = size
+      transfer = lambda size: _transfer.FunctionTransfer(transform)  # noqa: E731
     self.num_threads = num_threads
     self.timeout = timeout
     self.mode = mode
     try:
       iterator = iter(iterable)
     except TypeError:
-      transfer.release()
-      raise TypeError(f"{func}: iterable must be iterable, got {iterable!r} "
+      raise TypeError(f"{FUNC}: iterable must be iterable, got {iterable!r} "
                       f"of type {type(iterable).__name__}") from None
     reason = f"mode={mode!r} was asked for"
     if mode == "measured" and timeout is not None:
-      # A wait can only time out on an item another thread produces.
       mode, reason = "workers", (
           f"workers produce the items: timeout={timeout} was given, and "
           f"only a wait for a worker can time out")
-    name = f"jaxstreams-prefetch-{next(_names)}"
-    shares_cores = mode == "measured" and transfer.shares_cores()
-    # Where the consumer's own time between short steps costs a step more
-    # than it takes (XLA:CPU, asynchronous dispatch): mode="measured" may try
-    # workers for it, and the step-aside warning says so.
-    self._dispatch_gap = shares_cores and _compat.cpu_dispatch_is_async()
-    self._transfer = transfer
     self._closed = False
-    # Only the public prefetch() warns: a staged step's internal pipelines
-    # are its own business.
-    self._warn = warn
+    self._warn = warn     # staged's internal pipelines do not warn
     upstream = iterator._pipeline if isinstance(iterator, Prefetcher) else None
     owned = (iterator if isinstance(iterator, (Prefetcher, types.GeneratorType))
              else None)    # a file the caller opened is the caller's to close
     self._pipeline = Pipeline(
-        iterator, transfer, size, num_threads,
-        closed_exception_types, ignored_exception_types,
-        _describe(iterable), name, mode, reason, upstream=upstream,
-        owned=owned, shares_cores=shares_cores,
-        unseen_gain=self._dispatch_gap)
+        iterator, transfer, size, num_threads, closed_exception_types,
+        ignored_exception_types, _describe(iterable),
+        f"jaxstreams-prefetch-{next(_names)}", mode, reason,
+        upstream=upstream, owned=owned)
     self._finalizer = weakref.finalize(self, _stop_unjoined, self._pipeline)
+
+  @property
+  def size(self) -> int:
+    return self._pipeline.size
+
+  @property
+  def transfer(self) -> str:
+    return self._pipeline.transfer.name
 
   def __iter__(self) -> Prefetcher:
     return self
@@ -178,36 +145,34 @@ class Prefetcher:
       self._tell()
     return item
 
-  # One call per item, not two (see Pipeline.get's ready item).
-  __next__ = _get
+  __next__ = _get       # one call per item, not two
 
   def _tell(self) -> None:
     """The one ``PerformanceWarning``: prefetching stepped aside."""
     meter = self._pipeline.meter
     news, meter.news = meter.news, None
-    if self._warn and news:
-      cycle_us = meter.news_cycle * 1e6     # what the chooser judged on
-      short = ""
-      if 0 < cycle_us < SHORT_CYCLE_US:
-        short = (f"; with cycles this short ({cycle_us:.0f} us), even "
-                 f"placing each item from Python at next() costs several "
-                 f"percent: iterating the source directly, and letting the "
-                 f"jitted step take its numpy arrays, costs least")
-        if self._dispatch_gap:
-          short += (" (on CPU with asynchronous dispatch, a step started "
-                    "more than a few microseconds after the previous "
-                    "result was read costs up to about 20 us more; "
-                    "mode='measured' tries workers at such cycles, which "
-                    "keep the placement off this thread, and keeps them "
-                    "where a trial finds them faster; in a loop that reads "
-                    "each result, jax_cpu_enable_async_dispatch=False "
-                    "avoids most of that)")
-      warnings.warn(
-          f"jaxstreams.prefetch does not pay here and stepped aside: {news}"
-          f"{short} (Prefetcher.stats() has the figures; "
-          f"prefetch(mode='workers') keeps worker threads; filter "
-          f"jaxstreams.PerformanceWarning to silence this)",
-          PerformanceWarning, stacklevel=4)
+    if not (self._warn and news):
+      return
+    cycle_us = meter.news_cycle * 1e6     # what the chooser judged on
+    note = ""
+    if 0 < cycle_us < SHORT_CYCLE_US:
+      note = (f"; with cycles this short ({cycle_us:.0f} us), even placing "
+              f"each item from Python at next() costs several percent: "
+              f"iterating the source directly, and letting the jitted step "
+              f"take its numpy arrays, costs least")
+      if getattr(meter.chooser, "unseen_gain", False):
+        note += (" (on CPU with asynchronous dispatch, a step started more "
+                 "than a few microseconds after the previous result was "
+                 "read costs up to about 20 us more; mode='measured' tries "
+                 "workers at such cycles and keeps them where a trial finds "
+                 "them faster; in a loop that reads each result, "
+                 "jax_cpu_enable_async_dispatch=False avoids most of that)")
+    warnings.warn(
+        f"jaxstreams.prefetch does not pay here and stepped aside: {news}"
+        f"{note} (Prefetcher.stats() has the figures; "
+        f"prefetch(mode='workers') keeps worker threads; filter "
+        f"jaxstreams.PerformanceWarning to silence this)",
+        PerformanceWarning, stacklevel=4)
 
   def close(self, timeout: float | None = None) -> bool:
     """Stops the workers and waits up to ``timeout`` seconds (None: as long
@@ -221,42 +186,35 @@ class Prefetcher:
     return self._pipeline.stop(join=True, timeout=timeout)
 
   def stats(self) -> dict[str, Any]:
-    """How this iterator runs and why, from its own counters: ``mode``
-    (``"workers"``: worker threads produce the items; ``"inline"``: the
-    consumer's thread does, at ``next()``) and ``mode_reason``; ``items``
-    delivered; ``switches`` between the two and the ``trials`` that compared
-    them (``mode="measured"``); and per way of producing (``"workers"``,
-    ``"inline"``): ``items``, ``waited`` (how many the consumer waited for),
-    and per item ``wait_us``, ``handoff_us`` (the consumer's time in
-    ``next()`` besides waiting and producing), ``produce_us`` (pulling and
-    placing) and ``cycle_us`` (from one ``next()`` returning to the next)."""
+    """How this iterator runs and why: ``mode`` (``"workers"`` or
+    ``"inline"``: the consumer's thread produces at ``next()``) and
+    ``mode_reason``; ``items`` delivered; ``switches`` and ``trials``
+    (``mode="measured"``); and per way ``items``, ``waited`` (how many the
+    consumer waited for) and per item ``wait_us``, ``handoff_us`` (its
+    other time in ``next()``), ``produce_us`` and ``cycle_us``."""
     return self._pipeline.stats()
 
   @property
   def max_in_flight(self) -> int:
-    """Most items ever pulled from the iterable and not yet delivered
-    (at most ``size``: the lookahead bound, exposed for tests)."""
+    """Most items ever pulled and not yet delivered (at most ``size``)."""
     return self._pipeline.max_in_flight
 
   @property
   def threads(self) -> list[threading.Thread]:
-    """The worker threads started so far (none while items have only been
-    produced inline)."""
+    """The worker threads started so far."""
     return list(self._pipeline.workers.threads)
 
   @property
   def placed(self) -> dict[str, int]:
-    """How many items each path placed so far: ``{"device_put": n,
-    "stage_area": m}`` (with ``transfer="stage_area"``, ``device_put``
-    counts the items that did not fit the stage area)."""
-    return self._transfer.counts(self._pipeline.placed)
+    """How many items each path placed: ``{"device_put": n, "stage_area":
+    m}`` (``device_put`` counts the items that did not fit a stage area)."""
+    return self._pipeline.transfer.counts(self._pipeline.placed)
 
   @property
   def stage(self) -> Any:
-    """The ``jaxstreams.runtime.StageArea`` in use (``transfer="stage_area"``,
-    once the first item that fits was placed), else None. It is destroyed
-    when the iterator stops (its ``stats()`` then raises)."""
-    return getattr(self._transfer, "area", None)
+    """The ``jaxstreams.runtime.StageArea`` in use, else None. It is
+    destroyed when the iterator stops (its ``stats()`` then raises)."""
+    return getattr(self._pipeline.transfer, "area", None)
 
   def __enter__(self) -> Prefetcher:
     return self
@@ -282,92 +240,92 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
   Args:
     iterable: yields pytrees of host arrays (numpy arrays, scalars, or
       arrays already on a device).
-    size: how many items may be pulled ahead of the consumer (>= 1). Memory
-      is bounded by ``size`` items: a worker pulls item ``k + size`` only once
-      the consumer has received item ``k``.
+    size: how many items may be pulled ahead of the consumer (>= 1): item
+      ``k + size`` is pulled only once item ``k`` was received.
     sharding: where items go, as for ``jax.device_put``: None (the default
       device), a ``jax.Device``, a ``jax.sharding.Sharding``, or a pytree of
       them matching the items.
-    num_threads: worker threads. Pulls from the iterable are one at a time
-      (iterators are not thread-safe); placement runs in parallel. Items come
-      out in the iterable's order whatever the number of threads.
+    num_threads: worker threads. Pulls are one at a time; placement runs in
+      parallel; items come out in the iterable's order.
     timeout: seconds the consumer waits for one item before ``TimeoutError``
       (None: no bound). The iterator stays usable after a timeout.
     closed_exception_types: exceptions that end the iteration cleanly when
       raised for an item (``StopIteration`` from the iterable always does).
     ignored_exception_types: exceptions that skip the item they were raised
       for; iteration continues with the next one.
-    transfer: how items reach the device.
-
-      * ``"device_put"``: ``jax.device_put`` in the worker, which waits until
-        the copy is done.
-      * ``"stage_area"``: the runtime's ``StageArea`` with ``size`` slots (on
-        a GPU: pinned host slots, copies on the runtime's copy stream, a
-        ready event per slot; on CPU: the CPU runtime's slots). The first
-        item whose leaves are all numpy arrays fixes the structure, shapes
-        and dtypes; an item that does not fit them, or has a leaf that is
-        not a numpy array (a Python scalar, an array already on a device),
-        is placed with ``jax.device_put`` instead, in its place in the order
-        (``Prefetcher.placed`` counts both). Items go to jax's default
-        device: with a ``sharding``, ``"stage_area"`` raises ValueError.
-        Each iterator compiles one small program for its area's gets.
-      * ``"by_platform"`` (default): the path ``benchmarks/prefetch.py``
-        measured faster on this backend, looked up in a table
-        (``BY_PLATFORM_TRANSFER``; nothing is measured at run time). On CPU
-        that is ``"device_put"`` (the stage area adds host copies there and
-        moves no data to another memory). On a GPU it is ``"device_put"``
-        too: on an H100 (jax 0.11.2) ``jax.device_put`` placed items of 0.25
-        and 4 MiB faster over a whole run than the stage area's copy
-        stream.
-        ``"device_put"`` also whenever ``"stage_area"`` cannot be used (a
-        ``sharding`` given, no runtime library for the backend).
-
-      Both paths hand out the same arrays, bit for bit, with the same dtypes.
-    mode: who produces the items (pulls them from the iterable and places
-      them).
-
-      * ``"measured"`` (default): worker threads only where they pay, as
-        the iterator measures itself while it runs. Items are produced in
-        the consumer's thread, at ``next()``, as a plain loop would, until
-        the iterator's own measurements say producing one is worth hiding:
-        it then moves to workers (at once when production is a third of a
-        cycle and at least 200 us, going back if their first 4 items take
-        1.5 times the inline cycle; else after a trial that times cycles
-        with and without them), and steps aside again when
-        production becomes cheap (or the consumer waits for the workers as
-        long as producing the items takes). Where the device computes on
-        the host's own cores (XLA:CPU), only production that waits
-        (storage, a network) counts: production that needs a core
-        (copying, numpy work) would compete with the step there. There,
-        with asynchronous dispatch (XLA:CPU's default), cycles under 1 ms
-        also get trials however cheap production is: a step dispatched a
-        few microseconds after the previous result was read costs more
-        than that time (``benchmarks/cpu_dispatch_gap.py``), and workers,
-        which poll for room rather than be woken from ``next()``, take the
-        placement out of it; in a loop that reads each result they won
-        (README).
-        One ``jaxstreams.PerformanceWarning`` the first time it decides to
-        step aside. With a ``timeout``, always workers (only a wait for
-        another thread can time out).
-      * ``"workers"``: always worker threads.
-      * ``"inline"``: always the consumer's thread (no thread is started;
-        no ``timeout``).
-
+    transfer: how items reach the device: ``"device_put"``; ``"stage_area"``
+      (the runtime's ``StageArea`` of ``size`` slots, copies on its copy
+      stream; items that do not fit its first item's structure, shapes and
+      dtypes go through ``jax.device_put``, in order; default device only);
+      or ``"by_platform"`` (default), the path ``benchmarks/prefetch.py``
+      measured faster on this backend (``BY_PLATFORM_TRANSFER``), and
+      ``"device_put"`` where ``"stage_area"`` cannot be used. Both paths
+      hand out the same arrays, bit for bit.
+    mode: who produces the items (pulls and places them). ``"measured"``
+      (default): the consumer's thread at ``next()``, as a plain loop
+      would, until the iterator's own measurements say workers pay, and
+      back when they stop paying (docs/sharp-edges.md has the rule); one
+      ``jaxstreams.PerformanceWarning`` the first time it steps aside; with
+      a ``timeout``, always workers. ``"workers"``: always worker threads.
+      ``"inline"``: always the consumer's thread (no ``timeout``).
       ``Prefetcher.stats()`` says which way it runs and why.
 
   Any other exception raised for item ``k`` is raised by ``next()`` after
   items ``< k`` were delivered, and ends the iteration.
 
-  Returns a ``Prefetcher``: an iterator and a context manager with
-  ``close()``. Workers stop at the end, on ``close()``, on leaving the
-  ``with`` block, or when the iterator is garbage-collected; a stage area is
-  destroyed then (once the gets already dispatched have run).
+  Returns a ``Prefetcher``: an iterator and a context manager. Workers stop
+  at the end, on ``close()``, on leaving the ``with`` block, or when the
+  iterator is garbage-collected; a stage area is destroyed then.
   """
-  args = _prefetch_checks.check(size, num_threads, timeout,
-                                closed_exception_types,
-                                ignored_exception_types, sharding, mode)
-  placer = _transfer.resolve(transfer, sharding, args.size, FUNC)
-  return Prefetcher(iterable, args.size, transfer=placer,
-                    num_threads=args.num_threads, timeout=args.timeout,
-                    closed_exception_types=args.closed,
-                    ignored_exception_types=args.ignored, warn=True, mode=mode)
+  size = _checks.integer(size, name="size", context=FUNC, minimum=1)
+  num_threads = _checks.integer(num_threads, name="num_threads", context=FUNC,
+                                minimum=1)
+  if num_threads > MAX_THREADS:
+    raise ValueError(f"{FUNC}: num_threads must be <= {MAX_THREADS} (one "
+                     f"thread each; at most size={size} items are placed at "
+                     f"once), got {num_threads}")
+  timeout = _checks.timeout(timeout, name="timeout", context=FUNC)
+  closed = _exception_types(closed_exception_types, "closed_exception_types")
+  ignored = _exception_types(ignored_exception_types, "ignored_exception_types")
+  both = set(closed) & set(ignored)
+  if both:
+    raise ValueError(f"{FUNC}: {sorted(t.__name__ for t in both)} are in both "
+                     "closed_exception_types and ignored_exception_types; an "
+                     "exception either ends the iteration or skips an item")
+  placement = (jax.Device, jax.sharding.Sharding)
+  leaves = jax.tree_util.tree_leaves(sharding)
+  bad = [leaf for leaf in leaves if not isinstance(leaf, placement)]
+  if sharding is not None and (bad or not leaves):
+    bad = bad[0] if bad else sharding
+    raise TypeError(
+        f"{FUNC}: sharding must be None, a jax.Device, a "
+        f"jax.sharding.Sharding or a pytree of them matching the items, got "
+        f"{bad!r} of type {type(bad).__name__}")
+  _checks.one_of(mode, MODES, name="mode", context=FUNC)
+  if mode == "inline" and timeout is not None:
+    raise ValueError(f"{FUNC}: mode='inline' cannot honour timeout={timeout}: "
+                     f"the consumer's own thread produces each item, and "
+                     f"nothing can interrupt it. Use mode='workers' or "
+                     f"'measured' with a timeout, or no timeout.")
+  return Prefetcher(iterable, size,
+                    transfer=_transfer.resolve(transfer, sharding, FUNC),
+                    num_threads=num_threads, timeout=timeout,
+                    closed_exception_types=closed,
+                    ignored_exception_types=ignored, warn=True, mode=mode)
+
+
+def _exception_types(value: Any, name: str) -> tuple[type[BaseException], ...]:
+  """A tuple of exception classes from a class or a sequence of them."""
+  if isinstance(value, type):
+    value = (value,)
+  try:
+    types_ = tuple(value)
+  except TypeError:
+    raise TypeError(f"{FUNC}: {name} must be an exception class or a tuple of "
+                    f"them, got {value!r} of type "
+                    f"{type(value).__name__}") from None
+  for t in types_:
+    if not (isinstance(t, type) and issubclass(t, BaseException)):
+      raise TypeError(f"{FUNC}: {name} must hold exception classes "
+                      f"(subclasses of BaseException), got {t!r} in {value!r}")
+  return types_

@@ -1,22 +1,12 @@
-"""``staged(step, data=...)``: software pipelining of a step, the runner.
+"""``staged(step, data=...)``: software pipelining of a step.
 
-A training step usually begins with work that depends only on the batch
-(decoding, hashing, casting, feature crosses, the host-to-device copy) and
-continues with work on parameters and state. The first part of batch
-``k + 1`` does not need batch ``k``'s results, so it can run while batch
-``k``'s second part runs: TensorFlow's staging areas (warm-up
-``A0; A1 B0; A2 B1 C0; ...``), DeepRec's ``tf.staged`` and SmartStage.
-
-Where each piece lives: ``_marker`` (``stage(x)``), ``_analysis`` (how a step
-is split), ``_splits`` (the split a batch uses, cached, and the other
-arguments it is made for), ``_source`` (reading the batches), ``_fused``
-(the fused pipeline: one program per call), ``_measured`` (modes
-``"measured"``, ``"fused"`` and ``"plain"``: the fused pipeline where it
-pays, the plain step where it does not) and ``_threads``
-(``mode="threads"``). This module checks the arguments, picks the run and
-tells the user once when staging stepped aside. Each way, each equation is
-the one ``step`` would run, on the same inputs, so the outputs are
-``step``'s (bitwise on CPU).
+A step usually begins with work that depends only on the batch (decoding,
+hashing, the host-to-device copy) and continues with work on parameters and
+state; the first part of batch ``k + 1`` can run while the second part of
+batch ``k`` runs (TensorFlow's staging areas, DeepRec's SmartStage). This
+module checks the arguments, picks the run (``_measured`` or ``_threads``)
+and warns once when staging stepped aside. Either way each equation is the
+one ``step`` would run, on the same inputs (bitwise on CPU).
 """
 
 from __future__ import annotations
@@ -43,16 +33,13 @@ MODES = ("measured", "fused", "plain", "threads")
 
 class StagedRunner:
   """What ``jaxstreams.staged`` returns: call it with the step's other
-  arguments to run the next batch. Raises ``StopIteration`` once the data is
-  exhausted and drained; also an iterator-friendly context manager with
-  ``close()``. ``mode`` is the mode asked for (``stats()["mode"]`` is the
-  way it runs now); ``plan`` is the ``StagedPlan`` of the latest batch
-  staged (the first batch's until one is; None before the first call);
-  ``stream`` and ``streams`` (from the first call on, all modes but
-  ``"threads"``) the producer's stream and the stream count its fused
-  program is compiled with; ``data_argnums`` the data argument's position,
-  normalised to the one int that was given (``[1]`` is kept as ``1``, and
-  a negative position stays negative: counted from the end)."""
+  arguments to run the next batch; ``StopIteration`` once the data is
+  exhausted and drained. A context manager with ``close()``. ``mode`` is
+  the mode asked for (``stats()["mode"]``: the way it runs); ``plan`` the
+  ``StagedPlan`` of the latest batch (None before the first call);
+  ``stream`` and ``streams`` (from the first call, not ``"threads"``) the
+  producer's stream and the fused program's stream count; ``data_argnums``
+  the data argument's position, as one int."""
 
   def __init__(self, step: Callable, data: Iterable[Any], data_argnums: int,
                capacity: int, stream: int | None, smart: bool, mode: str):
@@ -78,9 +65,8 @@ class StagedRunner:
     self._done = False
 
   def _start(self, other_args: tuple, kwargs: dict) -> None:
-    """The first call: reads the first batch and splits the step with it
-    (in the caller, so a planning error is raised by this call), then
-    starts the run."""
+    """The first call reads the first batch and splits the step with it,
+    so a planning error is raised by this call."""
     data, self._data = self._data, None     # the run owns the iterable now
     other = (other_args, kwargs)
     if self.mode == "threads":
@@ -99,9 +85,7 @@ class StagedRunner:
         self._start(other_args, kwargs)
       outs = self._run.call(other_args, kwargs)
       if any(self._run.last_split.may_raise):
-        # A host callback or foreign call can fail while the program runs:
-        # waiting for the results raises its error at this call on every
-        # platform (XLA:GPU would raise it when they are read).
+        # A callback can fail while the program runs: raise it at this call.
         outs = jax.block_until_ready(outs)
     except BaseException:
       self.close()
@@ -130,21 +114,15 @@ class StagedRunner:
 
   @property
   def schedule(self) -> list[str]:
-    """The latest fused programs run (up to 64), oldest first, in the
-    pipeline's notation: ``"A2 B1 C0"`` is one program that ran producer stage A
-    (stage 0) for batch 2, stage B for batch 1 and the consumer (the letter
-    after the last stage) for batch 0. Calls that ran the plain step (and
-    mode ``"threads"``) add none."""
+    """The latest fused programs run (up to 64), oldest first: ``"A2 B1
+    C0"`` ran producer stage A for batch 2, stage B for batch 1 and the
+    consumer for batch 0. Plain calls (and mode ``"threads"``) add none."""
     return self._fused.labels() if self._fused is not None else []
 
   def step_program(self) -> tuple[Callable, list]:
-    """The steady-state fused program (consumer of batch ``k`` with every
-    producer stage of the following batches) for the latest batch shapes
-    staged, and its arguments as ``jax.ShapeDtypeStruct``s, to inspect it:
-    ``program, args = runner.step_program();
-    program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()``
-    shows the producer inside calls annotated with ``stream``. Whichever
-    way the runner runs now (all modes but ``"threads"``)."""
+    """The steady-state fused program for the latest batch shapes and its
+    arguments as ``jax.ShapeDtypeStruct``s, to inspect
+    (``program.trace(*args).lower(...)``); all modes but ``"threads"``."""
     if self._fused is None:
       raise RuntimeError(f"{FUNC}: step_program() needs a runner in mode "
                          "'measured', 'fused' or 'plain' that has run a "
@@ -153,21 +131,15 @@ class StagedRunner:
 
   @property
   def programs_run(self) -> int:
-    """How many fused programs ran (one per staged call after the
-    warm-up)."""
+    """How many fused programs ran."""
     return self._fused.programs if self._fused is not None else 0
 
   def stats(self) -> dict[str, Any]:
-    """How the runner runs and why, from its own counters: ``mode`` (the
-    way it runs now: ``"fused"``, ``"plain"`` or ``"threads"``) and
-    ``mode_reason``; ``calls`` returned; ``switches`` between fused and
-    plain and the ``trials`` that compared them (``mode="measured"``); and
-    per way (``"fused"`` and ``"plain"``, or ``"threads"`` in that mode):
-    ``calls``, ``waited`` (calls that waited for the reader), and per call
-    ``read_us`` (reading and placing its batch: in the reader when fused,
-    in the caller's thread when plain), ``wait_us``, ``call_us`` (the
-    call's own time besides reading in it and waiting) and ``cycle_us``
-    (from one call's return to the next's)."""
+    """How the runner runs and why: ``mode`` (``"fused"``, ``"plain"`` or
+    ``"threads"``) and ``mode_reason``; ``calls``; ``switches`` and
+    ``trials`` (``mode="measured"``); per way ``calls``, ``waited`` (calls
+    that waited for the reader) and per call ``read_us``, ``wait_us``,
+    ``call_us`` (its other time) and ``cycle_us``."""
     if self._run is None:
       way = "plain" if self.mode == "measured" else self.mode
       return {"mode": way, "mode_reason": "no call yet", "calls": 0,
@@ -175,9 +147,8 @@ class StagedRunner:
     return self._run.stats()
 
   def staged_plan(self) -> StagedPlan:
-    """What was staged: the ``StagedPlan`` of the latest batch (available
-    from the first call on; ``jaxstreams.staging.staged_plan`` makes one from
-    example arguments without running)."""
+    """The ``StagedPlan`` of the latest batch (from the first call on;
+    ``jaxstreams.staging.staged_plan`` makes one without running)."""
     if self.plan is None:
       raise RuntimeError(f"{FUNC}: the runner has not traced a batch yet; call "
                          "it once, or use jaxstreams.staging.staged_plan("
@@ -204,9 +175,8 @@ class StagedRunner:
 
 
 class _ConsumerJit:
-  """How thread mode jits the consumer: as the step was jitted (a
-  ``jaxstreams.jit`` step keeps its stream plan), and what tells two such
-  ways apart in the split cache."""
+  """How thread mode jits the consumer (as the step was jitted), and its
+  key in the split cache."""
 
   def __init__(self, jit: Callable, key: Any):
     self.jit, self.key = jit, key
@@ -215,12 +185,10 @@ class _ConsumerJit:
 def _unwrap(step: Callable) -> tuple[Callable, _ConsumerJit, str,
                                      Callable[[], int],
                                      Callable[[Split], Callable]]:
-  """The function to trace, how to jit the consumer (thread mode), a name,
-  how many streams the step's own plan uses (read when a runner starts),
-  and the plain step for a split: the step jitted whole, as the unstaged
-  loop runs it (a jitted step itself; a plain function as a
-  ``jaxstreams.jit`` one with the streams its own ``stream()`` blocks use,
-  as the fused program honours them)."""
+  """The function to trace, how thread mode jits the consumer, a name, the
+  streams the step's own plan uses, and the plain step for a split (the
+  step jitted whole: a jitted step itself, a plain function as a
+  ``jaxstreams.jit`` one with the streams its ``stream()`` blocks use)."""
   spec = spec_of(step)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
@@ -243,9 +211,8 @@ _DATA_ARGNUMS = ("an int or a sequence of exactly one int (the position of "
 
 
 def _data_argnums(value: Any) -> int:
-  """``data_argnums`` as the one position it names. Spelled as jax spells
-  ``static_argnums``: an int, or a sequence of ints; ``staged`` reads one
-  data argument, so a sequence must hold exactly one."""
+  """``data_argnums`` (spelled as jax's ``static_argnums``) as the one
+  position it names."""
   item = value
   if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
     if len(value) != 1:
@@ -281,86 +248,48 @@ def staged(step: Callable, data: Iterable[Any], *,
            smart: bool = False, mode: str = "measured") -> StagedRunner:
   """Runs ``step`` as a software pipeline over the batches of ``data``.
 
-  ``runner = jaxstreams.staged(step, data=batches)``; then each
-  ``runner(*other_args)`` takes the next batch ``b``, and returns what
-  ``step(*other_args, b)`` returns (``b`` goes in at the position
-  ``data_argnums`` names: an int, -1 for the last, or as jax spells
-  ``static_argnums`` a sequence, which must hold exactly one int), while
-  the producer part of the step (what computes the ``jaxstreams.stage()``
-  values from ``b``; with ``smart=True`` all of the step that depends only on
-  ``b``) already runs for the following batches. The first call warms the
-  pipeline up; once ``data`` is exhausted and drained, calls raise
-  ``StopIteration``. An exception raised by ``data`` at batch ``k``, or by a
-  producer stage's computation for batch ``k``, is raised by call ``k``.
+  ``runner = jaxstreams.staged(step, data=batches)``; each
+  ``runner(*other_args)`` takes the next batch ``b`` and returns what
+  ``step(*other_args, b)`` returns (``b`` at ``data_argnums``: an int, -1
+  for the last, or a sequence of exactly one int), while the producer part
+  of the step (what computes the ``jaxstreams.stage()`` values from ``b``;
+  with ``smart=True`` all of the step that depends only on ``b``) already
+  runs for the following batches. Once ``data`` is exhausted and drained,
+  calls raise ``StopIteration``. An exception raised by ``data`` at batch
+  ``k``, or by a producer stage for batch ``k``, is raised by call ``k``.
 
-  ``mode="measured"`` (the default): staged (the fused way below) only
-  where the runner's measurements of its own calls say it pays. Staging
-  costs every call work of its own, so a step under a millisecond whose
-  result is read every step can run slower staged than plain. The runner
-  starts *plain*: each call reads the next batch in the caller's thread and
-  runs the plain step on it (the step jitted whole, as the unstaged loop
-  runs it). It measures its calls and moves to the fused way at once when
-  reading a batch takes a third of a call's cycle and at least 200 us (then
-  its first 16 staged calls must come out faster than the plain ones that
-  chose it, or a trial runs at once), or after a trial that times calls
-  both ways when it takes a fifth and at least 30 us. On a platform that
-  runs streams (not XLA:CPU), with the producer on a stream of its own, a
-  trial runs even when reading is cheap (staging may hide device work no
-  clock sees). While staged, trials check that staged calls are faster (at
-  doubling intervals, the first after 256 staged calls), and it steps aside
-  when one finds them slower or reading turns cheap. A switch keeps every
-  promise: the pipeline drains (no new batch enters, a
-  fused program per call finishes the staged ones) before the plain step
-  runs, so outputs, their order, each batch run once, the errors at call
-  ``k`` and ``close()`` are those of either way. The first time it keeps or
-  puts the plain step in place, one ``jaxstreams.PerformanceWarning`` says
-  so and why; ``runner.stats()`` and ``repr(runner)`` say which way it runs.
-  ``mode="plain"`` always runs the plain step (the first call still splits
-  the step, so a planning error is raised either way).
+  ``mode="fused"``: each call runs ONE ``jaxstreams.jit`` program with the
+  consumer part for batch ``k`` and producer stage ``j`` for batch
+  ``k + K - j`` (``K`` stages): ``A0; A1 B0`` (warm-up), ``A2 B1 C0``, ...,
+  ``B4 C3``, ``C4`` (drain); ``runner.schedule`` lists them. The producer
+  runs on stream ``stream`` inside the program (on a GPU beside the
+  consumer; on CPU inlined, bitwise the unstaged step's results);
+  ``stream=None`` picks the first stream the step does not use itself, and
+  the program has ``max(step's streams, stream + 1)``; ``stream=0`` keeps
+  the producer on the main stream. A reader thread places batches on the
+  device up to ``capacity`` ahead; a warm pipeline never waits for a batch
+  the reader has not finished. At most ``K + 1`` batches' staged values are
+  on the device at once.
 
-  ``mode="fused"``, always staged: each call runs ONE ``jaxstreams.jit``
-  program that computes the consumer part for batch ``k`` and, at the same
-  time, producer stage ``j`` for batch ``k + K - j`` (``K`` producer stages),
-  and hands the staged values on to the next call on the device: a
-  software pipeline, ``A0; A1 B0`` on the first call (warm-up), then
-  ``A2 B1 C0``, ``A3 B2 C1``, ... and ``B4 C3``, ``C4`` at the end (drain);
-  ``runner.schedule`` lists the programs run in that notation. The producer
-  part is placed on stream ``stream`` inside the program, so on a GPU it
-  runs on its own CUDA stream beside the consumer (an annotated call, as for
-  any ``jaxstreams.stream()`` block); on CPU it is inlined and the results
-  are bitwise those of the unstaged step. ``stream=None`` picks the first
-  stream the step does not use itself (one above its own ``stream()``
-  blocks, ``N`` for a ``jaxstreams.jit(streams=N)`` step), and the program is
-  compiled with ``streams = max(step's streams, stream + 1)``; ``stream=0``
-  keeps the producer on the main stream (no overlap). A thread reads and
-  places the batches on the device ahead of the programs that need them,
-  at most ``capacity`` ahead; a call never waits for a batch the reader has
-  not finished once the pipeline is warm (the program then runs without
-  that producer stage, and a later program catches up). The staged values
-  of at most ``K + 1`` batches are on the device at once.
+  ``mode="measured"`` (default): the plain step (jitted whole, on batches
+  read in the caller's thread) until the runner's measurements of its own
+  calls say staging pays, then fused, and back when it stops paying
+  (docs/sharp-edges.md has the rule). A switch drains the pipeline first,
+  so outputs, order, errors and ``close()`` hold either way. One
+  ``jaxstreams.PerformanceWarning`` the first time it steps aside.
+  ``mode="plain"``: always the plain step (the first call still splits).
 
-  ``mode="threads"``: every producer stage is a program of its own run by a
-  worker thread, ``capacity`` finished items ahead per stage, and the
-  consumer runs in the caller's thread. On a GPU separate programs do not
-  run their device work at the same time, so this hides only host work
-  (reading, Python parsing, dispatch) and copies; on CPU, where each program
-  runs on its caller's thread, producer work also runs on other cores,
-  which helps when the producer's computation is heavy. ``stream`` tags the
-  producer's programs.
+  ``mode="threads"``: each producer stage is a program of its own run by a
+  worker thread ``capacity`` items ahead, the consumer in the caller's
+  thread. On a GPU this hides only host work and copies; on CPU producer
+  work also runs on other cores.
 
   ``step`` is a plain function, a ``jaxstreams.jit`` function (its consumer
-  part keeps its stream plan) or a ``jax.jit`` function (its wrapped function
-  is traced; the plain step is the function itself). Its other arguments
-  must keep their shapes from call to call while it stages (the plain step
-  takes what the step takes; staging that starts anew takes them as they are
-  then). In the fused way, a consumer that uses ``jaxstreams.stream()`` blocks gets
-  them honoured even for a plain or ``jax.jit`` step (the program is a
-  ``jaxstreams.jit`` one), within the ``streams`` count above. When a fused
-  program fails (on CPU, where errors are raised by the call), its parts are
-  run again one by one to find the batch the error belongs to, so the
-  consumer's side effects of that call may happen twice; on a GPU an error
-  raised asynchronously by the device surfaces in the outputs of the call
-  that ran it.
+  keeps its stream plan) or a ``jax.jit`` one (its wrapped function is
+  traced). Its other arguments must keep their shapes while it stages. A
+  failed fused program is run again part by part to find the batch the
+  error belongs to, so the consumer's side effects of that call may happen
+  twice.
   """
   if not callable(step):
     raise TypeError(f"{FUNC}: step must be callable, got {step!r} of type "
@@ -379,8 +308,7 @@ def staged_plan(step: Callable, *args,
                 data_argnums: int | Sequence[int] = -1,
                 smart: bool = False, **kwargs) -> StagedPlan:
   """The ``StagedPlan`` ``staged`` would make for ``step(*args, **kwargs)``,
-  where the argument ``data_argnums`` names (as for ``staged``) is an
-  example batch. Traces; runs nothing."""
+  the argument at ``data_argnums`` an example batch. Traces, runs nothing."""
   given = data_argnums
   data_argnums, _, _ = _check_options(data_argnums, 1, None, smart)
   fun, _, name, _, _ = _unwrap(step)

@@ -1,16 +1,7 @@
-"""The batches a staged runner reads: in the caller's thread, or by a reader
-thread ahead of the programs that need them.
-
-A runner owns one ``Source`` over the user's iterable for its whole life,
-and whoever reads (the caller's thread for the plain step, the reader
-thread while it stages, never both at once) reads from it, so batches come
-in the iterable's order whichever way the runner runs. An exception the
-iterable raises for batch ``k`` becomes a ``DataError`` in its place, the
-last item: it is raised by the call for batch ``k`` (a ``KeyboardInterrupt``
-the iterable raised stays apart from one that reaches the caller's thread).
-The reader thread reads through ``timed`` and places each batch with
-``place``, and hands on how long both took: what staging hides, which
-``mode="measured"`` weighs.
+"""The batches a staged runner reads, in the caller's thread or in a reader
+thread (never both at once), from one ``Source``, so they come in order
+whichever way it runs. An exception the iterable raises for batch ``k``
+becomes a ``DataError`` in its place, raised by call ``k``.
 """
 
 from __future__ import annotations
@@ -23,8 +14,7 @@ from jaxstreams.staging._transfer import place_on_device
 
 
 class DataError:
-  """What is read in place of batch ``k`` whose reading or placing raised:
-  the exception, raised by call ``k``."""
+  """Read in place of batch ``k`` whose reading or placing raised."""
 
   __slots__ = ("exc",)
 
@@ -33,10 +23,8 @@ class DataError:
 
 
 class Source:
-  """The user's iterable, one batch (or a ``DataError``) per ``next()``.
-  Not thread-safe: one reader at a time. ``close()`` closes a generator
-  iterable (its ``finally`` blocks run now); other iterables are the
-  caller's to close."""
+  """The user's iterable, one batch (or a ``DataError``) per ``next()``,
+  one reader at a time. ``close()`` closes a generator iterable."""
 
   def __init__(self, data: Iterable[Any]):
     self._iterator = iter(data)
@@ -64,9 +52,8 @@ class Source:
 
 
 def timed(source: Source):
-  """``source``'s batches as ``(batch, seconds its read took)``, for the
-  reader thread. A generator: closing it leaves ``source`` open (the
-  runner's, which may read on in the caller's thread)."""
+  """``source``'s batches as ``(batch, seconds its read took)``; closing
+  it leaves ``source`` open for the caller's thread."""
   while True:
     started = _clock.now()
     try:
@@ -77,9 +64,8 @@ def timed(source: Source):
 
 
 def place(read: tuple[Any, float]) -> tuple[Any, float]:
-  """The reader thread's transform: the batch on the device, complete (the
-  host-to-device copy happens here, not in the step), and the seconds its
-  reading and placing took."""
+  """The reader's transform: the batch on the device, complete, and the
+  seconds reading and placing it took."""
   batch, seconds = read
   if isinstance(batch, DataError):
     return read

@@ -1,18 +1,10 @@
 """Which ``Split`` a batch runs with: one per batch signature, cached.
 
-A runner meets a new batch signature (structure, shapes, dtypes, weak types)
-in the caller's thread or, in thread mode, in the stage-0 worker, so the
-lookup is locked. Splits are also kept per step function across runners, so
-that a new runner over the same step (the next epoch) reuses the traced and
-compiled stage functions instead of compiling them again; weakly, so that a
-dropped step function frees its programs. ``Splits`` is kept apart from the
-runner so that worker threads never hold the runner: an abandoned runner is
-collected and its workers stop.
-
-The step's other arguments are part of every split (the consumer reads
-them), so a split is made for one signature of them: the first call's, or
-what ``use_other`` sets when a pipeline starts anew. A staged call checks
-them against it (``check_other``).
+Splits are kept per step function across runners (weakly), so the next
+epoch's runner reuses the traced and compiled parts. A split is made for
+one signature of the step's other arguments (the consumer reads them): the
+first call's, or what ``use_other`` sets when a pipeline starts anew. Worker
+threads hold this object, never the runner.
 """
 
 from __future__ import annotations
@@ -40,11 +32,9 @@ def _per_function(fun) -> dict:
 
 
 class Splits:
-  """One runner's splits. ``jit_parts`` is what the runner's mode makes of
-  a new split's functions, and ``jit_key`` tells one way from another in
-  the shared cache (thread mode jits each part, ``jit_parts(split)`` sets
-  ``split.fns``; fused mode fuses ``split.bodies`` itself and passes None);
-  ``cache`` is the step function's cache, which fused programs share too."""
+  """One runner's splits. ``jit_parts(split)`` (thread mode) jits a new
+  split's parts, ``jit_key`` keys that in the step function's ``cache``,
+  which fused programs share."""
 
   def __init__(self, fun: Callable, name: str, data_argnums: int, smart: bool,
                jit_key: Any = None,
@@ -61,8 +51,7 @@ class Splits:
 
   def use_other(self, call: tuple) -> list:
     """Makes splits for the other arguments ``call`` (``(args, kwargs)``)
-    from now on, and returns its leaves. Only while no split of other
-    arguments of another signature is in use (a pipeline starting)."""
+    from now on (a pipeline starting); returns its leaves."""
     leaves, treedef = tree_util.tree_flatten(call)
     key = (treedef, signature(leaves))
     with self._lock:
@@ -72,8 +61,7 @@ class Splits:
     return leaves
 
   def check_other(self, call: tuple) -> list:
-    """``call``'s leaves, once checked against the other arguments the
-    splits are made for (this runs on every staged call)."""
+    """``call``'s leaves, checked against those the splits are made for."""
     leaves, treedef = tree_util.tree_flatten(call)
     if (treedef, signature(leaves)) != self._other_key:
       raise ValueError(

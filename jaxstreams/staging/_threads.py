@@ -1,17 +1,9 @@
 """``staged(mode="threads")``: each producer stage in a worker thread.
 
-Each producer stage is a jitted function of the values it needs, run by a
-``Prefetcher`` (one worker thread, ``capacity`` items ahead) over the
-previous stage's; stage 0's worker also does the host-to-device copy of the
-batch, and a reader thread before it pulls the batches, so reading (I/O
-waits, Python parsing) overlaps with stage 0's computation too. Workers wait
-until their results are ready, so an item handed on is complete and memory
-is bounded by ``capacity`` items per stage. The consumer runs in the
-caller's thread, on values that are already there. On CPU this runs
-producer computation on other cores (each program runs on its caller's
-thread); on a GPU it hides host work and copies only. Nothing is donated:
-the stage programs stay plain jitted functions of the values handed between
-threads.
+Each producer stage is a jitted function run by a ``Prefetcher`` (one
+worker, ``capacity`` finished items ahead) over the previous stage's items;
+stage 0's worker also copies the batch to the device, behind a reader
+thread. The consumer runs in the caller's thread. Nothing is donated.
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from jax import tree_util
 from jaxstreams._jit import jit as streams_jit
 from jaxstreams.staging import _clock
 from jaxstreams.staging._analysis import FUNC, Split
-from jaxstreams.staging._chooser import Meter
+from jaxstreams.staging._meter import Meter
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.tag import stream as stream_scope
@@ -33,9 +25,8 @@ from jaxstreams.tag import stream as stream_scope
 
 def jit_parts(stream: int | None, consumer_jit: Callable
               ) -> Callable[[Split], None]:
-  """What thread mode makes of a split's functions: each producer stage
-  jitted (a ``jaxstreams.jit`` program on ``stream`` when one is given), the
-  consumer jitted as the step was (``consumer_jit``)."""
+  """Sets ``split.fns``: each producer stage jitted (on ``stream`` when
+  given), the consumer as the step was (``consumer_jit``)."""
   def jit(split: Split) -> None:
     fns = []
     for body in split.bodies[:-1]:
@@ -47,9 +38,6 @@ def jit_parts(stream: int | None, consumer_jit: Callable
         def run(*xs, body=body):
           with stream_scope(stream):
             return body(*xs)
-        # The producer as a region on its stream, run the way
-        # jaxstreams_gpu_lowering says; mode="measured" measures whether it
-        # pays.
         fns.append(streams_jit(run, streams=stream + 1))
     fns.append(consumer_jit(split.bodies[-1]))
     split.fns = fns
@@ -57,24 +45,19 @@ def jit_parts(stream: int | None, consumer_jit: Callable
 
 
 class ThreadRun:
-  """The worker pipeline of one runner: reader, then one worker per
-  producer stage. Made by the first call with its other arguments and the
-  first batch read in the caller's thread, so a planning error is raised by
-  the first call."""
-
+  """Reader, then one worker per producer stage. Made by the first call,
+  which reads the first batch (a planning error is that call's)."""
 
   def __init__(self, splits: Splits, data: Iterable[Any], capacity: int,
                other: tuple):
     self.splits = splits
     self.stages: list[Prefetcher] = []
-    # Counts calls; never steps aside (no chooser, nothing to tell).
     self.meter = Meter(("threads",), None, ("calls", "call_us", "read_us"))
     iterator = iter(data)
     first = next(iterator)          # StopIteration: no data, nothing to run
     splits.use_other(other)
     self.last_split = splits.split_for(first)
-    # The workers hold ``splits`` and their items, never this object nor
-    # the runner: an abandoned runner is collected and its workers stop.
+    # Workers never hold this object: an abandoned runner is collected.
     reader = self._pipe(_chain(first, iterator), capacity, _identity)
     pipe = self._pipe(reader, capacity, functools.partial(_first_stage, splits))
     for index in range(1, splits.n_producers):
@@ -82,9 +65,7 @@ class ThreadRun:
     self.pipeline = pipe
 
   def _pipe(self, items, capacity: int, transform) -> Prefetcher:
-    pipe = Prefetcher(items, capacity, transform=transform, num_threads=1,
-                      timeout=None, closed_exception_types=(StopIteration,),
-                      ignored_exception_types=(), func=FUNC)
+    pipe = Prefetcher(items, capacity, transform=transform)
     self.stages.append(pipe)
     return pipe
 
@@ -124,8 +105,7 @@ def _run_stage(split: Split, env: dict, s: int):
   fn = split.fns[s]
   if fn is not None:
     outs = fn(*(env[v] for v in split.stage_ins[s]))
-    # Ready before handed on: the next stage (or the step) never waits on
-    # it, and ``capacity`` counts finished items.
+    # Ready before handed on: ``capacity`` counts finished items.
     outs = jax.block_until_ready(outs)
     env = {**env, **dict(zip(split.stage_outs[s], outs))}
   keep = split.keep_after[s]
@@ -137,7 +117,6 @@ def _identity(item: Any) -> Any:
 
 
 def _chain(first: Any, rest):
-  """``first``, then ``rest``'s items (a generator, so closing it closes
-  ``rest`` too when that is a generator)."""
+  """``first``, then ``rest``'s items (closing it closes ``rest``)."""
   yield first
   yield from rest

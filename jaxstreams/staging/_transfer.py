@@ -1,30 +1,16 @@
-"""How ``prefetch`` puts an item on the device, and how the consumer
-receives it: a ``Transfer``.
+"""How ``prefetch`` puts an item on the device and how the consumer
+receives it: a ``Transfer``, one per path of ``prefetch(transfer=...)``.
 
-Two transfer paths (``transfer=``; the default, ``"by_platform"``, picks
-one by backend from ``BY_PLATFORM_TRANSFER``):
-
-* ``"device_put"``: ``jax.device_put`` (numpy leaves through the call it
-  ends in, ``place_on_device``); a worker waits until the copy is done, so an
-  item handed out is on the device.
-* ``"stage_area"``: the runtime's ``StageArea`` (``jaxstreams.runtime``) with
-  ``size`` slots. The first item whose leaves are all numpy arrays fixes the
-  structure, shapes and dtypes (dtypes as ``jax.device_put`` would make them:
-  float64 becomes float32 without x64) and creates the area. A worker
-  ``put()``s each item (on a GPU: into a pinned host slot, then a copy into
-  the slot's device buffer on the runtime's copy stream, with a ready event
-  per slot; on CPU the CPU runtime's host slots and copy worker); the
-  consumer takes it out with a small jitted function, cached per area, that
-  calls ``get()`` and returns device arrays. Puts are made in item order
-  (a ticket per item, taken when it is pulled), because the area is a FIFO
-  and ``get()`` takes the oldest item. An item that does not fit (another
-  structure, shape or dtype, or a leaf that is not a numpy array: a Python
-  scalar, an array already on a device) is placed with ``jax.device_put``
-  instead, in its place in the order, and counted in ``Prefetcher.placed``.
-  ``close()`` (and collection, and the end) closes the area, joins the
-  workers, waits for the gets already dispatched and destroys the area.
-
-``place_on_device`` is also what ``staged``'s reader places batches with.
+* ``"device_put"``: ``place_on_device`` (``jax.device_put``, numpy leaves
+  through the call it ends in); a worker waits for the copy, so an item
+  handed out is on the device.
+* ``"stage_area"``: the runtime's ``StageArea`` with one slot per item of
+  the lookahead. The first item whose leaves are all numpy arrays fixes its
+  structure, shapes and dtypes (as ``jax.device_put`` converts them); a
+  worker ``put()``s each item (on a GPU: pinned host slot, copy on the
+  runtime's copy stream, a ready event per slot), in item order since the
+  area is a FIFO; the consumer takes it out with a small jitted ``get()``.
+  An item that does not fit goes through ``jax.device_put``, in its place.
 """
 
 from __future__ import annotations
@@ -40,35 +26,21 @@ from jaxstreams import _compat
 
 TRANSFERS = ("by_platform", "device_put", "stage_area")
 
-# What transfer="by_platform" picks, by jax.default_backend(): a table, read
-# at run time without measuring anything, from the figures of
-# benchmarks/prefetch.py (benchmarks/results/prefetch_<backend>.json).
-# CPU: measured; see the "transfer" case there. GPU: measured on an H100 with
-# jax 0.11.2 (benchmarks/results/gpu/prefetch_gpu.txt): jax.device_put placed
-# 0.25 MiB items faster than the stage area's copy stream (2560 against 2155
-# items/s) and 4 MiB items faster over a 100-item run (926 against 779; once
-# started the stage area was faster, 1201 against 929, but its first item
-# took 46 ms). Other backends have no runtime library: device_put.
+# What transfer="by_platform" picks, by jax.default_backend(): the path
+# benchmarks/prefetch.py measured faster there (its results name the runs).
+# Other backends have no runtime library: device_put.
 BY_PLATFORM_TRANSFER = {"cpu": "device_put", "gpu": "device_put"}
 
-# A get is only dispatched for an item already put, so it never waits for a
-# producer; the bound only turns a runtime bug into an error, not a hang.
+# A get follows its put: the bound only turns a runtime bug into an error.
 _GET_TIMEOUT_MS = 60_000
 
 
 class Transfer:
-  """How an item is placed and how the consumer receives it.
-
-  ``place(ticket, item, wait)`` runs in a worker, or in the consumer when
-  items are produced inline (tickets are 0, 1, 2... in pull order, one per
-  item pulled; ``wait``: return only once the copies are done, as a worker
-  does so that an item handed out is on the device and the lookahead bound
-  counts device memory); ``deliver(value)``, where a transfer has one,
-  runs in the consumer, under the pipeline's lock, in item order, with what
-  ``place`` returned (None: the consumer receives that itself, with no
-  call per item); ``stop()`` may run on any thread and only signals;
-  ``release()`` runs once, when no worker is left and nothing more will be
-  delivered."""
+  """``place(ticket, item, wait)`` runs in a worker or, inline, in the
+  consumer (tickets number the pulled items in order; ``wait``: return once
+  the copies are done); ``deliver(value)``, if not None, runs in the
+  consumer under the pipeline's lock, in item order; ``stop()`` only
+  signals, from any thread; ``release()`` runs once no worker is left."""
 
   name = "custom"
   deliver: Callable[[Any], Any] | None = None
@@ -102,37 +74,42 @@ class FunctionTransfer(Transfer):
     return self.transform(item)
 
 
+def _device_dtype(dtype: np.dtype) -> np.dtype | None:
+  """The dtype ``jax.device_put`` makes of ``dtype`` (float64 becomes
+  float32 without x64), or None where it refuses it or it is not numeric
+  (jax refuses big-endian arrays)."""
+  if not dtype.isnative or (dtype.kind not in "biufc"
+                            and dtype.name not in _EXTRA_DTYPES):
+    return None
+  try:
+    return jax.dtypes.canonicalize_dtype(dtype)
+  except (TypeError, ValueError):
+    return None
+
+
+def _unchanged(dtype: np.dtype) -> bool:
+  return _device_dtype(dtype) == dtype
+
+
 def _host_arrays(item: Any) -> Any:
-  """``item`` with its leaves on jax's default device, when every leaf is
-  a numpy array (or scalar) of a canonical device dtype; else None. Through
-  ``_compat.host_array_to_device``: jax.device_put's own last call, about a
-  sixth of its cost on a small array (and copied, so the producer may reuse
-  its numpy buffers)."""
+  """``item`` with its leaves on jax's default device through
+  ``_compat.host_array_to_device`` (a sixth of ``jax.device_put``'s cost on
+  a small array), when every leaf is a numpy array of a dtype that goes to
+  the device unchanged; else None."""
   if type(item) is np.ndarray:     # the common item, without a tree walk
-    return _compat.host_array_to_device(item, _canonical)
+    return _compat.host_array_to_device(item, _unchanged)
   leaves, treedef = jax.tree_util.tree_flatten(item)
   if not leaves:
     return None
   placed = []
   for leaf in leaves:
-    if type(leaf) is not np.ndarray:
-      if not isinstance(leaf, (np.ndarray, np.generic)):
-        return None     # a Python scalar (weakly typed), a jax array, ...
-      leaf = np.asarray(leaf)
-    array = _compat.host_array_to_device(leaf, _canonical)
+    if not isinstance(leaf, (np.ndarray, np.generic)):
+      return None     # a Python scalar (weakly typed), a jax array, ...
+    array = _compat.host_array_to_device(np.asarray(leaf), _unchanged)
     if array is None:
       return None
     placed.append(array)
   return treedef.unflatten(placed)
-
-
-def _canonical(dtype: np.dtype) -> bool:
-  """Whether arrays of ``dtype`` go to the device unchanged: a device dtype
-  that jax does not convert (float64 without x64 becomes float32)."""
-  if not dtype.isnative or (dtype.kind not in "biufc"
-                            and dtype.name not in _EXTRA_DTYPES):
-    return False      # (jax refuses big-endian arrays; it reads no bytes)
-  return jax.dtypes.canonicalize_dtype(dtype) == dtype
 
 
 def place_on_device(item: Any, sharding: Any = None, wait: bool = True) -> Any:
@@ -184,27 +161,20 @@ class _InStage:
 
 
 def _stageable_leaves(item: Any) -> tuple[Any, list[np.ndarray]] | None:
-  """(treedef, leaves as the numpy arrays ``jax.device_put`` would copy), or
-  None when a leaf is not a numpy array of a dtype a device holds."""
+  """(treedef, leaves as the arrays ``jax.device_put`` would copy), or None
+  when a leaf is not a numpy array of a device dtype (a Python scalar
+  becomes weakly typed under device_put, a jax array is already placed)."""
   leaves, treedef = jax.tree_util.tree_flatten(item)
   if not leaves:
     return None
   arrays = []
   for leaf in leaves:
-    # Python scalars become weakly typed arrays under device_put, jax arrays
-    # are already placed: neither goes through the area.
     if not isinstance(leaf, (np.ndarray, np.generic)):
       return None
-    dtype = leaf.dtype
-    if not dtype.isnative or (dtype.kind not in "biufc"
-                              and dtype.name not in _EXTRA_DTYPES):
-      return None     # device_put refuses a big-endian array: so do we
-    try:
-      canonical = jax.dtypes.canonicalize_dtype(dtype)
-    except (TypeError, ValueError):
+    dtype = _device_dtype(leaf.dtype)
+    if dtype is None:
       return None
-    # The same conversion device_put makes (float64 -> float32 without x64).
-    arrays.append(np.asarray(leaf, dtype=canonical, order="C"))
+    arrays.append(np.asarray(leaf, dtype=dtype, order="C"))
   return treedef, arrays
 
 
@@ -234,7 +204,6 @@ class _StageAreaTransfer(Transfer):
     self.staged = 0
     self.fallbacks = 0
 
-  # Worker side -----------------------------------------------------------------
   def place(self, ticket: int, item: Any, wait: bool) -> Any:
     with self.cond:
       while self.turn != ticket and not self.stopped:
@@ -252,8 +221,7 @@ class _StageAreaTransfer(Transfer):
         fits = self.area is not None and spec == self.spec and (
             treedef == self.treedef)
       if fits:
-        # Blocks while the area is full (a get dispatched but not yet run);
-        # stop() closes the area, which ends the wait with StageClosedError.
+        # Blocks while the area is full; stop() closes it, ending the wait.
         self.area.put(arrays)
         with self.cond:
           self.staged += 1
@@ -277,14 +245,11 @@ class _StageAreaTransfer(Transfer):
           capacity=self.size, platform=self.platform)
       self.spec, self.treedef = spec, treedef
       area = self.area
-      # One small program per area: the area's id is an attribute of the
-      # custom call. The extra scalar is written by the same execution; the
-      # consumer keeps it to know when the get has run (the arrays handed out
-      # may be donated or deleted by then).
+      # One program per area (its id is an attribute of the call); the
+      # scalar tells when the get has run (its arrays may be donated).
       self.getter = jax.jit(lambda: (area.get(timeout_ms=_GET_TIMEOUT_MS),
                                      jax.numpy.zeros((), jax.numpy.int32)))
 
-  # Consumer side ---------------------------------------------------------------
   def deliver(self, value: Any) -> Any:
     if not isinstance(value, _InStage):
       return value              # placed with device_put
@@ -294,7 +259,6 @@ class _StageAreaTransfer(Transfer):
     self.pending.append(done)
     return value.treedef.unflatten(leaves)
 
-  # Lifetime ----------------------------------------------------------------------
   def stop(self) -> None:
     with self.cond:
       self.stopped = True
@@ -349,9 +313,11 @@ def _stage_platform(sharding: Any) -> tuple[str | None, str]:
   return platform, ""
 
 
-def resolve(transfer: Any, sharding: Any, size: int, func: str) -> Transfer:
-  """The ``Transfer`` for ``prefetch(transfer=...)``; a ValueError naming
-  the value, or why ``"stage_area"`` cannot be used here."""
+def resolve(transfer: Any, sharding: Any, func: str
+            ) -> Callable[[int], Transfer]:
+  """What makes the ``Transfer`` for ``prefetch(transfer=...)``, given the
+  lookahead's size; a ValueError now naming the value, or why
+  ``"stage_area"`` cannot be used here."""
   if not isinstance(transfer, str) or transfer not in TRANSFERS:
     raise ValueError(f"{func}: transfer must be one of {list(TRANSFERS)}, got "
                      f"{transfer!r}")
@@ -360,11 +326,9 @@ def resolve(transfer: Any, sharding: Any, size: int, func: str) -> Transfer:
     if transfer == "stage_area" and _stage_platform(sharding)[0] is None:
       transfer = "device_put"
   if transfer == "device_put":
-    return _DevicePutTransfer(sharding)
+    return lambda size: _DevicePutTransfer(sharding)
   platform, why_not = _stage_platform(sharding)
   if platform is None:
     raise ValueError(f"{func}: transfer='stage_area' cannot be used here: "
                      f"{why_not}. Use transfer='device_put' or 'by_platform'.")
-  return _StageAreaTransfer(size, platform)
-
-
+  return lambda size: _StageAreaTransfer(size, platform)
