@@ -320,6 +320,13 @@ def trace_context() -> Any:
   return jax_config.trace_context()
 
 
+def register_cache(cache: Any, for_what: str) -> None:
+  """Have ``jax.clear_caches()`` call ``cache.cache_clear()`` (held weakly),
+  as it does for jax's own trace caches."""
+  from jax._src import util
+  util.register_cache(cache, for_what)
+
+
 def jit_disabled() -> bool:
   """Whether ``jax.disable_jit()`` is in force."""
   return bool(jax.config.jax_disable_jit)

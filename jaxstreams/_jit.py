@@ -181,7 +181,8 @@ class _Plans:
   keys on that can differ between them: the argument tree, the avals, the
   static values (with their types), jax's trace context, and the
   jaxstreams options the plan was made with. The newest ``SIZE`` plans are
-  kept.
+  kept, and ``jax.clear_caches()`` clears them with jax's own, so a
+  function traced again after it sees what it reads then.
   """
 
   SIZE = 64
@@ -189,6 +190,11 @@ class _Plans:
   def __init__(self):
     self._lock = threading.Lock()
     self._plans: "collections.OrderedDict[Any, tuple]" = collections.OrderedDict()
+    _compat.register_cache(self, "jaxstreams plans")
+
+  def cache_clear(self) -> None:
+    with self._lock:
+      self._plans.clear()
 
   @staticmethod
   def key(args, kwargs, options) -> Any:

@@ -226,6 +226,25 @@ def test_every_way_shares_one_trace_per_signature(on_a_gpu, monkeypatch):
   assert traces[3:] == [(8, 16)]
 
 
+def test_jax_clear_caches_clears_the_shared_plans(on_a_gpu, monkeypatch):
+  """After ``jax.clear_caches()`` jax.jit traces again and sees what the
+  function reads now; so does every program of a jaxstreams.jit function."""
+  monkeypatch.setattr(autotune, "time_call", FakeClock(
+      {w.name: 1e-3 for w in gpu.candidates()}))
+  scale = {"now": 2.0}
+
+  def step(x, w1, w2):
+    return two_towers(x, w1, w2) * scale["now"]
+
+  f = jaxstreams.jit(step, streams=3)
+  args = _args()
+  f(*args)
+  scale["now"] = 3.0
+  jax.clear_caches()
+  assert_equal_results(f(*args), jax.jit(step)(*args))
+  assert_equal_results(jax.jit(lambda *a: f(*a))(*args), jax.jit(step)(*args))
+
+
 @pytest.mark.cpu_backend
 def test_on_cpu_calls_go_straight_to_jax_jit():
   f = jaxstreams.jit(two_towers, streams=3)
