@@ -420,3 +420,45 @@ def test_cache_miss_explanations_are_jax_jits(caplog, monkeypatch):
     # The same text after the call site's line (``at file:line``).
     assert [m.split("\n", 1)[1] for m in ours] == \
         [m.split("\n", 1)[1] for m in theirs]
+
+
+def _with_unread_work(x, w):
+  with jaxstreams.stream(1):
+    unread = jnp.sin(w) * 2   # nothing reads it
+  del unread
+  with jaxstreams.stream(2):
+    y = jnp.cos(x)
+  return y + x
+
+
+def test_the_traced_program_keeps_unread_work_as_jax_jits():
+  """In place (the default way), work nothing reads stays in the traced
+  program, as in jax.jit's; jax drops it when lowering."""
+  x, w = jnp.arange(3.0), jnp.ones(3)
+  primitives = lambda f: [e.primitive.name for e in f.trace(x, w).jaxpr.eqns]
+  theirs = jax.jit(_with_unread_work)
+  ours = jaxstreams.jit(_with_unread_work, streams=3, gpu_lowering="default")
+  assert "sin" in primitives(theirs)
+  assert sorted(primitives(ours)) == sorted(primitives(theirs))
+  assert_equal_results(ours(x, w), theirs(x, w))
+
+
+def test_a_tracer_leaked_into_unread_work_fails_the_call_as_with_jax_jit():
+  leaked = []
+
+  def leaks(x):
+    leaked.append(x * 2)
+    return x
+
+  def reads_the_leak_in_unread_work(x):
+    with jaxstreams.stream(1):
+      jax.lax.scan(lambda c, _: (c, leaked[0] + 1), None, None, length=2)
+    return x + 1
+
+  for make in (jax.jit,
+               lambda f: jaxstreams.jit(f, streams=2, gpu_lowering="default")):
+    leaked.clear()
+    make(leaks)(jnp.ones(()))
+    with pytest.raises(jax.errors.UnexpectedTracerError,
+                       match="was created on line"):
+      make(reads_the_leak_in_unread_work)(jnp.ones(()))
