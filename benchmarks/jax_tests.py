@@ -18,7 +18,7 @@ ref given. Slow (api_test is some minutes a run): run on purpose, not by CI.
   python benchmarks/jax_tests.py --jax-git /path/to/jax.git \\
       [--ref jax-v0.10.2] [-n 2] [-k expr] [--files api_test debug_nans_test]
 
-The results go to ``benchmarks/results/jax_tests_cpu_jax<version>.json``
+The results go to ``benchmarks/results/jax_tests_<platform>_jax<version>.json``
 and ``.txt`` (``--quick``: debug_nans_test alone, ``*_quick.*``).
 """
 
@@ -67,6 +67,7 @@ def _export(git_dir: str, ref: str, into: pathlib.Path) -> pathlib.Path:
   paths = ["tests", "conftest.py", "pyproject.toml"]
   archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", ref,
                             *paths], check=True, capture_output=True).stdout
+  into.mkdir(parents=True, exist_ok=True)
   subprocess.run(["tar", "x", "-C", str(into)], input=archive, check=True)
   return into
 
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
   source.add_argument("--jax-git", help="a git directory of jax-ml/jax")
   parser.add_argument("--ref", help="with --jax-git: the commit or tag "
                       "(default jax-v<installed version>)")
+  parser.add_argument("--source", help="with --jax-src: what the tree is, "
+                      "for the results (default: its path)")
   parser.add_argument("--files", nargs="+", default=list(FILES),
                       help="test files, without .py (default: %(default)s)")
   parser.add_argument("-n", dest="workers", type=int, default=0,
@@ -159,11 +162,12 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory(prefix="jax_tests_") as tmp:
     scratch = pathlib.Path(tmp)
     if args.jax_src:
-      src, ref = pathlib.Path(args.jax_src).resolve(), None
+      src = pathlib.Path(args.jax_src).resolve()
+      ref = args.source or str(src)
     else:
       ref = args.ref or f"jax-v{jax.__version__}"
       src = _export(args.jax_git, ref, scratch / "jax")
-    print(f"jax {jax.__version__}, tests from {ref or src}", flush=True)
+    print(f"jax {jax.__version__}, tests from {ref}", flush=True)
     files = {}
     for name in args.files:
       plain = _run(src, name, False, args, env, scratch)
@@ -180,11 +184,12 @@ def main(argv=None) -> int:
   text = _table(files)
   print("\n" + text)
   result = {"machine": _common.machine(), "quiet": args.quiet,
-            "tests": ref or "a JAX source tree", "k": args.k,
+            "tests": ref, "k": args.k,
             "swap": f"jaxstreams.jit(f, streams={args.streams}, "
                     "spread=True, **jax_jit_keywords)",
             "files": files}
-  name = f"jax_tests_cpu_jax{jax.__version__}" + ("_quick" if args.quick else "")
+  name = (f"jax_tests_{result['machine']['platform']}_jax{jax.__version__}"
+          + ("_quick" if args.quick else ""))
   print("saved", _common.save(args.out, name, result, text))
   return 0
 

@@ -169,7 +169,7 @@ def test_jax_tests_tells_what_fails_only_when_swapped(tmp_path):
        str(tmp_path / "jax"), "--files", "api_test", "--out", str(tmp_path)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-  [saved] = tmp_path.glob("jax_tests_cpu_jax*.json")
+  [saved] = tmp_path.glob(f"jax_tests_{jax.devices()[0].platform}_jax*.json")
   tally = json.loads(saved.read_text())["files"]["api_test"]
   assert tally["plain"] == {"passed": 2, "failed": 0, "skipped": 1}
   assert tally["swapped"] == {"passed": 1, "failed": 1, "skipped": 1}
