@@ -123,6 +123,19 @@ def _count(outcomes: dict[str, str]) -> dict[str, int]:
   return counts
 
 
+def tally(plain: dict[str, str], swapped: dict[str, str]) -> dict:
+  """One file's counts each way and the tests that fail one way only."""
+  return {
+      "plain": _count(plain), "swapped": _count(swapped),
+      "fail_only_swapped": sorted(
+          t for t, o in swapped.items()
+          if o == "failed" and plain.get(t) == "passed"),
+      "fail_only_plain": sorted(
+          t for t, o in plain.items()
+          if o == "failed" and swapped.get(t) == "passed"),
+  }
+
+
 def _table(files: dict) -> str:
   lines = [f"{'file':24} {'plain pass/fail/skip':>22} "
            f"{'swapped pass/fail/skip':>24} {'only swapped':>13}"]
@@ -168,29 +181,22 @@ def main(argv=None) -> int:
       ref = args.ref or f"jax-v{jax.__version__}"
       src = _export(args.jax_git, ref, scratch / "jax")
     print(f"jax {jax.__version__}, tests from {ref}", flush=True)
-    files = {}
-    for name in args.files:
-      plain = _run(src, name, False, args, env, scratch)
-      swapped = _run(src, name, True, args, env, scratch)
-      files[name] = {
-          "plain": _count(plain), "swapped": _count(swapped),
-          "fail_only_swapped": sorted(
-              t for t, o in swapped.items()
-              if o == "failed" and plain.get(t) == "passed"),
-          "fail_only_plain": sorted(
-              t for t, o in plain.items()
-              if o == "failed" and swapped.get(t) == "passed"),
-      }
-  text = _table(files)
-  print("\n" + text)
-  result = {"machine": _common.machine(), "quiet": args.quiet,
-            "tests": ref, "k": args.k,
-            "swap": f"jaxstreams.jit(f, streams={args.streams}, "
-                    "spread=True, **jax_jit_keywords)",
-            "files": files}
-  name = (f"jax_tests_{result['machine']['platform']}_jax{jax.__version__}"
-          + ("_quick" if args.quick else ""))
-  print("saved", _common.save(args.out, name, result, text))
+    result = {"machine": _common.machine(), "quiet": args.quiet,
+              "tests": ref, "k": args.k,
+              "swap": f"jaxstreams.jit(f, streams={args.streams}, "
+                      "spread=True, **jax_jit_keywords)",
+              "files": {}, "not_run": list(args.files)}
+    name = (f"jax_tests_{result['machine']['platform']}_jax{jax.__version__}"
+            + ("_quick" if args.quick else ""))
+    for test_file in args.files:
+      plain = _run(src, test_file, False, args, env, scratch)
+      swapped = _run(src, test_file, True, args, env, scratch)
+      result["files"][test_file] = tally(plain, swapped)
+      result["not_run"].remove(test_file)
+      # Saved after each file: a run stopped early keeps what it did.
+      saved = _common.save(args.out, name, result, _table(result["files"]))
+  print("\n" + _table(result["files"]))
+  print("saved", saved)
   return 0
 
 
