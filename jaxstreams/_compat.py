@@ -327,6 +327,16 @@ def register_cache(cache: Any, for_what: str) -> None:
   util.register_cache(cache, for_what)
 
 
+def cache_misses_unexplained():
+  """A context in which jax does not explain its tracing cache misses
+  (``jax_explain_cache_misses``). ``jaxstreams.jit`` traces the user's
+  function a second time inside the trace ``jax.jit`` explains, always
+  afresh: an explanation of that trace would be a second, meaningless one.
+  jax offers the option's context manager only internally."""
+  from jax._src import config as jax_config
+  return jax_config.explain_cache_misses(False)
+
+
 def jit_disabled() -> bool:
   """Whether ``jax.disable_jit()`` is in force."""
   return bool(jax.config.jax_disable_jit)

@@ -156,11 +156,21 @@ class _Staged:
     except (TypeError, ValueError):
       pass
 
+  @property
+  def __wrapped__(self) -> Callable:
+    """The user's function: jax names a traced function after what
+    ``inspect.unwrap`` finds (its name and source line in cache-miss
+    explanations, the lowered module's name), as for ``jax.jit(fun)``."""
+    return self._fun_ref()
+
   def __call__(self, *args, **kwargs):
     fun = self._fun_ref()
-    if _compat.jit_disabled():
+    if _compat.jit_disabled() or _compat.at_top_level():
       # Under jax.disable_jit() jax.jit runs the function as plain Python;
       # so do we (stream() blocks are then name scopes that do nothing).
+      # Outside any trace jax itself is calling the function as if the jit
+      # were removed: under jax_debug_nans, after a compiled call made a
+      # NaN, to re-run it op by op and name the primitive that made it.
       return fun(*args, **kwargs)
     plan, out_tree, dynamic = make_plan(fun, self.streams, self.spread,
                                         self.source, args, kwargs, self.plans)
@@ -238,13 +248,12 @@ def _shared(fun: Callable) -> dict | None:
   """``fun``'s entry in ``_STAGED`` (hold ``_STAGED_LOCK``), or None where
   it cannot share one. Only callables compared by identity share: an equal
   but distinct callable (a bound method made again) would find the entry of
-  one that may die before it."""
+  one that may die before it. A callable that cannot be weakly referenced
+  raises jax.jit's TypeError (jax's trace cache holds functions weakly, so
+  a ``jax.jit`` of one fails at its first call too)."""
   if type(fun).__eq__ is not object.__eq__:
     return None
-  try:
-    return _STAGED.setdefault(fun, {})
-  except TypeError:   # not weakly referable
-    return None
+  return _STAGED.setdefault(fun, {})
 
 
 def _staged_for(fun: Callable, streams: int, spread: bool | None,
@@ -370,8 +379,9 @@ def make_plan(fun: Callable, streams: int, spread: bool | None, source: str,
     dynamic = [leaf for leaf in tree_util.tree_leaves((args, kwargs))
                if isinstance(leaf, jax.core.Tracer)]
     return plan, out_tree, dynamic
-  closed, dynamic, out_tree = trace(
-      fun, args, kwargs, traced=lambda leaf: isinstance(leaf, jax.core.Tracer))
+  with _compat.cache_misses_unexplained():
+    closed, dynamic, out_tree = trace(
+        fun, args, kwargs, traced=lambda leaf: isinstance(leaf, jax.core.Tracer))
   plan = _pipeline.plan_program(closed, streams, source, _function_name(fun),
                                 options)
   if plans is not None:
@@ -614,7 +624,11 @@ class StreamJit(functools.partial):
   def __repr__(self) -> str:
     streams = (f"streams={self._streams}" if self._streams is not None
                else "streams from the jaxstreams_streams option")
-    return f"<jaxstreams.jit {_function_name(self._spec.fun)}, {streams}>"
+    try:
+      name = f" {_function_name(self._spec.fun)},"
+    except Exception:  # noqa: BLE001 - as jax.jit's, a repr never fails
+      name = ""
+    return f"<jaxstreams.jit{name} {streams}>"
 
   def __reduce__(self):
     raise TypeError(f"cannot pickle {self!r} (jax.jit functions cannot be "

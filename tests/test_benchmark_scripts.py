@@ -146,3 +146,34 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
                                (1.0, "free", True), (1.0, "free", False),
                                (1.0, "io", True), (1.0, "io", False)}
     assert all(r["step_ms_calibrated"] > 0 for r in rows)
+
+
+def test_jax_tests_tells_what_fails_only_when_swapped(tmp_path):
+  """jax_tests.py on a made-up JAX source tree: one test that passes both
+  ways, one that tells jax.jit from jaxstreams.jit, one skipped."""
+  tests = tmp_path / "jax" / "tests"
+  tests.mkdir(parents=True)
+  (tests / "api_test.py").write_text(
+      "import jax, pytest\n"
+      "def f(x):\n  return x + 1\n"
+      "def test_same_result():\n  assert jax.jit(f)(1) == 2\n"
+      "def test_kind():\n"
+      "  assert type(jax.jit(f)).__name__ == 'PjitFunction'\n"
+      "def test_skipped():\n  pytest.skip('nothing to do')\n")
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (str(pathlib.Path(jaxstreams.__file__).parent.parent),
+                  env.get("PYTHONPATH")) if p)
+  proc = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "jax_tests.py"), "--jax-src",
+       str(tmp_path / "jax"), "--files", "api_test", "--out", str(tmp_path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  [saved] = tmp_path.glob(f"jax_tests_{jax.devices()[0].platform}_jax*.json")
+  result = json.loads(saved.read_text())
+  assert result["not_run"] == []
+  tally = result["files"]["api_test"]
+  assert tally["plain"] == {"passed": 2, "failed": 0, "skipped": 1}
+  assert tally["swapped"] == {"passed": 1, "failed": 1, "skipped": 1}
+  assert tally["fail_only_swapped"] == ["api_test::test_kind"]
+  assert tally["fail_only_plain"] == []

@@ -323,3 +323,142 @@ def test_tracing_errors_name_the_users_function_and_argument(
     with pytest.raises(error) as planned:
       jaxstreams.plan(fun, streams=2, **jit_kwargs)(*args, **kwargs)
     assert where in str(planned.value) and named in str(planned.value)
+
+
+def _divides_in_a_region(x, y):
+  with jaxstreams.stream(1):
+    z = x / y
+  return z + 1
+
+
+@pytest.mark.parametrize("nan_in", ["region", "main stream"])
+def test_debug_nans_names_the_primitive_as_jax_jit_does(nan_in, monkeypatch):
+  """Under ``jax_debug_nans`` a compiled call that makes a NaN is run again
+  op by op, as if the jit were removed, and the error names the primitive
+  that made it: for a NaN made inside a stream() block too."""
+  monkeypatch.setattr(jaxstreams.config, "read", _streams_option(2))
+  fun = _divides_in_a_region if nan_in == "region" else (lambda x, y: x / y)
+  zero = jnp.zeros(())
+
+  def message(jitted):
+    with jax.debug_nans(True):
+      with pytest.raises(FloatingPointError) as info:
+        jitted(zero, zero).block_until_ready()
+    return str(info.value)
+
+  theirs = message(jax.jit(fun))
+  assert "invalid value (nan) encountered in div" in theirs
+  for streams in (2, None):
+    assert message(jaxstreams.jit(fun, streams=streams, spread=True)) == theirs
+  # Without the option the same function runs and returns its NaN.
+  assert np.isnan(jaxstreams.jit(fun, streams=2)(zero, zero))
+
+
+def test_a_function_without_weak_references_fails_at_its_call_as_with_jax_jit():
+  class CallableWithSlots:
+    __slots__ = []
+
+    def __call__(self, x):
+      return x + 1
+
+  def call_error(jitted):
+    with pytest.raises(TypeError) as info:
+      jitted(3)
+    return str(info.value)
+
+  theirs = call_error(jax.jit(CallableWithSlots()))
+  assert "cannot create weak reference" in theirs
+  assert call_error(jaxstreams.jit(CallableWithSlots(), streams=2)) == theirs
+  assert call_error(jaxstreams.jit(CallableWithSlots())) == theirs
+
+
+def test_repr_never_fails():
+  """As jax.jit's: a callable whose own repr raises still has one."""
+  class BadRepr:
+    def __call__(self, x):
+      return x
+
+    def __repr__(self):
+      raise ValueError("invalid repr")
+
+  repr(jax.jit(BadRepr()))
+  assert repr(jaxstreams.jit(BadRepr(), streams=2)) == \
+      "<jaxstreams.jit streams=2>"
+  assert repr(jaxstreams.jit(_divides_in_a_region, streams=2)) == \
+      "<jaxstreams.jit _divides_in_a_region, streams=2>"
+
+
+def _explanations(caplog, jitted):
+  """The cache-miss explanations jax logs for a call with new dtypes after
+  one call."""
+  jitted(np.float32(0), np.float32(1))
+  caplog.clear()
+  jax.config.update("jax_explain_cache_misses", True)
+  try:
+    with caplog.at_level("WARNING"):
+      jitted(np.float32(0), np.int32(1))
+      jitted(np.float32(0), np.int32(1))   # a hit: nothing to explain
+  finally:
+    jax.config.update("jax_explain_cache_misses", False)
+  return [r.getMessage() for r in caplog.records
+          if "TRACING CACHE MISS" in r.getMessage()]
+
+
+def test_cache_miss_explanations_are_jax_jits(caplog, monkeypatch):
+  """``jax_explain_cache_misses`` explains a miss of a jaxstreams.jit
+  function once, with jax.jit's reason, naming the user's function."""
+  monkeypatch.setattr(jaxstreams.config, "read", _streams_option(2))
+  def first_of_two(x, y):
+    with jaxstreams.stream(1):
+      z = jnp.sin(x)
+    return z + y
+  theirs = _explanations(caplog, jax.jit(first_of_two))
+  assert len(theirs) == 1
+  assert "at y, now i32[] and before f32[]" in theirs[0]
+  for streams in (2, None):
+    ours = _explanations(caplog, jaxstreams.jit(first_of_two, streams=streams))
+    # The same text after the call site's line (``at file:line``).
+    assert [m.split("\n", 1)[1] for m in ours] == \
+        [m.split("\n", 1)[1] for m in theirs]
+
+
+def _with_unread_work(x, w):
+  with jaxstreams.stream(1):
+    unread = jnp.sin(w) * 2   # nothing reads it
+  del unread
+  with jaxstreams.stream(2):
+    y = jnp.cos(x)
+  return y + x
+
+
+def test_the_traced_program_keeps_unread_work_as_jax_jits():
+  """In place (the default way), work nothing reads stays in the traced
+  program, as in jax.jit's; jax drops it when lowering."""
+  x, w = jnp.arange(3.0), jnp.ones(3)
+  primitives = lambda f: [e.primitive.name for e in f.trace(x, w).jaxpr.eqns]
+  theirs = jax.jit(_with_unread_work)
+  ours = jaxstreams.jit(_with_unread_work, streams=3, gpu_lowering="default")
+  assert "sin" in primitives(theirs)
+  assert sorted(primitives(ours)) == sorted(primitives(theirs))
+  assert_equal_results(ours(x, w), theirs(x, w))
+
+
+def test_a_tracer_leaked_into_unread_work_fails_the_call_as_with_jax_jit():
+  leaked = []
+
+  def leaks(x):
+    leaked.append(x * 2)
+    return x
+
+  def reads_the_leak_in_unread_work(x):
+    with jaxstreams.stream(1):
+      jax.lax.scan(lambda c, _: (c, leaked[0] + 1), None, None, length=2)
+    return x + 1
+
+  for make in (jax.jit,
+               lambda f: jaxstreams.jit(f, streams=2, gpu_lowering="default")):
+    leaked.clear()
+    make(leaks)(jnp.ones(()))
+    with pytest.raises(jax.errors.UnexpectedTracerError,
+                       match="was created on line"):
+      make(reads_the_leak_in_unread_work)(jnp.ones(()))

@@ -95,8 +95,11 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
   order = _Sequencer.for_plan(plan, env) if stream_calls else None
 
   for index, stream in enumerate(graph.streams):
-    if not _emitted(plan, index):
-      continue  # nothing reads it: jax.jit would drop it too
+    if stream_calls and not _emitted(plan, index):
+      # Nothing reads it: jax drops it when lowering. In place it is
+      # emitted all the same, so the traced program is the one jax.jit
+      # traces (a tracer leaked into it fails the call, as under jax.jit).
+      continue
     with jax.named_scope(REGION_SCOPE.format(index=index)):
       _emit_region(plan, index, env, order, profile, stream_calls)
   if profile:
