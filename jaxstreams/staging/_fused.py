@@ -31,11 +31,19 @@ from jaxstreams.staging._analysis import FUNC, Split
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging import _clock
 from jaxstreams.staging._lookahead import NOT_READY
-from jaxstreams.staging._prefetcher import Prefetcher, next_if_ready
-from jaxstreams.staging._source import DataError
+from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.tag import stream as stream_scope
 
 _SCHEDULE = 64        # programs the fused runner remembers for ``schedule``
+
+
+class DataError:
+  """Read in place of batch ``k`` whose reading or placing raised."""
+
+  __slots__ = ("exc",)
+
+  def __init__(self, exc: BaseException):
+    self.exc = exc
 
 
 class _InFlight:
@@ -188,7 +196,7 @@ class FusedRun:
     else:
       started = _clock.now()
       try:
-        got = next(self.reader) if block else next_if_ready(self.reader)
+        got = next(self.reader) if block else self.reader.next_if_ready()
       except StopIteration:
         self.ended = True
         return None

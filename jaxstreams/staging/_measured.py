@@ -4,7 +4,7 @@ fused pipeline where staging pays, the plain step where it does not
 
 Plain, each call reads the next batch in the caller's thread and runs the
 step jitted whole, as the unstaged loop does. Every promise holds across a
-switch: one ``_source.Source`` is read by the caller's thread or by the
+switch: one ``Source`` is read by the caller's thread or by the
 reader thread, never both; going plain, the pipeline stops admitting
 batches and drains with fused programs, the reader's workers park, the
 batches it had read run next, and only then does the caller read on; going
@@ -15,6 +15,7 @@ outlives a drain.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Iterable
 
 import jax
@@ -23,9 +24,8 @@ from jax import tree_util
 from jaxstreams.staging import _clock, _policy
 from jaxstreams.staging._analysis import Split
 from jaxstreams.staging._meter import Meter
-from jaxstreams.staging._fused import FusedRun, producer_stream
-from jaxstreams.staging._prefetcher import Prefetcher, holds_items, set_way
-from jaxstreams.staging._source import DataError, Source, place, timed
+from jaxstreams.staging._fused import DataError, FusedRun, producer_stream
+from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._transfer import place_on_device
 
@@ -35,6 +35,61 @@ WAYS = ("fused", "plain")       # "measured" chooses between them
 def _platform() -> str:
   """The platform programs run on (a function, so tests can pretend)."""
   return jax.default_backend()
+
+
+class Source:
+  """The user's iterable, one batch (or a ``DataError``: batch ``k``'s
+  exception, raised by call ``k``) per ``next()``, read by the caller's
+  thread or the reader, never both, so batches come in order."""
+
+  def __init__(self, data: Iterable[Any]):
+    self._iterator = iter(data)
+    self._ended = False
+
+  def __iter__(self) -> Source:
+    return self
+
+  def __next__(self) -> Any:
+    if self._ended:
+      raise StopIteration
+    try:
+      return next(self._iterator)
+    except StopIteration:
+      self._ended = True
+      raise
+    except BaseException as exc:  # noqa: BLE001 - raised at its batch
+      self._ended = True
+      return DataError(exc)
+
+  def close(self) -> None:
+    self._ended = True
+    if isinstance(self._iterator, types.GeneratorType):
+      self._iterator.close()
+
+  def timed(self):
+    """The reader's items, ``(batch, seconds its read took)``; closing it
+    leaves the source open for the caller's thread."""
+    while True:
+      started = _clock.now()
+      try:
+        batch = next(self)
+      except StopIteration:
+        return
+      yield batch, _clock.now() - started
+
+
+def _place(read: tuple[Any, float]) -> tuple[Any, float]:
+  """The reader's transform: the batch on the device, and the seconds
+  reading and placing it took."""
+  batch, seconds = read
+  if isinstance(batch, DataError):
+    return read
+  started = _clock.now()
+  try:
+    batch = place_on_device(batch)
+  except Exception as exc:  # noqa: BLE001 - raised at its batch
+    return DataError(exc), seconds
+  return batch, seconds + _clock.now() - started
 
 
 def _with_batch(args: tuple, batch: Any, data_argnums: int) -> tuple:
@@ -126,7 +181,7 @@ class MeasuredRun:
     if self.first is not None:   # read before this call's clock started
       batch, self.first = self.first, None
       started, read = self.first_started, self.first_read
-    elif self.reader is not None and holds_items(self.reader):
+    elif self.reader is not None and self.reader.holds_items():
       batch, _ = next(self.reader)           # StopIteration: the end
       made = False     # read by the reader: not what reading here costs
     else:
@@ -159,13 +214,13 @@ class MeasuredRun:
     if way == "plain":
       fused.stop_admitting()
       if self.reader is not None:
-        set_way(self.reader, "inline")       # its workers park
+        self.reader.set_way("inline")       # its workers park
       return
     if self.reader is None:
-      self.reader = Prefetcher(timed(self.source), self.capacity,
-                               transform=place)
+      self.reader = Prefetcher(self.source.timed(), self.capacity,
+                               transform=_place)
     else:
-      set_way(self.reader, "workers")
+      self.reader.set_way("workers")
     if not fused.inflight:
       self.restart = True
     fused.resume(self.reader, self.calls)

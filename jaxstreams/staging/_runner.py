@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from jaxstreams import _checks, config
+from jaxstreams import _checks
 from jaxstreams._jit import jit as streams_jit, spec_of
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.staging._analysis import FUNC, Split, build_split
@@ -26,7 +26,7 @@ from jaxstreams.staging._measured import MeasuredRun
 from jaxstreams.staging._fused import FusedRun
 from jaxstreams.staging._plan import StagedPlan
 from jaxstreams.staging._splits import Splits
-from jaxstreams.staging._threads import ThreadRun, jit_parts
+from jaxstreams.staging._threads import ThreadRun
 
 MODES = ("measured", "fused", "plain", "threads")
 
@@ -52,15 +52,11 @@ class StagedRunner:
     self.streams: int | None = None
     self.smart = smart
     self.mode = mode
-    if mode == "threads":
-      # Thread mode jits each part on its own (the producer on ``stream``);
-      # fused programs apply the stream inside the one program they fuse.
-      self._splits = Splits(fun, self._name, data_argnums, smart,
-                            jit_key=(stream, consumer_jit.key,
-                                     config.read("jaxstreams_gpu_lowering")),
-                            jit_parts=jit_parts(stream, consumer_jit.jit))
-    else:
-      self._splits = Splits(fun, self._name, data_argnums, smart)
+    # Thread mode jits each part on its own (the producer on ``stream``);
+    # fused programs apply the stream inside the one program they fuse.
+    self._splits = Splits(fun, self._name, data_argnums, smart,
+                          (stream, consumer_jit) if mode == "threads"
+                          else None)
     self._run: MeasuredRun | ThreadRun | None = None
     self._done = False
 
@@ -174,35 +170,25 @@ class StagedRunner:
             f"capacity={self.capacity}, smart={self.smart}>")
 
 
-class _ConsumerJit:
-  """How thread mode jits the consumer (as the step was jitted), and its
-  key in the split cache."""
-
-  def __init__(self, jit: Callable, key: Any):
-    self.jit, self.key = jit, key
-
-
-def _unwrap(step: Callable) -> tuple[Callable, _ConsumerJit, str,
+def _unwrap(step: Callable) -> tuple[Callable, tuple, str,
                                      Callable[[], int],
                                      Callable[[Split], Callable]]:
-  """The function to trace, how thread mode jits the consumer, a name, the
-  streams the step's own plan uses, and the plain step for a split (the
-  step jitted whole: a jitted step itself, a plain function as a
-  ``jaxstreams.jit`` one with the streams its ``stream()`` blocks use)."""
+  """The function to trace, how thread mode jits the consumer (``_splits``'s
+  ``_jit_parts``), a name, the streams the step's own plan uses, and the
+  plain step for a split (the step jitted whole: a jitted step itself, a
+  plain function as a ``jaxstreams.jit`` one with the streams its
+  ``stream()`` blocks use)."""
   spec = spec_of(step)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
     fun = spec.array_function(FUNC)
-    consumer_jit = _ConsumerJit(
-        lambda f: streams_jit(f, streams=spec.streams),
-        ("jaxstreams.jit", spec.streams))
-    return fun, consumer_jit, name, spec.streams_now, lambda split: step
+    return (fun, ("jaxstreams.jit", spec.streams), name, spec.streams_now,
+            lambda split: step)
   inner = getattr(step, "__wrapped__", None)
   if inner is not None and hasattr(step, "lower"):
     # A jax.jit function: trace what it wraps, so stage() is visible.
-    return (inner, _ConsumerJit(jax.jit, "jax.jit"), name, lambda: 1,
-            lambda split: step)
-  return (step, _ConsumerJit(jax.jit, "jax.jit"), name, lambda: 1,
+    return inner, ("jax.jit", None), name, lambda: 1, lambda split: step
+  return (step, ("jax.jit", None), name, lambda: 1,
           lambda split: streams_jit(step, streams=split.streams_used))
 
 

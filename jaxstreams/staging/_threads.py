@@ -14,34 +14,11 @@ from typing import Any, Callable, Iterable
 import jax
 from jax import tree_util
 
-from jaxstreams._jit import jit as streams_jit
 from jaxstreams.staging import _clock
 from jaxstreams.staging._analysis import FUNC, Split
 from jaxstreams.staging._meter import Meter
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._prefetcher import Prefetcher
-from jaxstreams.tag import stream as stream_scope
-
-
-def jit_parts(stream: int | None, consumer_jit: Callable
-              ) -> Callable[[Split], None]:
-  """Sets ``split.fns``: each producer stage jitted (on ``stream`` when
-  given), the consumer as the step was (``consumer_jit``)."""
-  def jit(split: Split) -> None:
-    fns = []
-    for body in split.bodies[:-1]:
-      if body is None:
-        fns.append(None)
-      elif stream is None:
-        fns.append(jax.jit(body))
-      else:
-        def run(*xs, body=body):
-          with stream_scope(stream):
-            return body(*xs)
-        fns.append(streams_jit(run, streams=stream + 1))
-    fns.append(consumer_jit(split.bodies[-1]))
-    split.fns = fns
-  return jit
 
 
 class ThreadRun:
