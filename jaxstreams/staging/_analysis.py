@@ -72,18 +72,24 @@ class Split:
     return env
 
 
+def with_data(other_args: tuple, batch: Any, data_argnums: int
+              ) -> tuple[tuple, int]:
+  """The step's arguments, ``batch`` at ``data_argnums``, and its position."""
+  position = (data_argnums if data_argnums >= 0
+              else len(other_args) + 1 + data_argnums)
+  return (*other_args[:position], batch, *other_args[position:]), position
+
+
 def build_split(fun: Callable, function_name: str, other_args: tuple,
                 kwargs: dict, batch: Any, data_argnums: int,
                 smart: bool) -> Split:
   """Traces ``fun`` with ``batch`` at ``data_argnums`` and splits it."""
-  position = (data_argnums if data_argnums >= 0
-              else len(other_args) + 1 + data_argnums)
+  args, position = with_data(other_args, batch, data_argnums)
   if not 0 <= position <= len(other_args):
     raise ValueError(
         f"{FUNC}: data_argnums={data_argnums} does not name an argument of a "
         f"step called with {len(other_args)} other argument(s) plus the data "
         f"(valid: {-(len(other_args) + 1)} .. {len(other_args)})")
-  args = other_args[:position] + (batch,) + other_args[position:]
   closed, _, out_tree = trace(fun, args, kwargs)
   jaxpr = closed.jaxpr
   is_data, names = _arguments(jaxpr, args, kwargs, position)

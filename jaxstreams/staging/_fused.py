@@ -147,8 +147,8 @@ def producer_stream(first: Split, stream: int | None,
 class FusedRun:
   """One runner's fused pipeline, used from the caller's thread only.
   Batches come from a reader (``(batch, seconds)`` pairs) given by
-  ``resume``, first the one ``hold`` gave; ``stop_admitting`` lets the
-  pipeline drain. ``read_s`` and ``wait_s`` sum what reading the admitted
+  ``resume``, first ``held`` (on the device); not ``admitting``, the
+  pipeline drains. ``read_s`` and ``wait_s`` sum what reading the admitted
   batches took and how long calls waited; ``first_calls`` counts programs
   called for the first time (each may have compiled then)."""
 
@@ -170,10 +170,6 @@ class FusedRun:
     self.called: set[int] = set()   # the programs (ids) this run has called
     self.first_calls = 0            # ... how many (a compile, maybe)
 
-  def hold(self, batch: Any) -> None:
-    """``batch`` (on the device) is the next one to enter."""
-    self.held = batch
-
   def resume(self, reader: Prefetcher, next_index: int) -> None:
     """Admits batches again, from ``reader``; ``next_index`` numbers the
     next batch if the pipeline is empty (which then warms up again)."""
@@ -182,9 +178,6 @@ class FusedRun:
     if not self.inflight:
       self.warm = False
       self.next_index = next_index
-
-  def stop_admitting(self) -> None:
-    self.admitting = False
 
   def _admit(self, block: bool) -> _InFlight | None:
     """The next batch as a new in-flight entry; None when none may enter

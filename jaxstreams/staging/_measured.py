@@ -22,8 +22,7 @@ import jax
 from jax import tree_util
 
 from jaxstreams.staging import _clock, _policy
-from jaxstreams.staging._analysis import Split
-from jaxstreams.staging._meter import Meter
+from jaxstreams.staging._analysis import Split, with_data
 from jaxstreams.staging._fused import DataError, FusedRun, producer_stream
 from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.staging._splits import Splits
@@ -92,13 +91,6 @@ def _place(read: tuple[Any, float]) -> tuple[Any, float]:
   return batch, seconds + _clock.now() - started
 
 
-def _with_batch(args: tuple, batch: Any, data_argnums: int) -> tuple:
-  """The step's arguments: ``args`` with ``batch`` at ``data_argnums``."""
-  position = (data_argnums if data_argnums >= 0
-              else len(args) + 1 + data_argnums)
-  return (*args[:position], batch, *args[position:])
-
-
 class MeasuredRun:
   """One runner's source, reader (made when it first stages), fused
   pipeline, plain step and meter. Made by the first call, which reads the
@@ -117,7 +109,7 @@ class MeasuredRun:
     self.reader: Prefetcher | None = None
     self.fused: FusedRun | None = None
     self.calls = 0
-    self.meter: Meter | None = None    # what it measures, and the chooser
+    self.meter: _policy.Meter | None = None    # what it measures, and the chooser
     self.restart = False      # the next staged call starts an empty pipeline
     try:
       self.first_started = _clock.now()
@@ -139,10 +131,10 @@ class MeasuredRun:
         chooser = None
         self.reason = f"mode={mode!r} was asked for"
         self.way = mode
-      self.meter = Meter(WAYS, chooser, ("calls", "call_us", "read_us"))
+      self.meter = _policy.Meter(WAYS, chooser, ("calls", "call_us", "read_us"))
       self.first = first          # the first batch, run by the first call
       if self.way == "fused":
-        self.fused.hold(place_on_device(first))
+        self.fused.held = place_on_device(first)
         self.first = None
         self._go("fused")
     except BaseException:
@@ -191,7 +183,7 @@ class MeasuredRun:
       busy = _clock.busy(busy_start, read) if busy_start else 0.0
     if type(batch) is DataError:
       raise batch.exc
-    outs = self.plain(*_with_batch(other_args, batch, self.data_argnums),
+    outs = self.plain(*with_data(other_args, batch, self.data_argnums)[0],
                       **kwargs)
     self._count("plain", started, read, 0.0, made, busy=busy)
     return outs
@@ -212,7 +204,7 @@ class MeasuredRun:
     self.way = way
     fused = self.fused
     if way == "plain":
-      fused.stop_admitting()
+      fused.admitting = False
       if self.reader is not None:
         self.reader.set_way("inline")       # its workers park
       return
@@ -224,9 +216,6 @@ class MeasuredRun:
     if not fused.inflight:
       self.restart = True
     fused.resume(self.reader, self.calls)
-
-  def stats(self) -> dict[str, Any]:
-    return self.meter.report(self.way, self.reason)
 
   def close(self) -> None:
     """Stops the reader and closes the source; staged values in flight

@@ -140,7 +140,7 @@ class StagedRunner:
       way = "plain" if self.mode == "measured" else self.mode
       return {"mode": way, "mode_reason": "no call yet", "calls": 0,
               "switches": 0, "trials": []}
-    return self._run.stats()
+    return self._run.meter.report(self._run.way, self._run.reason)
 
   def staged_plan(self) -> StagedPlan:
     """The ``StagedPlan`` of the latest batch (from the first call on;
@@ -165,7 +165,7 @@ class StagedRunner:
     self.close()
 
   def __repr__(self) -> str:
-    way = "" if self._run is None else f" ({self._run.stats()['mode']})"
+    way = "" if self._run is None else f" ({self._run.way})"
     return (f"<jaxstreams.staged {self._name}, mode={self.mode!r}{way}, "
             f"capacity={self.capacity}, smart={self.smart}>")
 

@@ -16,7 +16,7 @@ from jax import tree_util
 
 from jaxstreams.staging import _clock
 from jaxstreams.staging._analysis import FUNC, Split
-from jaxstreams.staging._meter import Meter
+from jaxstreams.staging._policy import Meter
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._prefetcher import Prefetcher
 
@@ -30,6 +30,7 @@ class ThreadRun:
     self.splits = splits
     self.stages: list[Prefetcher] = []
     self.meter = Meter(("threads",), None, ("calls", "call_us", "read_us"))
+    self.way, self.reason = "threads", "mode='threads' was asked for"
     iterator = iter(data)
     first = next(iterator)          # StopIteration: no data, nothing to run
     splits.use_other(other)
@@ -57,9 +58,6 @@ class ThreadRun:
     now = _clock.now()
     self.meter.count("threads", now - started, 0.0, 0.0, False, now)
     return tree_util.tree_unflatten(split.out_tree, outs)
-
-  def stats(self) -> dict[str, Any]:
-    return self.meter.report("threads", "mode='threads' was asked for")
 
   def close(self) -> None:
     for pipe in reversed(self.stages):
