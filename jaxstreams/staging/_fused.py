@@ -20,7 +20,7 @@ running (a host callback or foreign call).
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from jax import tree_util

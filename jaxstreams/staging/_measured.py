@@ -109,7 +109,6 @@ class MeasuredRun:
     self.reader: Prefetcher | None = None
     self.fused: FusedRun | None = None
     self.calls = 0
-    self.meter: _policy.Meter | None = None    # what it measures, and the chooser
     self.restart = False      # the next staged call starts an empty pipeline
     try:
       self.first_started = _clock.now()
@@ -123,14 +122,10 @@ class MeasuredRun:
                                                   streams_now)
       self.fused = FusedRun(splits, self.stream, self.streams)
       self.plain = plain(self.last_split)
-      if mode == "measured":
-        chooser = _policy.for_staged(capacity, _platform(), self.stream)
-        self.reason = ""
-        self.way = "plain"
-      else:
-        chooser = None
-        self.reason = f"mode={mode!r} was asked for"
-        self.way = mode
+      chooser = (_policy.for_staged(capacity, _platform(), self.stream)
+                 if mode == "measured" else None)
+      self.way = "plain" if chooser else mode
+      self.reason = "" if chooser else f"mode={mode!r} was asked for"
       self.meter = _policy.Meter(WAYS, chooser, ("calls", "call_us", "read_us"))
       self.first = first          # the first batch, run by the first call
       if self.way == "fused":

@@ -45,11 +45,6 @@ def _describe(iterable: Any) -> str:
     return f"{kind} object"
 
 
-def _stop_unjoined(pipeline: Pipeline) -> None:
-  # Run at collection, on any thread (even a worker): it only signals.
-  pipeline.stop(join=False)
-
-
 class Prefetcher:
   """The iterator ``jaxstreams.prefetch`` returns; see there.
 
@@ -94,7 +89,8 @@ class Prefetcher:
         ignored_exception_types, _describe(iterable),
         f"jaxstreams-prefetch-{next(_names)}", mode, reason,
         upstream=upstream, owned=owned)
-    self._finalizer = weakref.finalize(self, _stop_unjoined, self._pipeline)
+    # At collection, on any thread (even a worker): it only signals.
+    self._finalizer = weakref.finalize(self, self._pipeline.stop, join=False)
 
   @property
   def size(self) -> int:

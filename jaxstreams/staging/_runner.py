@@ -86,19 +86,15 @@ class StagedRunner:
     except BaseException:
       self.close()
       raise
-    if self._run.meter.news is not None:
-      self._tell()
-    return outs
-
-  def _tell(self) -> None:
-    """The one ``PerformanceWarning``: staging stepped aside."""
     meter = self._run.meter
-    news, meter.news = meter.news, None
-    warnings.warn(
-        f"{FUNC} does not pay here and stepped aside: {news} "
-        f"(runner.stats() has the figures; staged(..., mode='fused') keeps "
-        f"staging; filter jaxstreams.PerformanceWarning to silence this)",
-        PerformanceWarning, stacklevel=3)
+    if meter.news is not None:      # the one warning: staging stepped aside
+      news, meter.news = meter.news, None
+      warnings.warn(
+          f"{FUNC} does not pay here and stepped aside: {news} "
+          f"(runner.stats() has the figures; staged(..., mode='fused') keeps "
+          f"staging; filter jaxstreams.PerformanceWarning to silence this)",
+          PerformanceWarning, stacklevel=2)
+    return outs
 
   @property
   def plan(self) -> StagedPlan | None:

@@ -9,13 +9,13 @@ thread. The consumer runs in the caller's thread. Nothing is donated.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import jax
 from jax import tree_util
 
 from jaxstreams.staging import _clock
-from jaxstreams.staging._analysis import FUNC, Split
+from jaxstreams.staging._analysis import Split
 from jaxstreams.staging._policy import Meter
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._prefetcher import Prefetcher
