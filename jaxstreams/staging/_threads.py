@@ -36,10 +36,10 @@ class ThreadRun:
     splits.use_other(other)
     self.last_split = splits.split_for(first)
     # Workers never hold this object: an abandoned runner is collected.
-    reader = self._pipe(_chain(first, iterator), capacity, _identity)
+    reader = self._pipe(_chain(first, iterator), capacity, lambda b: b)
     pipe = self._pipe(reader, capacity, functools.partial(_first_stage, splits))
     for index in range(1, splits.n_producers):
-      pipe = self._pipe(pipe, capacity, functools.partial(_later_stage, index))
+      pipe = self._pipe(pipe, capacity, functools.partial(_run_stage, index))
     self.pipeline = pipe
 
   def _pipe(self, items, capacity: int, transform) -> Prefetcher:
@@ -68,15 +68,11 @@ def _first_stage(splits: Splits, batch: Any):
   split = splits.split_for(batch)
   # The host-to-device copy happens here, in the worker, not in the step.
   env = split.batch_env(jax.device_put(tree_util.tree_leaves(batch)))
-  return _run_stage(split, env, 0)
+  return _run_stage(0, (split, env))
 
 
-def _later_stage(index: int, item):
+def _run_stage(s: int, item: tuple[Split, dict]):
   split, env = item
-  return _run_stage(split, env, index)
-
-
-def _run_stage(split: Split, env: dict, s: int):
   fn = split.fns[s]
   if fn is not None:
     outs = fn(*(env[v] for v in split.stage_ins[s]))
@@ -85,10 +81,6 @@ def _run_stage(split: Split, env: dict, s: int):
     env = {**env, **dict(zip(split.stage_outs[s], outs))}
   keep = split.keep_after[s]
   return split, {v: x for v, x in env.items() if v in keep}
-
-
-def _identity(item: Any) -> Any:
-  return item
 
 
 def _chain(first: Any, rest):
