@@ -226,13 +226,6 @@ class FusedRun:
         stages[0] = entry
     return head, stages
 
-  def _label(self, head, stages) -> tuple:
-    """(part, batch index) of each piece; ``labels`` spells it out."""
-    pieces = [(j, e.index) for j, e in enumerate(stages) if e is not None]
-    if head is not None:
-      pieces.append((self.k, head.index))
-    return tuple(pieces)
-
   def labels(self) -> list[str]:
     """The schedule in the ``A2 B1 C0`` notation, formatted when asked for."""
     return [" ".join(f"{chr(ord('A') + part)}{index}" for part, index in pieces)
@@ -249,7 +242,10 @@ class FusedRun:
         (j, e) for j, e in reversed(list(enumerate(runnable))) if e is not None]
     if not pieces:
       return None
-    self.schedule.append(self._label(head, stages))
+    # (part, batch index) of each piece; ``labels`` spells it out.
+    self.schedule.append(
+        tuple((j, e.index) for j, e in enumerate(stages) if e is not None)
+        + (() if head is None else ((self.k, head.index),)))
     self.programs += 1
     try:
       outs, produced = self._call(head, runnable, other_leaves)

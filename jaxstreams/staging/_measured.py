@@ -28,8 +28,6 @@ from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._transfer import place_on_device
 
-WAYS = ("fused", "plain")       # "measured" chooses between them
-
 
 def _platform() -> str:
   """The platform programs run on (a function, so tests can pretend)."""
@@ -126,7 +124,8 @@ class MeasuredRun:
                  if mode == "measured" else None)
       self.way = "plain" if chooser else mode
       self.reason = "" if chooser else f"mode={mode!r} was asked for"
-      self.meter = _policy.Meter(WAYS, chooser, ("calls", "call_us", "read_us"))
+      self.meter = _policy.Meter(("fused", "plain"), chooser,
+                                 ("calls", "call_us", "read_us"))
       self.first = first          # the first batch, run by the first call
       if self.way == "fused":
         self.fused.held = place_on_device(first)
