@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
-from jaxstreams.staging import _meter
+from jaxstreams.staging import _policy
 
 
 def random_inputs(*shapes, seed=0):
@@ -209,7 +209,7 @@ def meter_for(chooser):
   meter = _meters.get(id(chooser))
   if meter is None or meter.chooser is not chooser:
     ways = (chooser.words.overlap, chooser.words.inline)
-    meter = _meter.Meter(ways, chooser, ("items", "own_us", "produce_us"))
+    meter = _policy.Meter(ways, chooser, ("items", "own_us", "produce_us"))
     meter.last = 0.0
     _meters[id(chooser)] = meter
   return meter

@@ -1002,7 +1002,7 @@ def _trial_with_stalls(every, stall_us):
   count = 0
   while chooser.trial is not None:
     cycle = 100
-    counted = meter_for(chooser).begin is not None
+    counted = meter_for(chooser).window is not None
     if chooser.mode == "workers" and counted:
       count += 1
       cycle = 90 + (stall_us if count % every == 0 else 0)
@@ -1224,9 +1224,10 @@ def test_chooser_counts_only_inline_items_when_inline():
   assert chooser.mode == "inline"
   # Items workers made before the switch say nothing about inline's cost.
   meter = meter_for(chooser)
-  window = meter.due
+  window = (meter.skip, list(meter.window or []))
   assert _feed(chooser, 5, cycle_us=10, produce_us=9, inline_made=False) == []
-  assert meter.watched is meter.tallies["inline"] and meter.due == window
+  assert meter.watched is meter.tallies["inline"]
+  assert (meter.skip, list(meter.window or [])) == window
 
 
 def test_chooser_trial_gap_doubles():

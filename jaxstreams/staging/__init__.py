@@ -11,8 +11,7 @@ re-exports. The subpackage is ``staging`` because ``jaxstreams.stage`` is
 the marker function, which a subpackage of that name would hide.
 """
 
-from jaxstreams.staging._marker import stage
-from jaxstreams.staging._plan import StagedPlan
+from jaxstreams.staging._analysis import StagedPlan, stage
 from jaxstreams.staging._runner import StagedRunner, staged, staged_plan
 from jaxstreams.staging._prefetcher import Prefetcher, prefetch
 from jaxstreams.staging._transfer import BY_PLATFORM_TRANSFER, TRANSFERS

@@ -17,16 +17,17 @@ that argument from an earlier step.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable
 
+import jax
 import jax.extend.core as jcore
 from jax import tree_util
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxstreams import _compat
 from jaxstreams._trace import trace
 from jaxstreams.partition.cut import cut, part_function
-from jaxstreams.staging._marker import has_nested_marker, is_marker
-from jaxstreams.staging._plan import StagedEquation, StagedPlan, StageSpec
 from jaxstreams.tag.read import any_equation, stream_ids
 
 FUNC = "jaxstreams.staged"
@@ -34,6 +35,93 @@ FUNC = "jaxstreams.staged"
 # Primitives that can fail while a program runs (XLA's own do not raise).
 _MAY_RAISE = frozenset({"pure_callback", "io_callback", "debug_callback",
                         "debug_print", "ffi_call"})
+
+
+# ``stage(x)`` marks a stage boundary: one ``checkpoint_name`` identity per
+# leaf with a reserved name, which JAX differentiates, batches and lowers,
+# and XLA removes. Outside a staged step it is the identity, so the same
+# step runs staged and unstaged.
+STAGE_NAME = "jaxstreams_stage"
+
+
+def stage(x: Any) -> Any:
+  """Marks a stage boundary: what computes ``x`` (a pytree of arrays) from
+  the step's data argument is the producer, which ``jaxstreams.staged``
+  runs ahead on later batches. Returns ``x`` unchanged; outside a staged
+  step it is an identity."""
+  leaves = tree_util.tree_leaves(x)
+  if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    return x
+  return tree_util.tree_map(lambda leaf: checkpoint_name(leaf, STAGE_NAME), x)
+
+
+def is_marker(eqn) -> bool:
+  """Whether ``eqn`` is one of ``stage()``'s identity equations."""
+  return eqn.primitive.name == "name" and eqn.params.get("name") == STAGE_NAME
+
+
+def has_nested_marker(eqn) -> bool:
+  """Whether a ``stage()`` marker sits inside ``eqn``'s sub-jaxprs."""
+  return any(any_equation(sub.eqns, is_marker)
+             for sub in _compat.sub_jaxprs(eqn))
+
+
+# ``StagedPlan``: how ``staged`` split a step, for people to read (built
+# beside the ``Split`` the runs use, never read by them).
+@dataclasses.dataclass(frozen=True)
+class StagedEquation:
+  index: int            # position in the step's jaxpr
+  primitive: str
+  source: str           # file:line (function) of the user code
+  level: int | None     # None: reads a non-data argument or has effects
+  constant: bool = False  # reads no argument: run by every part that needs it
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+  index: int
+  kind: str             # "producer" or "consumer"
+  equations: tuple[StagedEquation, ...]
+  inputs: int           # values it receives (the consumer: besides arguments)
+  outputs: int          # values it hands on
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedPlan:
+  """How ``staged`` split a step: ``stages`` (producers first, the consumer
+  last), ``boundaries`` (source of each ``stage()`` call and its level) and
+  whether SmartStage chose the producer (``smart``)."""
+
+  function_name: str
+  smart: bool
+  data_argnums: int     # the data argument's position, from 0
+  stages: tuple[StageSpec, ...]
+  boundaries: tuple[tuple[int, str], ...]
+
+  @property
+  def producers(self) -> tuple[StageSpec, ...]:
+    return self.stages[:-1]
+
+  @property
+  def consumer(self) -> StageSpec:
+    return self.stages[-1]
+
+  def __str__(self) -> str:
+    how = "smart (widest data-only subgraph)" if self.smart else "stage() calls"
+    lines = [f"StagedPlan {self.function_name}: {len(self.producers)} producer "
+             f"stage(s) + consumer, data argument {self.data_argnums}, "
+             f"split by {how}"]
+    for level, source in self.boundaries:
+      lines.append(f"  boundary -> level {level}: stage() at {source}")
+    for spec in self.stages:
+      lines.append(f"  stage {spec.index} ({spec.kind}): {len(spec.equations)} "
+                   f"equation(s), {spec.inputs} in, {spec.outputs} out")
+      for eqn in spec.equations:
+        level = "-" if eqn.level is None else eqn.level
+        kind = "const" if eqn.constant else ""
+        lines.append(f"    [{eqn.index:3d}] {eqn.primitive:<24} level {level:<2} "
+                     f"{kind:<6}{eqn.source}")
+    return "\n".join(lines)
 
 
 class Split:
@@ -72,18 +160,24 @@ class Split:
     return env
 
 
+def with_data(other_args: tuple, batch: Any, data_argnums: int
+              ) -> tuple[tuple, int]:
+  """The step's arguments, ``batch`` at ``data_argnums``, and its position."""
+  position = (data_argnums if data_argnums >= 0
+              else len(other_args) + 1 + data_argnums)
+  return (*other_args[:position], batch, *other_args[position:]), position
+
+
 def build_split(fun: Callable, function_name: str, other_args: tuple,
                 kwargs: dict, batch: Any, data_argnums: int,
                 smart: bool) -> Split:
   """Traces ``fun`` with ``batch`` at ``data_argnums`` and splits it."""
-  position = (data_argnums if data_argnums >= 0
-              else len(other_args) + 1 + data_argnums)
+  args, position = with_data(other_args, batch, data_argnums)
   if not 0 <= position <= len(other_args):
     raise ValueError(
         f"{FUNC}: data_argnums={data_argnums} does not name an argument of a "
         f"step called with {len(other_args)} other argument(s) plus the data "
         f"(valid: {-(len(other_args) + 1)} .. {len(other_args)})")
-  args = other_args[:position] + (batch,) + other_args[position:]
   closed, _, out_tree = trace(fun, args, kwargs)
   jaxpr = closed.jaxpr
   is_data, names = _arguments(jaxpr, args, kwargs, position)

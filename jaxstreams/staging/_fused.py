@@ -20,7 +20,7 @@ running (a host callback or foreign call).
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from jax import tree_util
@@ -31,11 +31,19 @@ from jaxstreams.staging._analysis import FUNC, Split
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging import _clock
 from jaxstreams.staging._lookahead import NOT_READY
-from jaxstreams.staging._prefetcher import Prefetcher, next_if_ready
-from jaxstreams.staging._source import DataError
+from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.tag import stream as stream_scope
 
 _SCHEDULE = 64        # programs the fused runner remembers for ``schedule``
+
+
+class DataError:
+  """Read in place of batch ``k`` whose reading or placing raised."""
+
+  __slots__ = ("exc",)
+
+  def __init__(self, exc: BaseException):
+    self.exc = exc
 
 
 class _InFlight:
@@ -139,8 +147,8 @@ def producer_stream(first: Split, stream: int | None,
 class FusedRun:
   """One runner's fused pipeline, used from the caller's thread only.
   Batches come from a reader (``(batch, seconds)`` pairs) given by
-  ``resume``, first the one ``hold`` gave; ``stop_admitting`` lets the
-  pipeline drain. ``read_s`` and ``wait_s`` sum what reading the admitted
+  ``resume``, first ``held`` (on the device); not ``admitting``, the
+  pipeline drains. ``read_s`` and ``wait_s`` sum what reading the admitted
   batches took and how long calls waited; ``first_calls`` counts programs
   called for the first time (each may have compiled then)."""
 
@@ -162,10 +170,6 @@ class FusedRun:
     self.called: set[int] = set()   # the programs (ids) this run has called
     self.first_calls = 0            # ... how many (a compile, maybe)
 
-  def hold(self, batch: Any) -> None:
-    """``batch`` (on the device) is the next one to enter."""
-    self.held = batch
-
   def resume(self, reader: Prefetcher, next_index: int) -> None:
     """Admits batches again, from ``reader``; ``next_index`` numbers the
     next batch if the pipeline is empty (which then warms up again)."""
@@ -174,9 +178,6 @@ class FusedRun:
     if not self.inflight:
       self.warm = False
       self.next_index = next_index
-
-  def stop_admitting(self) -> None:
-    self.admitting = False
 
   def _admit(self, block: bool) -> _InFlight | None:
     """The next batch as a new in-flight entry; None when none may enter
@@ -188,7 +189,7 @@ class FusedRun:
     else:
       started = _clock.now()
       try:
-        got = next(self.reader) if block else next_if_ready(self.reader)
+        got = next(self.reader) if block else self.reader.next_if_ready()
       except StopIteration:
         self.ended = True
         return None
@@ -225,13 +226,6 @@ class FusedRun:
         stages[0] = entry
     return head, stages
 
-  def _label(self, head, stages) -> tuple:
-    """(part, batch index) of each piece; ``labels`` spells it out."""
-    pieces = [(j, e.index) for j, e in enumerate(stages) if e is not None]
-    if head is not None:
-      pieces.append((self.k, head.index))
-    return tuple(pieces)
-
   def labels(self) -> list[str]:
     """The schedule in the ``A2 B1 C0`` notation, formatted when asked for."""
     return [" ".join(f"{chr(ord('A') + part)}{index}" for part, index in pieces)
@@ -248,7 +242,10 @@ class FusedRun:
         (j, e) for j, e in reversed(list(enumerate(runnable))) if e is not None]
     if not pieces:
       return None
-    self.schedule.append(self._label(head, stages))
+    # (part, batch index) of each piece; ``labels`` spells it out.
+    self.schedule.append(
+        tuple((j, e.index) for j, e in enumerate(stages) if e is not None)
+        + (() if head is None else ((self.k, head.index),)))
     self.programs += 1
     try:
       outs, produced = self._call(head, runnable, other_leaves)

@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator
 
 from jaxstreams import _workers
 from jaxstreams.staging import _clock, _policy
-from jaxstreams.staging._meter import Meter
 from jaxstreams.staging._transfer import Transfer
 
 NOT_READY = object()    # what get(wait=False) returns for an item not ready
@@ -90,7 +89,7 @@ class Pipeline:
     self.close_owned_on_exit = False   # close() stopped waiting for workers
     chooser = (_policy.for_prefetch(size, self.transfer.shares_cores())
                if mode == "measured" else None)
-    self.meter = Meter(("workers", "inline"), chooser,
+    self.meter = _policy.Meter(("workers", "inline"), chooser,
                        ("items", "handoff_us", "produce_us"))
     self.mode = "workers" if mode == "workers" else "inline"
     self.reason = reason          # when there is no chooser

@@ -4,7 +4,7 @@ fused pipeline where staging pays, the plain step where it does not
 
 Plain, each call reads the next batch in the caller's thread and runs the
 step jitted whole, as the unstaged loop does. Every promise holds across a
-switch: one ``_source.Source`` is read by the caller's thread or by the
+switch: one ``Source`` is read by the caller's thread or by the
 reader thread, never both; going plain, the pipeline stops admitting
 batches and drains with fused programs, the reader's workers park, the
 batches it had read run next, and only then does the caller read on; going
@@ -15,21 +15,18 @@ outlives a drain.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Iterable
 
 import jax
 from jax import tree_util
 
 from jaxstreams.staging import _clock, _policy
-from jaxstreams.staging._analysis import Split
-from jaxstreams.staging._meter import Meter
-from jaxstreams.staging._fused import FusedRun, producer_stream
-from jaxstreams.staging._prefetcher import Prefetcher, holds_items, set_way
-from jaxstreams.staging._source import DataError, Source, place, timed
+from jaxstreams.staging._analysis import Split, with_data
+from jaxstreams.staging._fused import DataError, FusedRun, producer_stream
+from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._transfer import place_on_device
-
-WAYS = ("fused", "plain")       # "measured" chooses between them
 
 
 def _platform() -> str:
@@ -37,11 +34,59 @@ def _platform() -> str:
   return jax.default_backend()
 
 
-def _with_batch(args: tuple, batch: Any, data_argnums: int) -> tuple:
-  """The step's arguments: ``args`` with ``batch`` at ``data_argnums``."""
-  position = (data_argnums if data_argnums >= 0
-              else len(args) + 1 + data_argnums)
-  return (*args[:position], batch, *args[position:])
+class Source:
+  """The user's iterable, one batch (or a ``DataError``: batch ``k``'s
+  exception, raised by call ``k``) per ``next()``, read by the caller's
+  thread or the reader, never both, so batches come in order."""
+
+  def __init__(self, data: Iterable[Any]):
+    self._iterator = iter(data)
+    self._ended = False
+
+  def __iter__(self) -> Source:
+    return self
+
+  def __next__(self) -> Any:
+    if self._ended:
+      raise StopIteration
+    try:
+      return next(self._iterator)
+    except StopIteration:
+      self._ended = True
+      raise
+    except BaseException as exc:  # noqa: BLE001 - raised at its batch
+      self._ended = True
+      return DataError(exc)
+
+  def close(self) -> None:
+    self._ended = True
+    if isinstance(self._iterator, types.GeneratorType):
+      self._iterator.close()
+
+  def timed(self):
+    """The reader's items, ``(batch, seconds its read took)``; closing it
+    leaves the source open for the caller's thread."""
+    while True:
+      started = _clock.now()
+      try:
+        batch = next(self)
+      except StopIteration:
+        return
+      yield batch, _clock.now() - started
+
+
+def _place(read: tuple[Any, float]) -> tuple[Any, float]:
+  """The reader's transform: the batch on the device, and the seconds
+  reading and placing it took."""
+  batch, seconds = read
+  if isinstance(batch, DataError):
+    return read
+  started = _clock.now()
+  try:
+    batch = place_on_device(batch)
+  except Exception as exc:  # noqa: BLE001 - raised at its batch
+    return DataError(exc), seconds
+  return batch, seconds + _clock.now() - started
 
 
 class MeasuredRun:
@@ -62,7 +107,6 @@ class MeasuredRun:
     self.reader: Prefetcher | None = None
     self.fused: FusedRun | None = None
     self.calls = 0
-    self.meter: Meter | None = None    # what it measures, and the chooser
     self.restart = False      # the next staged call starts an empty pipeline
     try:
       self.first_started = _clock.now()
@@ -76,18 +120,15 @@ class MeasuredRun:
                                                   streams_now)
       self.fused = FusedRun(splits, self.stream, self.streams)
       self.plain = plain(self.last_split)
-      if mode == "measured":
-        chooser = _policy.for_staged(capacity, _platform(), self.stream)
-        self.reason = ""
-        self.way = "plain"
-      else:
-        chooser = None
-        self.reason = f"mode={mode!r} was asked for"
-        self.way = mode
-      self.meter = Meter(WAYS, chooser, ("calls", "call_us", "read_us"))
+      chooser = (_policy.for_staged(capacity, _platform(), self.stream)
+                 if mode == "measured" else None)
+      self.way = "plain" if chooser else mode
+      self.reason = "" if chooser else f"mode={mode!r} was asked for"
+      self.meter = _policy.Meter(("fused", "plain"), chooser,
+                                 ("calls", "call_us", "read_us"))
       self.first = first          # the first batch, run by the first call
       if self.way == "fused":
-        self.fused.hold(place_on_device(first))
+        self.fused.held = place_on_device(first)
         self.first = None
         self._go("fused")
     except BaseException:
@@ -126,7 +167,7 @@ class MeasuredRun:
     if self.first is not None:   # read before this call's clock started
       batch, self.first = self.first, None
       started, read = self.first_started, self.first_read
-    elif self.reader is not None and holds_items(self.reader):
+    elif self.reader is not None and self.reader.holds_items():
       batch, _ = next(self.reader)           # StopIteration: the end
       made = False     # read by the reader: not what reading here costs
     else:
@@ -136,7 +177,7 @@ class MeasuredRun:
       busy = _clock.busy(busy_start, read) if busy_start else 0.0
     if type(batch) is DataError:
       raise batch.exc
-    outs = self.plain(*_with_batch(other_args, batch, self.data_argnums),
+    outs = self.plain(*with_data(other_args, batch, self.data_argnums)[0],
                       **kwargs)
     self._count("plain", started, read, 0.0, made, busy=busy)
     return outs
@@ -157,21 +198,18 @@ class MeasuredRun:
     self.way = way
     fused = self.fused
     if way == "plain":
-      fused.stop_admitting()
+      fused.admitting = False
       if self.reader is not None:
-        set_way(self.reader, "inline")       # its workers park
+        self.reader.set_way("inline")       # its workers park
       return
     if self.reader is None:
-      self.reader = Prefetcher(timed(self.source), self.capacity,
-                               transform=place)
+      self.reader = Prefetcher(self.source.timed(), self.capacity,
+                               transform=_place)
     else:
-      set_way(self.reader, "workers")
+      self.reader.set_way("workers")
     if not fused.inflight:
       self.restart = True
     fused.resume(self.reader, self.calls)
-
-  def stats(self) -> dict[str, Any]:
-    return self.meter.report(self.way, self.reason)
 
   def close(self) -> None:
     """Stops the reader and closes the source; staged values in flight

@@ -45,35 +45,6 @@ def _describe(iterable: Any) -> str:
     return f"{kind} object"
 
 
-def next_if_ready(prefetcher: Prefetcher) -> Any:
-  """The next item if it is ready now, else ``NOT_READY``; the end and item
-  errors are raised as by ``next``. For ``staged``'s fused run, which must
-  never wait for a batch its reader has not finished."""
-  return prefetcher._get(wait=False)
-
-
-def set_way(prefetcher: Prefetcher, way: str) -> None:
-  """Who produces the items from now on: ``"workers"``, or ``"inline"``
-  (the workers park). For ``staged``'s reader, whose runner decides."""
-  pipeline = prefetcher._pipeline
-  with pipeline.lock:
-    if not pipeline.stopped:
-      pipeline.set_mode(way)
-
-
-def holds_items(prefetcher: Prefetcher) -> bool:
-  """Whether an item was pulled and not delivered yet (``next()`` delivers
-  it, in order, before any other pull)."""
-  pipeline = prefetcher._pipeline
-  with pipeline.lock:
-    return not pipeline.stopped and pipeline.next_out < pipeline.next_pull
-
-
-def _stop_unjoined(pipeline: Pipeline) -> None:
-  # Run at collection, on any thread (even a worker): it only signals.
-  pipeline.stop(join=False)
-
-
 class Prefetcher:
   """The iterator ``jaxstreams.prefetch`` returns; see there.
 
@@ -118,7 +89,8 @@ class Prefetcher:
         ignored_exception_types, _describe(iterable),
         f"jaxstreams-prefetch-{next(_names)}", mode, reason,
         upstream=upstream, owned=owned)
-    self._finalizer = weakref.finalize(self, _stop_unjoined, self._pipeline)
+    # At collection, on any thread (even a worker): it only signals.
+    self._finalizer = weakref.finalize(self, self._pipeline.stop, join=False)
 
   @property
   def size(self) -> int:
@@ -146,6 +118,24 @@ class Prefetcher:
     return item
 
   __next__ = _get       # one call per item, not two
+
+  # For staged's reader, whose runner decides who produces and never
+  # waits for a batch the reader has not finished.
+  def next_if_ready(self) -> Any:
+    """The next item, or ``NOT_READY`` at once where it is not ready."""
+    return self._get(wait=False)
+
+  def set_way(self, way: str) -> None:
+    """``"workers"`` or ``"inline"`` (the workers park) from now on."""
+    with self._pipeline.lock:
+      if not self._pipeline.stopped:
+        self._pipeline.set_mode(way)
+
+  def holds_items(self) -> bool:
+    """Whether an item was pulled and not delivered (``next()`` has it)."""
+    p = self._pipeline
+    with p.lock:
+      return not p.stopped and p.next_out < p.next_pull
 
   def _tell(self) -> None:
     """The one ``PerformanceWarning``: prefetching stepped aside."""

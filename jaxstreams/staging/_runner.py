@@ -18,15 +18,14 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from jaxstreams import _checks, config
+from jaxstreams import _checks
 from jaxstreams._jit import jit as streams_jit, spec_of
 from jaxstreams._performance import PerformanceWarning
-from jaxstreams.staging._analysis import FUNC, Split, build_split
+from jaxstreams.staging._analysis import FUNC, Split, StagedPlan, build_split
 from jaxstreams.staging._measured import MeasuredRun
 from jaxstreams.staging._fused import FusedRun
-from jaxstreams.staging._plan import StagedPlan
 from jaxstreams.staging._splits import Splits
-from jaxstreams.staging._threads import ThreadRun, jit_parts
+from jaxstreams.staging._threads import ThreadRun
 
 MODES = ("measured", "fused", "plain", "threads")
 
@@ -52,15 +51,11 @@ class StagedRunner:
     self.streams: int | None = None
     self.smart = smart
     self.mode = mode
-    if mode == "threads":
-      # Thread mode jits each part on its own (the producer on ``stream``);
-      # fused programs apply the stream inside the one program they fuse.
-      self._splits = Splits(fun, self._name, data_argnums, smart,
-                            jit_key=(stream, consumer_jit.key,
-                                     config.read("jaxstreams_gpu_lowering")),
-                            jit_parts=jit_parts(stream, consumer_jit.jit))
-    else:
-      self._splits = Splits(fun, self._name, data_argnums, smart)
+    # Thread mode jits each part on its own (the producer on ``stream``);
+    # fused programs apply the stream inside the one program they fuse.
+    self._splits = Splits(fun, self._name, data_argnums, smart,
+                          (stream, consumer_jit) if mode == "threads"
+                          else None)
     self._run: MeasuredRun | ThreadRun | None = None
     self._done = False
 
@@ -90,19 +85,15 @@ class StagedRunner:
     except BaseException:
       self.close()
       raise
-    if self._run.meter.news is not None:
-      self._tell()
-    return outs
-
-  def _tell(self) -> None:
-    """The one ``PerformanceWarning``: staging stepped aside."""
     meter = self._run.meter
-    news, meter.news = meter.news, None
-    warnings.warn(
-        f"{FUNC} does not pay here and stepped aside: {news} "
-        f"(runner.stats() has the figures; staged(..., mode='fused') keeps "
-        f"staging; filter jaxstreams.PerformanceWarning to silence this)",
-        PerformanceWarning, stacklevel=3)
+    if meter.news is not None:      # the one warning: staging stepped aside
+      news, meter.news = meter.news, None
+      warnings.warn(
+          f"{FUNC} does not pay here and stepped aside: {news} "
+          f"(runner.stats() has the figures; staged(..., mode='fused') keeps "
+          f"staging; filter jaxstreams.PerformanceWarning to silence this)",
+          PerformanceWarning, stacklevel=2)
+    return outs
 
   @property
   def plan(self) -> StagedPlan | None:
@@ -144,7 +135,7 @@ class StagedRunner:
       way = "plain" if self.mode == "measured" else self.mode
       return {"mode": way, "mode_reason": "no call yet", "calls": 0,
               "switches": 0, "trials": []}
-    return self._run.stats()
+    return self._run.meter.report(self._run.way, self._run.reason)
 
   def staged_plan(self) -> StagedPlan:
     """The ``StagedPlan`` of the latest batch (from the first call on;
@@ -169,40 +160,30 @@ class StagedRunner:
     self.close()
 
   def __repr__(self) -> str:
-    way = "" if self._run is None else f" ({self._run.stats()['mode']})"
+    way = "" if self._run is None else f" ({self._run.way})"
     return (f"<jaxstreams.staged {self._name}, mode={self.mode!r}{way}, "
             f"capacity={self.capacity}, smart={self.smart}>")
 
 
-class _ConsumerJit:
-  """How thread mode jits the consumer (as the step was jitted), and its
-  key in the split cache."""
-
-  def __init__(self, jit: Callable, key: Any):
-    self.jit, self.key = jit, key
-
-
-def _unwrap(step: Callable) -> tuple[Callable, _ConsumerJit, str,
+def _unwrap(step: Callable) -> tuple[Callable, tuple, str,
                                      Callable[[], int],
                                      Callable[[Split], Callable]]:
-  """The function to trace, how thread mode jits the consumer, a name, the
-  streams the step's own plan uses, and the plain step for a split (the
-  step jitted whole: a jitted step itself, a plain function as a
-  ``jaxstreams.jit`` one with the streams its ``stream()`` blocks use)."""
+  """The function to trace, how thread mode jits the consumer (``_splits``'s
+  ``_jit_parts``), a name, the streams the step's own plan uses, and the
+  plain step for a split (the step jitted whole: a jitted step itself, a
+  plain function as a ``jaxstreams.jit`` one with the streams its
+  ``stream()`` blocks use)."""
   spec = spec_of(step)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
     fun = spec.array_function(FUNC)
-    consumer_jit = _ConsumerJit(
-        lambda f: streams_jit(f, streams=spec.streams),
-        ("jaxstreams.jit", spec.streams))
-    return fun, consumer_jit, name, spec.streams_now, lambda split: step
+    return (fun, ("jaxstreams.jit", spec.streams), name, spec.streams_now,
+            lambda split: step)
   inner = getattr(step, "__wrapped__", None)
   if inner is not None and hasattr(step, "lower"):
     # A jax.jit function: trace what it wraps, so stage() is visible.
-    return (inner, _ConsumerJit(jax.jit, "jax.jit"), name, lambda: 1,
-            lambda split: step)
-  return (step, _ConsumerJit(jax.jit, "jax.jit"), name, lambda: 1,
+    return inner, ("jax.jit", None), name, lambda: 1, lambda split: step
+  return (step, ("jax.jit", None), name, lambda: 1,
           lambda split: streams_jit(step, streams=split.streams_used))
 
 

@@ -13,10 +13,14 @@ import threading
 import weakref
 from typing import Any, Callable
 
+import jax
 from jax import tree_util
 
+from jaxstreams import config
+from jaxstreams._jit import jit as streams_jit
 from jaxstreams._signature import signature
 from jaxstreams.staging._analysis import FUNC, Split, build_split
+from jaxstreams.tag import stream as stream_scope
 
 _BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = \
     weakref.WeakKeyDictionary()
@@ -31,17 +35,36 @@ def _per_function(fun) -> dict:
     return {}
 
 
+def _jit_parts(split: Split, stream: int | None, consumer: tuple) -> None:
+  """Thread mode's ``split.fns``: each producer stage jitted (on ``stream``
+  when given), the consumer as the step was: ``consumer`` is
+  ``("jaxstreams.jit", streams)`` or ``("jax.jit", None)``."""
+  fns = []
+  for body in split.bodies[:-1]:
+    if body is None or stream is None:
+      fns.append(body and jax.jit(body))
+    else:
+      def run(*xs, body=body):
+        with stream_scope(stream):
+          return body(*xs)
+      fns.append(streams_jit(run, streams=stream + 1))
+  body = split.bodies[-1]
+  fns.append(jax.jit(body) if consumer[0] == "jax.jit"
+             else streams_jit(body, streams=consumer[1]))
+  split.fns = fns
+
+
 class Splits:
-  """One runner's splits. ``jit_parts(split)`` (thread mode) jits a new
-  split's parts, ``jit_key`` keys that in the step function's ``cache``,
-  which fused programs share."""
+  """One runner's splits, in the step function's ``cache``, which fused
+  programs share. ``jit``: thread mode's ``(stream, consumer)``,
+  with which a new split's parts are jitted (``_jit_parts``)."""
 
   def __init__(self, fun: Callable, name: str, data_argnums: int, smart: bool,
-               jit_key: Any = None,
-               jit_parts: Callable[[Split], None] | None = None):
+               jit: tuple | None = None):
     self.fun, self.name = fun, name
     self.data_argnums, self.smart = data_argnums, smart
-    self.jit_key, self.jit_parts = jit_key, jit_parts
+    self.jit = jit
+    self.jit_key = jit and (*jit, config.read("jaxstreams_gpu_lowering"))
     self.cache = _per_function(fun)
     self.other: tuple | None = None   # the (args, kwargs) splits are made for
     self._other_key = None            # ... their (structure, signature)
@@ -98,8 +121,8 @@ class Splits:
     if split is None:
       split = build_split(self.fun, self.name, other_args, kwargs, batch,
                           self.data_argnums, self.smart)
-      if self.jit_parts is not None:
-        self.jit_parts(split)
+      if self.jit is not None:
+        _jit_parts(split, *self.jit)
       self.cache[key] = split
     return split
 

@@ -9,39 +9,16 @@ thread. The consumer runs in the caller's thread. Nothing is donated.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import jax
 from jax import tree_util
 
-from jaxstreams._jit import jit as streams_jit
 from jaxstreams.staging import _clock
-from jaxstreams.staging._analysis import FUNC, Split
-from jaxstreams.staging._meter import Meter
+from jaxstreams.staging._analysis import Split
+from jaxstreams.staging._policy import Meter
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._prefetcher import Prefetcher
-from jaxstreams.tag import stream as stream_scope
-
-
-def jit_parts(stream: int | None, consumer_jit: Callable
-              ) -> Callable[[Split], None]:
-  """Sets ``split.fns``: each producer stage jitted (on ``stream`` when
-  given), the consumer as the step was (``consumer_jit``)."""
-  def jit(split: Split) -> None:
-    fns = []
-    for body in split.bodies[:-1]:
-      if body is None:
-        fns.append(None)
-      elif stream is None:
-        fns.append(jax.jit(body))
-      else:
-        def run(*xs, body=body):
-          with stream_scope(stream):
-            return body(*xs)
-        fns.append(streams_jit(run, streams=stream + 1))
-    fns.append(consumer_jit(split.bodies[-1]))
-    split.fns = fns
-  return jit
 
 
 class ThreadRun:
@@ -53,15 +30,16 @@ class ThreadRun:
     self.splits = splits
     self.stages: list[Prefetcher] = []
     self.meter = Meter(("threads",), None, ("calls", "call_us", "read_us"))
+    self.way, self.reason = "threads", "mode='threads' was asked for"
     iterator = iter(data)
     first = next(iterator)          # StopIteration: no data, nothing to run
     splits.use_other(other)
     self.last_split = splits.split_for(first)
     # Workers never hold this object: an abandoned runner is collected.
-    reader = self._pipe(_chain(first, iterator), capacity, _identity)
+    reader = self._pipe(_chain(first, iterator), capacity, lambda b: b)
     pipe = self._pipe(reader, capacity, functools.partial(_first_stage, splits))
     for index in range(1, splits.n_producers):
-      pipe = self._pipe(pipe, capacity, functools.partial(_later_stage, index))
+      pipe = self._pipe(pipe, capacity, functools.partial(_run_stage, index))
     self.pipeline = pipe
 
   def _pipe(self, items, capacity: int, transform) -> Prefetcher:
@@ -81,9 +59,6 @@ class ThreadRun:
     self.meter.count("threads", now - started, 0.0, 0.0, False, now)
     return tree_util.tree_unflatten(split.out_tree, outs)
 
-  def stats(self) -> dict[str, Any]:
-    return self.meter.report("threads", "mode='threads' was asked for")
-
   def close(self) -> None:
     for pipe in reversed(self.stages):
       pipe.close()
@@ -93,15 +68,11 @@ def _first_stage(splits: Splits, batch: Any):
   split = splits.split_for(batch)
   # The host-to-device copy happens here, in the worker, not in the step.
   env = split.batch_env(jax.device_put(tree_util.tree_leaves(batch)))
-  return _run_stage(split, env, 0)
+  return _run_stage(0, (split, env))
 
 
-def _later_stage(index: int, item):
+def _run_stage(s: int, item: tuple[Split, dict]):
   split, env = item
-  return _run_stage(split, env, index)
-
-
-def _run_stage(split: Split, env: dict, s: int):
   fn = split.fns[s]
   if fn is not None:
     outs = fn(*(env[v] for v in split.stage_ins[s]))
@@ -110,10 +81,6 @@ def _run_stage(split: Split, env: dict, s: int):
     env = {**env, **dict(zip(split.stage_outs[s], outs))}
   keep = split.keep_after[s]
   return split, {v: x for v, x in env.items() if v in keep}
-
-
-def _identity(item: Any) -> Any:
-  return item
 
 
 def _chain(first: Any, rest):
