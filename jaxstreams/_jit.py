@@ -257,29 +257,34 @@ def _shared(fun: Callable) -> dict | None:
 
 
 def _staged_for(fun: Callable, streams: int, spread: bool | None,
-                source: str, program: str, own_plans: _Plans) -> _Staged:
-  """The shared staged function of ``fun`` for ``program``; a function
-  that cannot share one gets its own, with its ``jaxstreams.jit``'s plans."""
+                source: str, program: str, plans: _Plans) -> _Staged:
+  """The shared staged function of ``fun`` for ``program``, with the
+  function's shared ``plans``; a function that cannot share one gets its
+  own."""
   args = (streams, spread, source, program)
   with _STAGED_LOCK:
     by_key = _shared(fun)
     if by_key is None:
-      return _Staged(fun, *args, shared=False, plans=own_plans)
+      return _Staged(fun, *args, shared=False, plans=plans)
     staged = by_key.get(args)
     if staged is None:
-      plans = by_key.setdefault(args[:3], _Plans())
       staged = by_key[args] = _Staged(fun, *args, shared=True, plans=plans)
     return staged
 
 
 def _plans_for(fun: Callable, streams: int, spread: bool | None, source: str,
-               own_plans: _Plans) -> _Plans:
-  """The plans every program of ``fun`` at these settings shares."""
+               own: dict) -> _Plans:
+  """The plans every program of ``fun`` at these settings shares: in
+  ``_STAGED`` where ``fun`` can share, else in ``own`` (its
+  ``jaxstreams.jit``'s)."""
+  key = (streams, spread, source)
   with _STAGED_LOCK:
     by_key = _shared(fun)
-    if by_key is None:
-      return own_plans
-    return by_key.setdefault((streams, spread, source), _Plans())
+    table = own if by_key is None else by_key
+    plans = table.get(key)
+    if plans is None:
+      plans = table[key] = _Plans()
+    return plans
 
 
 class _Spec:
@@ -296,12 +301,12 @@ class _Spec:
     self.gpu_lowering = gpu_lowering   # None: the option's, when made
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
                    else "the jaxstreams_streams option")
-    self._own_plans: dict[int, _Plans] = {}
+    self._own_plans: dict[tuple, _Plans] = {}   # where fun cannot share
 
   def plans(self, streams: int) -> _Plans:
     """The plans this function's programs at ``streams`` share."""
-    own = self._own_plans.setdefault(streams, _Plans())
-    return _plans_for(self.fun, streams, self.spread, self.source, own)
+    return _plans_for(self.fun, streams, self.spread, self.source,
+                      self._own_plans)
 
   def lowering(self) -> str:
     """The GPU lowering of the functions made from this spec now (fixed
@@ -334,7 +339,7 @@ class _Spec:
     (``"inline"`` or ``"streams"``), with the way's ``compiler_options``
     under the user's own."""
     staged = _staged_for(self.fun, streams, self.spread, self.source,
-                         program, self._own_plans.setdefault(streams, _Plans()))
+                         program, self.plans(streams))
     kwargs = dict(self.jit_kwargs)
     options = {**(compiler_options or {}), **(kwargs.get("compiler_options") or {})}
     if options:
