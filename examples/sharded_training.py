@@ -13,6 +13,11 @@ One machine, eight CPU devices:
 
   python examples/sharded_training.py --devices=8
 
+The same step written with ``shard_map`` (``--shard_map``) is each device's
+own program: jaxstreams plans its body, the towers' regions run on their
+streams on every device, and the gradients' all-reduces stay on the main
+stream.
+
 Two processes on this machine, four CPU devices each (the same step,
 unchanged, with gradients all-reduced across processes by JAX's CPU
 collectives):
@@ -47,6 +52,9 @@ _FEATURES = flags.DEFINE_integer("features", 16, "Input features.")
 _WIDTH = flags.DEFINE_integer("width", 32, "Hidden width of each tower.")
 _TOWERS = flags.DEFINE_integer("towers", 2, "Independent MLP towers.")
 _LR = flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate.")
+_SHARD_MAP = flags.DEFINE_bool(
+    "shard_map", False, "Write the step as each device's program (shard_map) "
+    "instead of one program jax.jit partitions.")
 
 
 def init(features, width, towers, seed=0):
@@ -60,19 +68,44 @@ def init(features, width, towers, seed=0):
   return jax.tree_util.tree_map(as32, params), as32(x), as32(y)
 
 
+def loss_fn(params, x, y):
+  out = 0.0
+  for t, tower in enumerate(params["towers"]):
+    with jaxstreams.stream(1 + t % 2):   # each tower, and its gradient
+      out = out + jnp.tanh(x @ tower["w"]) @ tower["v"]
+  return jnp.mean((out - y) ** 2)
+
+
 def make_step(towers, lr):
-  def loss_fn(params, x, y):
-    out = 0.0
-    for t, tower in enumerate(params["towers"]):
-      with jaxstreams.stream(1 + t % 2):   # each tower, and its gradient
-        out = out + jnp.tanh(x @ tower["w"]) @ tower["v"]
-    return jnp.mean((out - y) ** 2)
+  """The step as one program: jax.jit's partitioner shards it and adds the
+  gradients' all-reduce."""
+  del towers
 
   def step(params, x, y):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
     params = jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
     return params, loss
   return step
+
+
+def make_shard_map_step(lr, mesh):
+  """The same step as each device's program (``shard_map``): the towers'
+  regions run on their streams on every device, and the gradients'
+  all-reduces, on the main stream, can run while a tower still computes."""
+  from jax.sharding import PartitionSpec as P
+
+  def local_step(params, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    # The gradient of the replicated parameters is summed over the devices
+    # by shard_map itself; the mean over the global batch needs the count.
+    count = jax.lax.psum(1, "data")
+    params = jax.tree_util.tree_map(lambda p, g: p - lr * g / count,
+                                    params, grads)
+    return params, jax.lax.pmean(loss, "data")
+
+  return jax.shard_map(local_step, mesh=mesh,
+                       in_specs=(P(), P("data"), P("data")),
+                       out_specs=(P(), P()))
 
 
 def global_array(host, sharding):
@@ -121,7 +154,8 @@ def main(argv):
   params = jax.tree_util.tree_map(lambda a: global_array(a, replicated),
                                   host_params)
   x, y = global_array(host_x, batch), global_array(host_y, batch)
-  step = make_step(_TOWERS.value, _LR.value)
+  step = (make_shard_map_step(_LR.value, mesh) if _SHARD_MAP.value
+          else make_step(_TOWERS.value, _LR.value))
   streamed = jaxstreams.jit(step, streams=3)
   lead = jax.process_index() == 0
 
@@ -129,8 +163,10 @@ def main(argv):
     print(f"{jax.process_count()} process(es), {jax.device_count()} "
           f"{jax.devices()[0].platform} devices, batch sharded {P('data')}")
     plan = streamed.plan(params, x, y)
-    print(f"plan: {len(plan.regions)} regions on streams "
-          f"{sorted({r.stream for r in plan.regions})}")
+    for where, each in [("plan", plan), *(
+        (f"shard_map #{i} body", body) for i, body in plan.bodies.items())]:
+      print(f"{where}: {len(each.regions)} regions on streams "
+            f"{sorted({r.stream for r in each.regions})}")
   got_params, got_losses = train(streamed, params, x, y)
   want_params, want_losses = train(jax.jit(step), params, x, y)
   if lead:

@@ -21,6 +21,9 @@ What lives here, and why it cannot use a public API:
 * making fresh ``Var`` s and ``Jaxpr`` s when regions are cut out of a jaxpr
   (from 0.11 ``Jaxpr`` and ``ClosedJaxpr`` are one class, and a jaxpr's
   constants are the inputs that carry values: ``make_jaxpr`` hides that).
+* ``shard_map`` bodies: the body of a ``shard_map`` equation, whether it
+  is over its whole mesh, and binding it again with another body (through
+  the public ``jax.shard_map``, from the equation's parameters).
 * ``host_array_to_device``: a numpy array onto jax's default device through
   the call ``jax.device_put`` itself ends in, without its Python layers
   (prefetch places every item with it).
@@ -292,6 +295,57 @@ def nested_jaxpr(params: dict):
   if isinstance(jaxpr, jcore.Jaxpr):
     return jcore.ClosedJaxpr(jaxpr, ())
   return jaxpr
+
+
+# ---------------------------------------------------------------------------
+# shard_map bodies: planned on their own, re-emitted through jax.shard_map.
+
+def shard_map_body(eqn):
+  """The closed jaxpr of a ``shard_map`` equation's per-device body, or None
+  for any other equation."""
+  if eqn.primitive.name != "shard_map":
+    return None
+  return nested_jaxpr(eqn.params)
+
+
+def shard_map_is_fully_manual(eqn) -> bool:
+  """Whether ``eqn`` is a ``shard_map`` over every axis of its mesh: its
+  body is each device's whole program, and XLA's partitioner adds nothing
+  to it (a collective it added inside a stream call would not compile)."""
+  if eqn.primitive.name != "shard_map":
+    return False
+  return (set(eqn.params["newly_manual_axes"])
+          == set(eqn.params["mesh"].axis_names))
+
+
+def varying_axes(aval) -> frozenset:
+  """The mesh axes a value inside a shard_map body varies over (jax's
+  ``{V:...}`` type annotation); empty outside shard_map."""
+  return getattr(getattr(aval, "mat", None), "varying", None) or frozenset()
+
+
+# jax 0.10's optimization_barrier gives every result the varying axes of all
+# its operands together (measured: an invariant value through a barrier
+# beside a varying one came out varying); from 0.11 each keeps its own.
+BARRIER_JOINS_VARYING_AXES = _version_tuple(jax.__version__) < (0, 11)
+
+
+def bind_shard_map(eqn, body: Callable[..., Sequence[Any]],
+                   args: Sequence[Any]) -> list[Any]:
+  """Bind ``eqn`` (a ``shard_map`` equation) again on ``args``, with
+  ``body`` in place of its jaxpr: the same mesh, specs, manual axes and
+  checks, through the public ``jax.shard_map``, under the equation's own
+  name stack and source line (as ``jax.core.eval_jaxpr`` binds)."""
+  params = eqn.params
+  mapped = jax.shard_map(
+      lambda *xs: tuple(body(*xs)), mesh=params["mesh"],
+      in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]),
+      axis_names=set(params["newly_manual_axes"]),
+      check_vma=params["check_vma"])
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback,
+                                     name_stack=name_stack):
+    return list(mapped(*args))
 
 
 # ---------------------------------------------------------------------------

@@ -336,8 +336,9 @@ class _Spec:
              compiler_options: dict[str, str] | None = None,
              donate: bool = True):
     """A ``jax.jit`` function of the shared staged function of ``program``
-    (``"inline"`` or ``"streams"``), with the way's ``compiler_options``
-    under the user's own."""
+    (``"inline"``, ``"streams"``, or ``"bodies"``: stream calls only in
+    shard_map bodies; see ``jaxstreams.lower.emit``), with the way's
+    ``compiler_options`` under the user's own."""
     staged = _staged_for(self.fun, streams, self.spread, self.source,
                          program, self.plans(streams))
     kwargs = dict(self.jit_kwargs)
@@ -424,6 +425,7 @@ class StreamJit(functools.partial):
     self._children: dict[int, StreamJit] = {}   # streams=None: one per count
     self._lock = threading.RLock()
     self._choice: _Choice | None = None
+    self._devices: int | None = None   # of the call that settled, on a GPU
     self._point_to(_first_call(weakref.ref(self)))
     return self
 
@@ -459,6 +461,8 @@ class StreamJit(functools.partial):
   def _jit(self, way: gpu.Way, *, top_level: bool, donate: bool = True):
     options = way.compiler_options(self._streams) if top_level else {}
     program = way.program if top_level else way.nested.program
+    if program == "streams" and self._spans_devices(top_level):
+      program = "bodies"
     key = (program, tuple(sorted(options.items())), donate)
     jitted = self._jits.get(key)
     if jitted is None:
@@ -468,6 +472,18 @@ class StreamJit(functools.partial):
           jitted = self._jits[key] = self._spec.jitted(
               self._streams, program, options, donate)
     return jitted
+
+  def _spans_devices(self, top_level: bool) -> bool:
+    """Whether the program may be partitioned over several devices: then
+    XLA's partitioner may put collectives into region calls, which XLA:GPU
+    cannot compile, so only fully manual shard_map bodies get calls (the
+    "bodies" program). Top level: the devices of the settling call's
+    arguments; inside another jit, whose devices nobody here knows: whether
+    this process has several GPUs (XLA:CPU runs stream calls in place)."""
+    if top_level and self._devices is not None:
+      return self._devices > 1
+    devices = jax.devices()
+    return len(devices) > 1 and _is_gpu(devices[0].platform)
 
   def _nested_way(self) -> gpu.Way:
     name = self._spec.lowering()
@@ -488,6 +504,7 @@ class StreamJit(functools.partial):
         target = self._jit(way, top_level=False)
         self._point_to(target)
         return target
+      self._devices = _device_count(args, kwargs, self._spec.jit_kwargs)
       self._choice = self._choose(args, kwargs)
       top = self._jit(self._choice.way, top_level=True)
       nested = (top if self._choice.single_stream
@@ -571,6 +588,8 @@ class StreamJit(functools.partial):
     a GPU from a machine without one."""
     choice = self._choice or self._static_choice(
         lambda: self._spec.plan(*args, **kwargs))
+    if self._choice is None:
+      self._devices = _device_count(args, kwargs, self._spec.jit_kwargs)
     return self._jit(choice.way, top_level=True)
 
   # -- jax.jit's interface -----------------------------------------------------
@@ -599,7 +618,15 @@ class StreamJit(functools.partial):
     if self._streams is None:
       return self._for_streams(self._spec.streams_now()).plan(*args, **kwargs)
     found = self._spec.plan(*args, **kwargs)
-    return dataclasses.replace(found, **self._gpu_report(found))
+    report = self._gpu_report(found)
+    devices = _device_count(args, kwargs, self._spec.jit_kwargs)
+    if devices > 1 and not found.is_single_stream:
+      report["gpu_reason"] += (
+          f"; over {devices} devices, stream calls only inside shard_map "
+          "bodies over all their mesh's axes, other regions in place (XLA's "
+          "partitioner may put collectives into a region, and XLA:GPU "
+          "compiles none inside a stream call)")
+    return dataclasses.replace(found, **report)
 
   def _gpu_report(self, found: StreamPlan) -> dict:
     if found.is_single_stream:
@@ -708,6 +735,21 @@ def _first_device(args, kwargs, jit_kwargs=None):
     if devices:
       return next(iter(devices))
   return jax.devices()[0]
+
+
+def _device_count(args, kwargs, jit_kwargs=None) -> int:
+  """How many devices a call with these arguments spans: the most any
+  argument's sharding (or ``in_shardings``/``out_shardings``) names."""
+  shardings = [(jit_kwargs or {}).get(k) for k in ("in_shardings",
+                                                    "out_shardings")]
+  count = 1
+  for leaf in tree_util.tree_leaves((args, kwargs, shardings)):
+    sharding = (leaf if isinstance(leaf, jax.sharding.Sharding)
+                else getattr(leaf, "sharding", None))
+    devices = getattr(sharding, "device_set", None)
+    if devices:
+      count = max(count, len(devices))
+  return count
 
 
 def _platform(args, kwargs, jit_kwargs) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 
-from jaxstreams import config
+from jaxstreams import _compat, config
 from jaxstreams.assign import (DEFAULT_DEVICE, DeviceModel, Placement,
                                StreamRules, assign_streams, equation_cost,
                                load_rules, spread_assign)
@@ -79,11 +79,19 @@ def _plan(closed_jaxpr, streams, source, function_name,
   if options.spread:
     placements, graph, schedule, summary = _try_spread(
         program, placements, graph, schedule, seconds, work, streams, options)
+  bodies = {}
+  for index, placement in enumerate(placements):
+    if placement.rule == "inside":
+      eqn = program.jaxpr.eqns[index]
+      body = _plan(_compat.shard_map_body(eqn), streams, source,
+                   f"{function_name}/{eqn.primitive.name}#{index}", options)
+      if body.has_calls:
+        bodies[index] = body
   return PartitionedProgram(
       function_name=function_name, streams=streams, program=program,
       placements=tuple(placements), costs=tuple(costs), graph=graph,
       schedule=schedule, summary=summary,
-      reduce_stream_wait=options.reduce_stream_wait)
+      reduce_stream_wait=options.reduce_stream_wait, bodies=bodies)
 
 
 def _try_spread(program, placements, graph, schedule, seconds, work, streams,

@@ -119,3 +119,39 @@ def test_one_chain_has_nothing_in_its_windows(schedules):
   assert all(r["main_work"] == 0 and r["overlapping"] == [] for r in report["regions"])
   assert report["peak_in_flight"] == 1
   assert report["barriers"] == 0   # nothing to overlap: the program is left alone
+
+
+@pytest.fixture(scope="module")
+def eight_gpus():
+  """examples/sharded_training.py's step compiled for a node of eight H100s
+  with the 'streams' lowering (tests/gpu_compile_sharded.py)."""
+  require_gpu_target()
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, str(HERE / "gpu_compile_sharded.py")],
+                          env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_partitioned_step_compiles_for_eight_gpus_with_its_regions_in_place(
+    eight_gpus):
+  """XLA:GPU compiles no collective inside a stream call, and jax.jit's
+  partitioner puts the gradients' all-reduce wherever the shardings meet:
+  over several devices the regions stay in place."""
+  report = eight_gpus["jit_partitioned"]
+  assert report["plan_streams"] == [0, 1, 2]
+  assert report["regions"] == [] and report["synchronous"] == 0
+  assert report["collectives"], report["summary"]
+  assert "over 8 devices" in report["gpu_reason"]
+
+
+def test_shard_map_body_regions_are_async_calls_on_each_of_eight_gpus(eight_gpus):
+  report = eight_gpus["shard_map"]
+  assert report["plan_streams"] == [0]
+  assert list(report["body_streams"].values()) == [[0, 1, 2]]
+  streams = [r["stream"] for r in report["regions"] if not r["fragment"]]
+  assert sorted(set(streams)) == [1, 2] and len(streams) >= 2
+  assert report["synchronous"] == 0
+  # The gradients' all-reduce runs on the main stream, outside every region.
+  assert [c["opcode"] for c in report["collectives"]
+          if c["opcode"].startswith("all-reduce")], report["summary"]

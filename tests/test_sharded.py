@@ -17,6 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxstreams
@@ -82,22 +83,112 @@ def test_two_processes_under_jax_distributed():
   assert "results equal" not in outputs[1]   # only process 0 reports; both check
 
 
-def test_a_shard_map_body_is_placed_whole_and_the_plan_says_so():
-  mesh = Mesh(np.array(jax.devices()), ("d",))
+def _towers_body(x, w):
+  with jaxstreams.stream(1):
+    a = jnp.sin(x @ w)
+  with jaxstreams.stream(2):
+    b = jnp.cos(x) @ jnp.tanh(w)
+  return jax.lax.psum((a * b).sum(), "d")
+
+
+def _mesh():
+  return Mesh(np.array(jax.devices()), ("d",))
+
+
+def _towers(x, w):
+  return shard_map(_towers_body, mesh=_mesh(), in_specs=(P("d"), P()),
+                   out_specs=P())(x, w)
+
+
+def _towers_inputs():
+  n = 2 * len(jax.devices())
+  x = jnp.arange(n * 8.0).reshape(n, 8) / (n * 8)
+  w = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
+  return x, w
+
+
+def test_a_shard_map_body_gets_a_plan_with_regions_on_its_streams():
+  plan = jaxstreams.plan(_towers, streams=3)(*_towers_inputs())
+  assert [e.rule for e in plan.equations] == ["inside"]
+  assert not plan.is_single_stream
+  body = plan.bodies[0]
+  assert sorted({r.stream for r in body.regions}) == [0, 1, 2]
+  by_name = {e.primitive: e for e in body.equations}
+  assert by_name["sin"].stream == 1 and by_name["tanh"].stream == 2
+  # The collective, outside every block (psum_invariant from jax 0.10).
+  [psum] = [e for e in body.equations if e.primitive.startswith("psum")]
+  assert psum.stream == 0
+  text = str(plan)
+  assert "the body of #0 (shard_map), on every device:" in text
+  assert "StreamPlan for _towers/shard_map#0: streams=3" in text
+
+
+@pytest.mark.parametrize("lowering", ["inline", "streams"])
+def test_shard_map_body_regions_give_jax_jit_results_gradients_too(lowering):
+  x, w = _towers_inputs()
+  grad = jax.grad(_towers, argnums=(0, 1))
+  assert_equal_results(
+      jaxstreams.jit(_towers, streams=3, gpu_lowering=lowering)(x, w),
+      jax.jit(_towers)(x, w))
+  assert_equal_results(
+      jaxstreams.jit(grad, streams=3, gpu_lowering=lowering)(x, w),
+      jax.jit(grad)(x, w))
+  plan = jaxstreams.plan(grad, streams=3)(x, w)
+  backward = [b for i, b in plan.bodies.items()
+              if plan.equations[i].name.startswith("transpose")]
+  assert backward and {1, 2} <= {r.stream for r in backward[0].regions}
+
+
+def test_a_collective_in_a_stream_block_runs_on_the_main_stream():
+  def body(x):
+    with jaxstreams.stream(1):
+      y = jnp.sin(x)
+      z = jax.lax.ppermute(y, "d", [(i, (i + 1) % len(jax.devices()))
+                                     for i in range(len(jax.devices()))])
+    return z * 2
+
+  def f(x):
+    return shard_map(body, mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))(x)
+
+  x = jnp.arange(4.0 * len(jax.devices()))
+  body_plan = jaxstreams.plan(f, streams=2)(x).bodies[0]
+  [ppermute] = [e for e in body_plan.equations if e.primitive == "ppermute"]
+  assert (ppermute.stream, ppermute.rule) == (0, "collective")
+  assert "XLA:GPU cannot run one inside a stream call" in ppermute.note
+  assert [e.stream for e in body_plan.equations
+          if e.primitive == "sin"] == [1]
+  assert_equal_results(jaxstreams.jit(f, streams=2, gpu_lowering="streams")(x),
+                       jax.jit(f)(x))
+
+
+def test_a_shard_map_over_some_mesh_axes_is_placed_whole_and_the_plan_says_so():
+  """Over part of a mesh the body is not each device's whole program: XLA's
+  partitioner still works on it and may put collectives into a region."""
+  mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("a", "b"))
 
   def body(x):
     with jaxstreams.stream(1):
       a = jnp.sin(x)
     with jaxstreams.stream(2):
       b = jnp.cos(x)
-    return jax.lax.psum(a + b, "d")
+    return a + b
 
   def f(x):
-    return shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P())(x)
+    return shard_map(body, mesh=mesh, in_specs=P("a"), out_specs=P("a"),
+                     axis_names={"a"})(x)
 
   x = jnp.arange(2.0 * len(jax.devices()))
   plan = jaxstreams.plan(f, streams=3)(x)
-  assert plan.streams_used == (0,)
+  assert plan.streams_used == (0,) and not plan.bodies
   assert any("its body asks for streams 1, 2; a shard_map body runs as one "
              "computation, so it is placed as a whole" in n for n in plan.notes)
   assert_equal_results(jaxstreams.jit(f, streams=3)(x), jax.jit(f)(x))
+
+
+def test_the_shard_map_example_runs_its_towers_on_streams_in_the_body():
+  out = run_example("sharded_training.py", "--devices=8", "--shard_map", STEPS,
+                    env={"JAX_PLATFORMS": "cpu"})
+  assert re.search(r"^shard_map #0 body: \d+ regions on streams \[0, 1, 2\]$",
+                   out, re.M), out
+  _loss_line(out)
+  assert "results equal jax.jit: bitwise" in out, out

@@ -195,3 +195,37 @@ def test_malformed_text_is_a_clear_error(text, message):
 def test_unknown_target_names_the_choices():
   with pytest.raises(ValueError, match=r"unknown GPU target 'a100'.*\['h100', 'h200'\]"):
     jaxstreams.gpu_target("a100")
+
+
+# A collective in flight while a region runs, and one after it.
+WITH_COLLECTIVES = f"""HloModule jit_h, is_scheduled=true
+
+%region_a (p0: f32[8]) -> f32[8] {{
+  %p0 = f32[8]{{0}} parameter(0)
+  ROOT %t = f32[8]{{0}} fusion(%p0), kind=kLoop, calls=%fused_tanh
+}}
+
+%sum (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}}
+
+ENTRY %main.2 (x: f32[8]) -> f32[8] {{
+  %x = f32[8]{{0}} parameter(0)
+  %call-start = ((f32[8]{{0}}), f32[8]{{0}}) call-start(%x), to_apply=%region_a, {_ATTRS.format(s=1, r=0)}
+  %all-reduce-start = f32[8]{{0}} all-reduce-start(%x), replica_groups={{}}, to_apply=%sum
+  %all-reduce-done = f32[8]{{0}} all-reduce-done(%all-reduce-start)
+  %call-done = f32[8]{{0}} call-done(%call-start), {_ATTRS.format(s=1, r=0)}
+  ROOT %all-reduce = f32[8]{{0}} all-reduce(%call-done), replica_groups={{}}, to_apply=%sum
+}}
+"""
+
+
+def test_each_collective_names_the_regions_in_flight_beside_it():
+  schedule = xla_schedule(WITH_COLLECTIVES)
+  assert [(c.name, c.opcode, c.regions_in_flight)
+          for c in schedule.collectives] == [
+              ("all-reduce-start", "all-reduce-start", (0,)),
+              ("all-reduce", "all-reduce", ())]
+  assert schedule.summary().endswith("2 collective(s), 1 with a region in flight")

@@ -11,6 +11,10 @@ Rules, in order (the first that applies wins):
    has blocks that all name one stream, it goes there. If they name several,
    it is left to the rules below and the plan notes the placements it could
    not honour: XLA runs a loop or branch body as one computation.
+   ``inside``: a ``shard_map`` over all its mesh's axes whose body has
+   blocks, and is not itself in one, stays on the main stream and its body
+   gets a plan of its own (each device runs the body as a program: its
+   regions are calls there).
 4. ``file``: the first line of the ``jaxstreams_stream_from_file`` rules
    whose regex matches the equation's name.
 5. ``forward``: with ``jaxstreams_forward_propagation``, an equation whose
@@ -24,7 +28,9 @@ Rules, in order (the first that applies wins):
 
 An equation with side effects (``jax.debug.print``, callbacks) always runs on
 the main stream, whatever was asked, so that effect ordering is XLA's usual
-one; the plan notes each such move.
+one, and so does a collective (``psum``, ``all_gather``, ``ppermute``, ...,
+or an equation with one in its body): XLA:GPU cannot compile one inside a
+stream call. The plan notes each such move.
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag
 @dataclasses.dataclass(frozen=True)
 class Placement:
   stream: int
-  rule: str          # user, colocate, body, file, forward, spread, main,
-                     # effects
+  rule: str          # user, colocate, body, inside, file, forward, spread,
+                     # main, effects, collective
   note: str = ""     # what could not be honoured, if anything
 
 
@@ -71,6 +77,22 @@ def _inner_stream_tags(eqn, outer_stack, streams, streams_source,
       _inner_stream_tags(inner, stack, streams, streams_source, found)
 
 
+# The primitives that move data between devices (jax.lax's collectives;
+# axis_index and pvary move nothing). XLA:GPU compiles none of them inside a
+# stream-annotated call ("No ExecutionStreamId found", jaxlib 0.10-0.12).
+COLLECTIVES = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "pbroadcast",
+    "all_gather", "all_gather_invariant", "reduce_scatter", "all_to_all",
+    "ragged_all_to_all", "psend", "precv"})
+
+
+def _has_collective(eqn) -> bool:
+  """Whether ``eqn`` is a collective or runs one in a body (any depth)."""
+  return eqn.primitive.name in COLLECTIVES or any(
+      _has_collective(inner) for sub in _compat.sub_jaxprs(eqn)
+      for inner in sub.eqns)
+
+
 def equation_name(eqn) -> str:
   """Name stack and primitive: what the plan shows and the rules file matches."""
   stack = _compat.name_stack_str(eqn)
@@ -92,7 +114,12 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
     placement = _place(index, eqn, stack, effective_tag(stack), program,
                        placements, streams, streams_source, rules,
                        forward_propagation)
-    if eqn.effects and placement.stream != 0:
+    if placement.stream != 0 and _has_collective(eqn):
+      placement = Placement(
+          0, "collective", f"asked for stream {placement.stream} "
+          f"({placement.rule}), but collectives run on the main stream: "
+          "XLA:GPU cannot run one inside a stream call")
+    elif eqn.effects and placement.stream != 0:
       placement = Placement(
           0, "effects", f"asked for stream {placement.stream} "
           f"({placement.rule}), but equations with side effects run on the "
@@ -121,6 +148,11 @@ def _place(index, eqn, stack, tag: Tag | None, program, placements,
     if source is None:
       return Placement(0, "colocate")   # an argument or constant: main stream
     return Placement(placements[source].stream, "colocate")
+  if (inner and set(inner) != {0}
+      and _compat.shard_map_is_fully_manual(eqn)):
+    # Every device runs the body as a program of its own: it is planned
+    # apart (its regions on their streams), the shard_map stays on main.
+    return Placement(0, "inside")
   if len(inner) == 1:
     return Placement(next(iter(inner)), "body")
   note = ""

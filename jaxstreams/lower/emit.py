@@ -31,6 +31,13 @@ The ``jaxstreams_sequence_points`` option turns this off. It reads the
 ``PartitionedProgram`` (jaxpr variables and equations), never the user's
 ``StreamPlan`` report.
 
+A ``shard_map`` whose body has a plan of its own (``PartitionedProgram.
+bodies``) is bound again through ``jax.shard_map`` with that plan emitted
+as its body, so its regions are calls on every device. The ``bodies``
+program does only that, leaving the top level's regions in place: a program
+partitioned over several devices may get collectives from XLA's partitioner
+inside any region, and XLA:GPU compiles no collective inside a stream call.
+
 All of the above is for stream calls (the ``streams`` programs). The
 ``inline`` program binds every region's equations in place, in plan order:
 the program ``jax.jit`` builds. Which program runs, with which compiler
@@ -85,7 +92,9 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
   graph = plan.graph
   stream_calls = (profile or gpu_lowering == "streams") and any(
       stream != 0 for stream in graph.streams)
-  if stream_calls:
+  body_calls = (profile or gpu_lowering in ("streams", "bodies")) and any(
+      body.has_calls for body in plan.bodies.values())
+  if stream_calls or body_calls:
     _compat.install_region_rules()
   env: dict[Any, Any] = {}
   for var, value in zip(program.jaxpr.constvars, program.consts):
@@ -101,7 +110,7 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
       # traces (a tracer leaked into it fails the call, as under jax.jit).
       continue
     with jax.named_scope(REGION_SCOPE.format(index=index)):
-      _emit_region(plan, index, env, order, profile, stream_calls)
+      _emit_region(plan, index, env, order, profile, stream_calls, body_calls)
   if profile:
     from jaxstreams.runtime import profile as profiling
     profiling.completion_token()
@@ -112,12 +121,14 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
 
 
 def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
-                 profile: bool, stream_calls: bool) -> None:
+                 profile: bool, stream_calls: bool, body_calls: bool) -> None:
   """Emit region ``index`` into ``env`` (or through ``order``)."""
   graph = plan.graph
   stream = graph.streams[index]
   if order is not None and stream == 0:
     fn = order.main_region(index)
+  elif body_calls and any(i in plan.bodies for i in graph.members[index]):
+    fn = _region_with_bodies(plan, index)
   else:
     fn = region_function(plan, index)
   if profile:
@@ -136,6 +147,41 @@ def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
   results = fn(*inputs)
   for var, value in zip(graph.outputs[index], results):
     env[var] = value
+
+
+def _equation_function(plan: PartitionedProgram, i: int, reads):
+  """A function of ``reads``' values binding equation ``i`` again: as it is,
+  or, for a ``shard_map`` with a planned body, through ``jax.shard_map`` with
+  the body's regions emitted as stream calls (on every device)."""
+  eqn = plan.program.jaxpr.eqns[i]
+  body = plan.bodies.get(i)
+  if body is None:
+    return part_function(reads, eqn.outvars, [eqn])
+
+  def run(*values):
+    env = dict(zip(reads, values))
+    args = [v.val if isinstance(v, jcore.Literal) else env[v]
+            for v in eqn.invars]
+    return _compat.bind_shard_map(
+        eqn, lambda *xs: emit(body, xs, gpu_lowering="streams"), args)
+  return run
+
+
+def _region_with_bodies(plan: PartitionedProgram, index: int):
+  """``region_function`` for a region holding a ``shard_map`` with a planned
+  body: its equations bound one by one (``_equation_function``)."""
+  graph = plan.graph
+
+  def run(*inputs):
+    env = dict(zip(graph.inputs[index], inputs))
+    for i in graph.members[index]:
+      eqn = plan.program.jaxpr.eqns[i]
+      reads = list(dict.fromkeys(v for v in eqn.invars
+                                 if not isinstance(v, jcore.Literal)))
+      results = _equation_function(plan, i, reads)(*(env[v] for v in reads))
+      env.update(zip(eqn.outvars, results))
+    return [env[v] for v in graph.outputs[index]]
+  return run
 
 
 def _emitted(plan: PartitionedProgram, index: int) -> bool:
@@ -224,6 +270,10 @@ class _Sequencer:
     if (_compat.XLA_SCHEDULES_STREAM_CALLS
         or not config.read("jaxstreams_sequence_points")):
       return None
+    if _compat.BARRIER_JOINS_VARYING_AXES and len(
+        {_compat.varying_axes(v.aval) for eqn in plan.program.jaxpr.eqns
+         for v in eqn.outvars}) > 1:
+      return None   # a barrier would make every value vary over every axis
     calls = overlappable_calls(plan)
     return cls(plan, env, calls) if calls else None
 
@@ -373,7 +423,7 @@ class _Sequencer:
         reads = list(dict.fromkeys(v for v in eqn.invars
                                    if not isinstance(v, jcore.Literal)))
         self._before(reads)
-        results = part_function(reads, eqn.outvars, [eqn])(
+        results = _equation_function(self.plan, i, reads)(
             *(self.read(v) for v in reads))
         for var, value in zip(eqn.outvars, results):
           self.env[var] = value
@@ -467,6 +517,11 @@ class _Packing:
 
   @classmethod
   def of(cls, outputs) -> "_Packing | None":
+    if len({_compat.varying_axes(v.aval) for v in outputs}) > 1:
+      # In a shard_map body, values that vary over different mesh axes: one
+      # buffer would vary over them all, and no slice of it could be the
+      # same on every device again.
+      return None
     dtypes = [np.dtype(v.aval.dtype) for v in outputs]
     floats = {d for d in dtypes if jnp.issubdtype(d, jnp.floating)}
     if len(floats) > 1 or any(jnp.issubdtype(d, jnp.complexfloating)

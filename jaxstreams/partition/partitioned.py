@@ -35,6 +35,17 @@ class PartitionedProgram:
   schedule: Schedule
   summary: str = ""          # what spreading decided, if on
   reduce_stream_wait: bool = True
+  # Per ``shard_map`` equation placed "inside" (by its index): the plan of
+  # its per-device body, emitted in the shard_map's place when regions are
+  # calls.
+  bodies: dict[int, "PartitionedProgram"] = dataclasses.field(
+      default_factory=dict)
+
+  @property
+  def has_calls(self) -> bool:
+    """Whether any region, here or in a body, is off the main stream."""
+    return (any(stream != 0 for stream in self.graph.streams)
+            or any(body.has_calls for body in self.bodies.values()))
 
   def region_equations(self, index: int) -> list:
     """The equations of region ``index``, in program order."""

@@ -31,8 +31,8 @@ class PlannedEquation:
   primitive: str
   name: str        # name stack and primitive, e.g. "jaxstreams_stream_1/sin"
   stream: int
-  rule: str        # which rule placed it: user, colocate, body, file,
-                   # forward, spread, main, effects
+  rule: str        # which rule placed it: user, colocate, body, inside, file,
+                   # forward, spread, main, effects, collective
   region: int
   location: str    # file:line (function) of the user code that made it
   note: str = ""
@@ -84,6 +84,9 @@ class StreamPlan:
   summary: str = ""       # what spreading decided, if on
   gpu_lowering: str = "inline"    # the way a top-level call runs on a GPU
   gpu_reason: str = ""            # what that way is and why, nested calls too
+  # The plans of shard_map bodies with regions of their own, by the index of
+  # their shard_map equation (rule "inside"); each device runs its body.
+  bodies: dict[int, "StreamPlan"] = dataclasses.field(default_factory=dict)
 
   @property
   def notes(self) -> tuple[str, ...]:
@@ -106,8 +109,10 @@ class StreamPlan:
 
   @property
   def is_single_stream(self) -> bool:
-    """True when everything runs on the main stream (no calls are emitted)."""
-    return all(not r.is_call for r in self.regions)
+    """True when everything runs on the main stream (no calls are emitted),
+    shard_map bodies included."""
+    return (all(not r.is_call for r in self.regions)
+            and all(b.is_single_stream for b in self.bodies.values()))
 
   def region_of(self, equation: int) -> Region:
     return self.regions[self.equations[equation].region]
@@ -166,6 +171,12 @@ class StreamPlan:
           e.location] for e in self.equations])
     if self.notes:
       lines += ["", "notes:"] + [f"  - {n}" for n in self.notes]
+    for index, body in self.bodies.items():
+      lines += ["", f"the body of #{index} ({self.equations[index].primitive}), "
+                "on every device:"]
+      body = dataclasses.replace(body, gpu_lowering=self.gpu_lowering,
+                                 gpu_reason="")   # it runs as its caller does
+      lines += ["  " + line if line else line for line in str(body).splitlines()]
     return "\n".join(lines)
 
   def to_perfetto(self, path: str | os.PathLike | None = None) -> dict:
@@ -282,7 +293,8 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
       function_name=partitioned.function_name, streams=partitioned.streams,
       equations=equations, regions=regions, dependencies=dependencies,
       edges=tuple(sorted(graph.edges)), schedule=partitioned.schedule,
-      summary=partitioned.summary)
+      summary=partitioned.summary,
+      bodies={i: report(body) for i, body in partitioned.bodies.items()})
 
 
 def _value_names(jaxpr) -> dict[Any, str]:

@@ -4,12 +4,12 @@ read the compiled schedule of the regions jaxstreams emits
 
 from jaxstreams.xla.graph import (CudaGraph, GraphLogError, Kernel, OutsideGraph,
                                   XlaGraphs, xla_graphs)
-from jaxstreams.xla.schedule import (AsyncRegion, HloParseError, PairCheck,
-                                     XlaSchedule, xla_schedule)
+from jaxstreams.xla.schedule import (AsyncRegion, Collective, HloParseError,
+                                     PairCheck, XlaSchedule, xla_schedule)
 from jaxstreams.xla.target import (BUILTIN_TARGETS, GpuTarget, GpuTargetError,
                                    gpu_target, install_command)
 
-__all__ = ["AsyncRegion", "BUILTIN_TARGETS", "CudaGraph", "GpuTarget",
+__all__ = ["AsyncRegion", "BUILTIN_TARGETS", "Collective", "CudaGraph", "GpuTarget",
            "GpuTargetError", "GraphLogError", "HloParseError", "Kernel",
            "OutsideGraph", "PairCheck", "XlaGraphs", "XlaSchedule", "gpu_target",
            "install_command", "xla_graphs", "xla_schedule"]

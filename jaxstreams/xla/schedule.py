@@ -73,6 +73,19 @@ class AsyncRegion:
 
 
 @dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of the entry computation, from ``start`` to ``done``
+  (one position for a synchronous one), and the regions (``AsyncRegion``
+  indices, fragments aside) in flight meanwhile: their kernels can run
+  while it moves data."""
+  name: str
+  opcode: str
+  start: int
+  done: int
+  regions_in_flight: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class PairCheck:
   """Two regions the plan lets run together, and whether XLA scheduled them so."""
   first: int       # plan region indices; -1 stands for main-stream work
@@ -85,11 +98,13 @@ class XlaSchedule:
 
   def __init__(self, instructions: Sequence[Instruction],
                regions: Sequence[AsyncRegion],
-               synchronous: Sequence[Instruction], plan=None):
+               synchronous: Sequence[Instruction], plan=None,
+               collectives: Sequence[Collective] = ()):
     self.instructions = tuple(instructions)
     self.regions = tuple(regions)
     self.synchronous = tuple(synchronous)   # annotated calls left synchronous
     self.plan = plan                        # the StreamPlan matched, if given
+    self.collectives = tuple(collectives)   # in schedule order
 
   @property
   def notes(self) -> tuple[str, ...]:
@@ -143,11 +158,16 @@ class XlaSchedule:
 
   def summary(self) -> str:
     regions = self.main_regions
-    return (f"{len(regions)} async region(s) on stream(s) "
+    text = (f"{len(regions)} async region(s) on stream(s) "
             f"{sorted({r.stream for r in regions})}, {len(self.overlapped)} with work "
             f"inside their window, peak {self.peak_in_flight} in flight, "
             f"{len(self.synchronous)} left synchronous, "
             f"{len(self.regions) - len(regions)} split-off fragment(s)")
+    if self.collectives:
+      beside = sum(bool(c.regions_in_flight) for c in self.collectives)
+      text += (f"; {len(self.collectives)} collective(s), {beside} with a "
+               "region in flight")
+    return text
 
   def __str__(self) -> str:
     streams = sorted({r.stream for r in self.regions})
@@ -393,4 +413,35 @@ def xla_schedule(compiled: Any, plan=None) -> XlaSchedule:
         main_work=main_work, overlapping=overlapping, fragment=fragment))
   synchronous = [ins for ins in instructions
                  if ins.opcode == "call" and ins.frontend_attribute(STREAM_ANNOTATION) is not None]
-  return XlaSchedule(instructions, regions, synchronous, plan)
+  return XlaSchedule(instructions, regions, synchronous, plan,
+                     _collectives(instructions, computations, regions))
+
+
+# XLA's collective opcodes; each may also come as a "-start"/"-done" pair,
+# or wrapped in an async-start / async-done pair.
+_COLLECTIVES = frozenset({
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+    "ragged-all-to-all", "collective-permute", "collective-broadcast"})
+
+
+def _collectives(instructions, computations, regions) -> list[Collective]:
+  """The entry computation's collectives, each with the regions in flight
+  during it."""
+  def is_collective(ins) -> bool:
+    base = ins.opcode.removesuffix("-start")
+    if base in _COLLECTIVES:
+      return True
+    return ins.opcode == "async-start" and any(
+        b.opcode in _COLLECTIVES for b in computations.get(ins.called or "", []))
+
+  done_of = {ins.operands[0]: i for i, ins in enumerate(instructions)
+             if ins.opcode.endswith("-done") and ins.operands}
+  found = []
+  for position, ins in enumerate(instructions):
+    if not is_collective(ins):
+      continue
+    done = done_of.get(ins.name, position) if ins.opcode.endswith("-start") else position
+    in_flight = tuple(r.index for r in regions if not r.fragment
+                      and r.start < done and position < r.done)
+    found.append(Collective(ins.name, ins.opcode, position, done, in_flight))
+  return found

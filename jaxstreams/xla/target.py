@@ -133,7 +133,8 @@ def _check_ptxas() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GpuTarget:
-  """A GPU to compile for: its name, its target description, and one device."""
+  """A GPU node to compile for: its name, its target description, and its
+  devices (``mesh``: all of them on one axis, ``"x"``)."""
   name: str
   config_text: str
   topology: Any = dataclasses.field(repr=False)
@@ -141,8 +142,16 @@ class GpuTarget:
 
   @property
   def sharding(self) -> jax.sharding.NamedSharding:
-    """The whole value on the target's one device."""
+    """The whole value on every device of the target (one for one GPU)."""
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+  def make_mesh(self, axis_shapes, axis_names) -> jax.sharding.Mesh:
+    """A mesh of the target's devices, as ``jax.make_mesh`` makes one of
+    real devices: for shardings and ``shard_map`` of a program compiled for
+    a node of several GPUs."""
+    from jax.experimental import topologies
+    return topologies.make_mesh(self.topology, tuple(axis_shapes),
+                                tuple(axis_names))
 
   def abstract(self, *args):
     """``args`` (arrays, ShapeDtypeStructs or pytrees of them) as
@@ -157,11 +166,14 @@ class GpuTarget:
     return tuple(jax.tree_util.tree_map(to_struct, args))
 
 
-def gpu_target(name: str) -> GpuTarget:
-  """The GPU ``name`` ("h100", "h200", or a path to a GpuTargetConfigProto
-  text file) as a compile target. Raises GpuTargetError naming what to
-  install when the CUDA plugin or ptxas is missing."""
-  return target_from_config(*target_config(name))
+def gpu_target(name: str, devices: int = 1) -> GpuTarget:
+  """A node of ``devices`` GPUs ``name`` ("h100", "h200", or a path to a
+  GpuTargetConfigProto text file) as a compile target. Raises
+  GpuTargetError naming what to install when the CUDA plugin or ptxas is
+  missing."""
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"gpu_target: devices must be a positive int, got {devices!r}")
+  return target_from_config(*target_config(name), devices=devices)
 
 
 def target_config(name: str) -> tuple[str, str]:
@@ -179,15 +191,18 @@ def target_config(name: str) -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def target_from_config(name: str, config_text: str) -> GpuTarget:
-  """The target described by ``config_text`` (a GpuTargetConfigProto in
-  text format), called ``name``; made once per process."""
+def target_from_config(name: str, config_text: str,
+                       devices: int = 1) -> GpuTarget:
+  """A node of ``devices`` GPUs described by ``config_text`` (a
+  GpuTargetConfigProto in text format), called ``name``; made once per
+  process."""
   _check_plugin()
   _check_ptxas()
   from jax.experimental import topologies
   try:
     topology = topologies.get_topology_desc(
-        platform="cuda", target_config=config_text, topology="1x1x1")
+        platform="cuda", target_config=config_text,
+        topology=f"1x1x{devices}")   # slices x hosts x devices per host
   except Exception as error:  # XLA reports parse errors as XlaRuntimeError
     hint = ""
     if os.environ.get("JAX_PLATFORMS", "") != "cpu" and "cuda" not in {
@@ -197,5 +212,5 @@ def target_from_config(name: str, config_text: str) -> GpuTarget:
               "CUDA compiler).")
     raise GpuTargetError(
         f"XLA could not make a CUDA topology for target {name!r}: {error}.{hint}") from error
-  mesh = topologies.make_mesh(topology, (1,), ("x",))
+  mesh = topologies.make_mesh(topology, (devices,), ("x",))
   return GpuTarget(name, config_text, topology, mesh)

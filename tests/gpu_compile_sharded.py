@@ -1,0 +1,67 @@
+"""Compiles examples/sharded_training.py's step for a node of eight H100s
+without one and prints, as JSON (one line), what XLA:GPU will run: per way
+of writing the step (one program jax.jit partitions; shard_map), whether it
+compiled with the 'streams' lowering, its async regions and its collectives
+with the regions in flight beside each. Run by tests/test_gpu_compile.py in
+a process of its own (deviceless compilation needs JAX_PLATFORMS=cpu before
+jax starts).
+
+    JAX_PLATFORMS=cpu python tests/gpu_compile_sharded.py
+"""
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxstreams  # noqa: E402
+import sharded_training  # noqa: E402
+
+DEVICES = 8
+BATCH, FEATURES, WIDTH, TOWERS = 4096, 1024, 1024, 2
+
+
+def report(step, mesh):
+  replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  struct = lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                                        sharding=sharding)
+  params = {"towers": [{"w": struct((FEATURES, WIDTH), replicated),
+                        "v": struct((WIDTH, 1), replicated)}
+                       for _ in range(TOWERS)]}
+  args = (params, struct((BATCH, FEATURES), batch), struct((BATCH, 1), batch))
+  fn = jaxstreams.jit(step, streams=3, gpu_lowering="streams")
+  plan = fn.plan(*args)
+  schedule = jaxstreams.xla_schedule(fn.lower(*args).compile())
+  return {
+      "plan_streams": sorted({r.stream for r in plan.regions}),
+      "body_streams": {str(i): sorted({r.stream for r in body.regions})
+                       for i, body in plan.bodies.items()},
+      "gpu_reason": plan.gpu_reason,
+      "regions": [{"stream": r.stream, "fragment": r.fragment,
+                   "plan_region": r.plan_region} for r in schedule.regions],
+      "synchronous": len(schedule.synchronous),
+      "collectives": [{"name": c.name, "opcode": c.opcode,
+                       "regions_in_flight": list(c.regions_in_flight)}
+                      for c in schedule.collectives],
+      "summary": schedule.summary(),
+  }
+
+
+def main():
+  target = jaxstreams.gpu_target("h100", devices=DEVICES)
+  mesh = target.make_mesh((DEVICES,), ("data",))
+  print(json.dumps({
+      "jit_partitioned": report(sharded_training.make_step(TOWERS, 0.05), mesh),
+      "shard_map": report(sharded_training.make_shard_map_step(0.05, mesh),
+                          mesh),
+  }))
+
+
+if __name__ == "__main__":
+  main()
