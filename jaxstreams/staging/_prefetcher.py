@@ -1,12 +1,9 @@
-"""``jaxstreams.prefetch``: a host iterator whose items are on the device
-before the consumer asks for them.
+"""``jaxstreams.prefetch``: items on the device before the consumer asks.
 
-The work that stalls a training loop between steps is host work (reading,
-parsing) and the host-to-device copy; JAX's async dispatch hides neither
-from a loop that does them in its own thread. Worker threads do them while
-the step runs (the GIL is released during I/O and while XLA copies or
-computes), where that pays (``_policy``). This module checks the arguments
-and is the public iterator; ``_lookahead`` is the pipeline behind it.
+Host work (reading, parsing) and the host-to-device copy stall a loop
+between steps, and JAX's async dispatch hides neither; worker threads do
+them while the step runs, where that pays (``_policy``). This module checks
+the arguments and is the public iterator; ``_lookahead`` is the pipeline.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ _names = itertools.count()
 
 
 def _describe(iterable: Any) -> str:
-  """For error messages, from the iterable's type and length, never its
-  items (a repr of large arrays would cost every call)."""
+  """For error messages: the iterable's type and length, never its items."""
   if isinstance(iterable, types.GeneratorType):
     return f"generator {iterable.__qualname__}()"
   kind = type(iterable).__qualname__
@@ -119,10 +115,8 @@ class Prefetcher:
 
   __next__ = _get       # one call per item, not two
 
-  # For staged's reader, whose runner decides who produces and never
-  # waits for a batch the reader has not finished.
   def next_if_ready(self) -> Any:
-    """The next item, or ``NOT_READY`` at once where it is not ready."""
+    """The next item, or ``NOT_READY`` at once (for staged's reader)."""
     return self._get(wait=False)
 
   def set_way(self, way: str) -> None:
@@ -167,9 +161,8 @@ class Prefetcher:
   def close(self, timeout: float | None = None) -> bool:
     """Stops the workers and waits up to ``timeout`` seconds (None: as long
     as it takes) for them to exit; returns whether they have. A worker
-    blocked inside the iterable's ``__next__`` exits when that call returns,
-    delivers nothing, and then closes what the iterator owns (a generator
-    iterable, a stage area). Idempotent."""
+    blocked inside the iterable's ``__next__`` delivers nothing and then
+    closes what the iterator owns. Idempotent."""
     timeout = _checks.timeout(timeout, name="timeout", context="Prefetcher.close")
     self._closed = True
     self._finalizer.detach()
