@@ -166,8 +166,8 @@ class FusedRun:
       self.next_index = next_index
 
   def _admit(self, block: bool) -> _InFlight | None:
-    """The next batch as an in-flight entry, or None (none may enter, none
-    is ready and not ``block``, or the end)."""
+    """The next batch, now in flight, or None (none may enter, none is
+    ready and not ``block``, the end, or its read failed)."""
     if self.ended or not self.admitting:
       return None
     if self.held is not None:
@@ -187,14 +187,14 @@ class FusedRun:
       self.read_s += seconds
     if isinstance(batch, DataError):    # batch k's error, raised by call k
       self.ended = True
-      self.inflight.append(_InFlight(self.next_index, error=batch.exc))
-      self.next_index += 1
-      return None
-    split = self.splits.split_for(batch)
-    entry = _InFlight(self.next_index, split,
-                      split.batch_env(tree_util.tree_leaves(batch)))
+      entry = _InFlight(self.next_index, error=batch.exc)
+    else:
+      split = self.splits.split_for(batch)
+      entry = _InFlight(self.next_index, split,
+                        split.batch_env(tree_util.tree_leaves(batch)))
     self.next_index += 1
-    return entry
+    self.inflight.append(entry)
+    return None if entry.error else entry
 
   def _slots(self, consume: bool, block: bool):
     """Who runs next: the head's consumer (when ``consume``) and per stage
@@ -205,11 +205,8 @@ class FusedRun:
       if entry is not head and entry.error is None and entry.done < self.k:
         stages[entry.done] = entry
     # A new batch enters while fewer than ``k`` others are in flight.
-    if stages[0] is None and len(self.inflight) - (1 if consume else 0) < self.k:
-      entry = self._admit(block)
-      if entry is not None:
-        self.inflight.append(entry)
-        stages[0] = entry
+    if stages[0] is None and len(self.inflight) - consume < self.k:
+      stages[0] = self._admit(block)
     return head, stages
 
   def labels(self) -> list[str]:

@@ -122,32 +122,25 @@ class Pipeline:
     if close_owned:           # close(timeout) gave up waiting for us
       self._close_owned()
 
-  def _pull(self) -> tuple[str, Any, int]:
-    """``next(iterator)`` as (kind, item or exception, ticket), by whoever
-    holds the right to pull (``pulling``); hands that right back."""
+  def _produce(self, wait: bool) -> tuple[str, Any]:
+    """Pulls the next item, by whoever holds the right to pull (which it
+    hands back), and places it: (kind, item or exception)."""
     try:
-      item = next(self.iterator)
-      kind = _VALUE
+      kind, item = _VALUE, next(self.iterator)
     except StopIteration:
       kind, item = _END, None
     except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
       kind, item = self._classify(exc), exc
     with self.lock:
       self.pulling = False
-      if kind in (_END, _ERROR):
-        self.source_done = True   # nothing is pulled past an end or failure
-      ticket = -1
-      if kind == _VALUE:    # tickets follow pull order (a stage area's)
-        ticket = self.next_ticket
-        self.next_ticket += 1
+      # Nothing is pulled past an end or failure.
+      self.source_done |= kind in (_END, _ERROR)
+      ticket = self.next_ticket     # tickets follow pull order
+      self.next_ticket += kind is _VALUE
       if not self.inline and self.workers_parked:
         self.work.notify_all()    # (inline, the workers are parked)
-    return kind, item, ticket
-
-  def _place(self, kind: str, item: Any, ticket: int,
-             wait: bool) -> tuple[str, Any]:
-    if kind != _VALUE:
-      return kind, item
+      if kind is not _VALUE or self.stopped:
+        return kind, item
     try:
       return kind, self.transfer.place(ticket, item, wait)
     except BaseException as exc:  # noqa: BLE001
@@ -196,10 +189,7 @@ class Pipeline:
           self.max_in_flight = max(self.max_in_flight,
                                    self.next_pull - self.next_out)
         started = _clock.now()
-        kind, item, ticket = self._pull()
-        if self.stopped:
-          return                    # closed while pulling: deliver nothing
-        kind, item = self._place(kind, item, ticket, wait=True)
+        kind, item = self._produce(wait=True)
         produced = _clock.now() - started
         with self.lock:
           if self.stopped:
@@ -263,8 +253,7 @@ class Pipeline:
       try:
         started = _clock.now()
         busy_start = _clock.reading() if self.meter.time_busy else None
-        kind, item, ticket = self._pull()
-        kind, item = self._place(kind, item, ticket, wait=False)
+        kind, item = self._produce(wait=False)
       except BaseException:     # interrupted between the lines above
         with self.lock:
           self.pulling = False
@@ -307,12 +296,16 @@ class Pipeline:
           f"{self.next_out} item(s) delivered so far)")
     return _clock.now() - wait_started
 
-  def _end(self, kind: str, value: Any) -> None:
-    """Hands out an end or a failure (under self.lock): nothing follows."""
+  def _halt(self) -> None:
+    """(Under self.lock.) Nothing more is pulled or handed out."""
     self.stopped = True
     self.results.clear()
     self.cond.notify_all()
     self.work.notify_all()
+
+  def _end(self, kind: str, value: Any) -> None:
+    """Hands out an end or a failure (under self.lock): nothing follows."""
+    self._halt()
     if kind is _END:
       raise StopIteration
     raise value
@@ -341,10 +334,7 @@ class Pipeline:
     an inline pull in another thread. Returns whether all have ended; if
     not, the last one out frees what the pipeline owns."""
     with self.lock:
-      self.stopped = True
-      self.results.clear()
-      self.cond.notify_all()
-      self.work.notify_all()
+      self._halt()
     self.transfer.stop()        # wakes a worker waiting in a stage put
     if self.upstream is not None:
       self.upstream.stop(join=False)

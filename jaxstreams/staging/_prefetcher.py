@@ -42,14 +42,10 @@ def _describe(iterable: Any) -> str:
 
 
 class Prefetcher:
-  """The iterator ``jaxstreams.prefetch`` returns; see there.
-
-  Iterate it, or use it as a context manager; ``close()`` stops the workers
-  and waits for them. Attributes: ``size``, ``num_threads``, ``timeout``,
-  ``transfer`` (the path in use), ``mode`` (the mode asked for;
-  ``stats()["mode"]`` is the way it runs). ``transform`` (package-internal)
-  places each item with a function instead of a transfer path.
-  """
+  """The iterator ``jaxstreams.prefetch`` returns, and a context manager.
+  ``transfer`` is the path in use, ``mode`` the mode asked for
+  (``stats()["mode"]``: the way it runs); ``transform`` (package-internal)
+  places each item with a function instead of a transfer path."""
 
   def __init__(self, iterable: Iterable[Any], size: int, *,
                transform: Callable[[Any], Any] | None = None,
@@ -76,7 +72,7 @@ class Prefetcher:
           f"workers produce the items: timeout={timeout} was given, and "
           f"only a wait for a worker can time out")
     self._closed = False
-    self._warn = warn     # staged's internal pipelines do not warn
+    self._warn = warn     # staged's pipelines do not warn
     upstream = iterator._pipeline if isinstance(iterator, Prefetcher) else None
     owned = (iterator if isinstance(iterator, (Prefetcher, types.GeneratorType))
              else None)    # a file the caller opened is the caller's to close
@@ -235,30 +231,25 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
     closed_exception_types: exceptions that end the iteration cleanly when
       raised for an item (``StopIteration`` from the iterable always does).
     ignored_exception_types: exceptions that skip the item they were raised
-      for; iteration continues with the next one.
-    transfer: how items reach the device: ``"device_put"``; ``"stage_area"``
-      (the runtime's ``StageArea`` of ``size`` slots, copies on its copy
-      stream; items that do not fit its first item's structure, shapes and
-      dtypes go through ``jax.device_put``, in order; default device only);
-      or ``"by_platform"`` (default), the path ``benchmarks/prefetch.py``
-      measured faster on this backend (``BY_PLATFORM_TRANSFER``), and
-      ``"device_put"`` where ``"stage_area"`` cannot be used. Both paths
-      hand out the same arrays, bit for bit.
-    mode: who produces the items (pulls and places them). ``"measured"``
-      (default): the consumer's thread at ``next()``, as a plain loop
-      would, until the iterator's own measurements say workers pay, and
-      back when they stop paying (docs/sharp-edges.md has the rule); one
-      ``jaxstreams.PerformanceWarning`` the first time it steps aside; with
-      a ``timeout``, always workers. ``"workers"``: always worker threads.
-      ``"inline"``: always the consumer's thread (no ``timeout``).
-      ``Prefetcher.stats()`` says which way it runs and why.
+      for.
+    transfer: ``"device_put"``; ``"stage_area"`` (the runtime's
+      ``StageArea`` of ``size`` slots, copies on its copy stream; items that
+      do not fit its first item's structure, shapes and dtypes go through
+      ``jax.device_put``, in order; default device only); or
+      ``"by_platform"`` (default): the path measured faster on this backend
+      (``BY_PLATFORM_TRANSFER``). All hand out the same arrays, bit for bit.
+    mode: who produces the items. ``"measured"`` (default): the consumer's
+      thread at ``next()``, as a plain loop would, until the iterator's own
+      measurements say workers pay, and back when they stop paying
+      (docs/sharp-edges.md); one ``jaxstreams.PerformanceWarning`` the
+      first time it steps aside; with a ``timeout``, always workers.
+      ``"workers"``: always worker threads. ``"inline"``: always the
+      consumer's thread (no ``timeout``). ``stats()`` says which and why.
 
   Any other exception raised for item ``k`` is raised by ``next()`` after
-  items ``< k`` were delivered, and ends the iteration.
-
-  Returns a ``Prefetcher``: an iterator and a context manager. Workers stop
-  at the end, on ``close()``, on leaving the ``with`` block, or when the
-  iterator is garbage-collected; a stage area is destroyed then.
+  items ``< k`` were delivered, and ends the iteration. Workers stop at the
+  end, on ``close()``, on leaving a ``with`` block, or when the iterator is
+  garbage-collected; a stage area is destroyed then.
   """
   size = _checks.integer(size, name="size", context=FUNC, minimum=1)
   num_threads = _checks.integer(num_threads, name="num_threads", context=FUNC,

@@ -1,10 +1,7 @@
-"""Which ``Split`` a batch runs with: one per batch signature, cached.
-
-Splits are kept per step function across runners (weakly), so the next
-epoch's runner reuses the traced and compiled parts. A split is made for
-one signature of the step's other arguments (the consumer reads them): the
-first call's, or what ``use_other`` sets when a pipeline starts anew. Worker
-threads hold this object, never the runner.
+"""Which ``Split`` a batch runs with: one per batch signature, cached per
+step function across runners (weakly), so the next epoch's runner reuses
+the traced and compiled parts. Splits are made for one signature of the
+other arguments (``use_other``). Worker threads hold this, never the runner.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ def _per_function(fun) -> dict:
 
 def _jit_parts(split: Split, stream: int | None, consumer: tuple) -> None:
   """Thread mode's ``split.fns``: each producer stage jitted (on ``stream``
-  when given), the consumer as the step was: ``consumer`` is
-  ``("jaxstreams.jit", streams)`` or ``("jax.jit", None)``."""
+  when given), the consumer as ``consumer`` says (``_runner._unwrap``)."""
   fns = []
   for body in split.bodies[:-1]:
     if body is None or stream is None:
@@ -55,9 +51,8 @@ def _jit_parts(split: Split, stream: int | None, consumer: tuple) -> None:
 
 
 class Splits:
-  """One runner's splits, in the step function's ``cache``, which fused
-  programs share. ``jit``: thread mode's ``(stream, consumer)``,
-  with which a new split's parts are jitted (``_jit_parts``)."""
+  """One runner's splits, in the step function's ``cache`` (fused programs
+  share it); ``jit``: thread mode's ``_jit_parts`` arguments."""
 
   def __init__(self, fun: Callable, name: str, data_argnums: int, smart: bool,
                jit: tuple | None = None):
@@ -73,8 +68,8 @@ class Splits:
     self._lock = threading.Lock()
 
   def use_other(self, call: tuple) -> list:
-    """Makes splits for the other arguments ``call`` (``(args, kwargs)``)
-    from now on (a pipeline starting); returns its leaves."""
+    """Splits from now on are for the other arguments ``call`` (``(args,
+    kwargs)``); returns its leaves."""
     leaves, treedef = tree_util.tree_flatten(call)
     key = (treedef, signature(leaves))
     with self._lock:

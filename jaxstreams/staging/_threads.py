@@ -1,9 +1,6 @@
-"""``staged(mode="threads")``: each producer stage in a worker thread.
-
-Each producer stage is a jitted function run by a ``Prefetcher`` (one
-worker, ``capacity`` finished items ahead) over the previous stage's items;
-stage 0's worker also copies the batch to the device, behind a reader
-thread. The consumer runs in the caller's thread. Nothing is donated.
+"""``staged(mode="threads")``: each producer stage a jitted function run by
+a ``Prefetcher`` (``capacity`` finished items ahead) over the previous
+stage's items, behind a reader thread; the consumer in the caller's thread.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from jaxstreams.staging._prefetcher import Prefetcher
 
 
 class ThreadRun:
-  """Reader, then one worker per producer stage. Made by the first call,
-  which reads the first batch (a planning error is that call's)."""
+  """Reader, then one worker per producer stage; made by the first call."""
 
   def __init__(self, splits: Splits, data: Iterable[Any], capacity: int,
                other: tuple):
