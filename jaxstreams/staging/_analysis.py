@@ -1,13 +1,7 @@
-"""The split analysis: which part of a step each equation runs in.
-
-Each top-level equation gets a *level*: the data's leaves and constants are
-level 0, an equation is at the highest level of its inputs, a ``stage()``
-marker adds one. Equations that read another argument or have effects, and
-all that depend on them, are the consumer's. ``K`` markers' levels give
-``K`` producer stages: ``smart=False`` stages what the markers need;
-``smart=True`` every data-only equation that reads the data, at
-``min(level, max(K, 1) - 1)``. Constant-only equations are recomputed by
-each part that reads them, never carried.
+"""The split analysis: which part of a step each equation runs in. The
+data's leaves and constants are level 0, an equation is at its inputs'
+highest level, a ``stage()`` marker adds one; equations that read another
+argument or have effects, and what depends on them, are the consumer's.
 """
 
 from __future__ import annotations
@@ -115,7 +109,7 @@ class Split:
   """A step split for one batch signature: per part (producer stages, then
   the consumer) the values it reads (``stage_ins``; the consumer's besides
   the other arguments), hands on (``stage_outs``) and its function
-  (``bodies``; None for an empty stage; ``fns`` jitted, thread mode)."""
+  (``bodies``; None for an empty stage)."""
 
   def __init__(self, *, plan: StagedPlan, other_invars, data_invars,
                const_vars, consts, stage_ins, stage_outs, bodies, out_tree,
@@ -130,7 +124,6 @@ class Split:
     self.keep_after = [set().union(*stage_ins[s + 1:])
                        for s in range(len(stage_ins))]
     self.bodies = bodies
-    self.fns: list | None = None
     self.out_tree = out_tree
     # For donation: what producer stages made.
     self.staged = {v for outs in stage_outs[:-1] for v in outs}

@@ -1,12 +1,7 @@
-"""``staged``'s fused pipeline: one program per call.
-
-Separate programs on one GPU do not overlap their device work, so each call
-runs ONE program: the consumer part for batch ``k`` and producer stage
-``j`` for batch ``k + K - j``, the producer on its own stream. Once warm, a
-call admits a new batch only if the reader has it ready. Staged values are
-donated to the program that reads them last. A failed program is run again
-part by part to find the batch its error belongs to, so a part donates only
-when neither it nor a newer batch's part can raise while running.
+"""``staged``'s fused pipeline: separate programs on one GPU do not overlap
+their device work, so each call runs ONE program, the consumer part for
+batch ``k`` and producer stage ``j`` for batch ``k + K - j`` (on its own
+stream). Staged values are donated to the program that reads them last.
 """
 
 from __future__ import annotations
@@ -122,6 +117,15 @@ def _fused_program(cache: dict, consumer: Split | None,
   return program
 
 
+def part_program(cache: dict, split: Split, part: int, stream: int,
+                 streams: int) -> Callable:
+  """The fused program that runs only ``split``'s part ``part``."""
+  k = len(split.bodies) - 1
+  return _fused_program(
+      cache, split if part == k else None,
+      tuple(split if j == part else None for j in range(k)), stream, streams)
+
+
 def producer_stream(first: Split, stream: int | None,
                     streams_now: Callable[[], int]) -> tuple[int, int]:
   """The producer's stream (unless given, the first the step does not use)
@@ -132,11 +136,9 @@ def producer_stream(first: Split, stream: int | None,
 
 
 class FusedRun:
-  """One runner's fused pipeline, used from the caller's thread only.
-  Batches come first from ``held``, then from ``resume``'s reader; not
-  ``admitting``, it drains. ``read_s`` and ``wait_s`` sum reading the
-  admitted batches and waiting for them; ``first_calls`` counts programs
-  called for the first time (each may have compiled)."""
+  """One runner's fused pipeline (the caller's thread only): batches from
+  ``held``, then ``resume``'s reader; not ``admitting``, it drains.
+  ``first_calls`` counts programs called first (each may have compiled)."""
 
   def __init__(self, splits: Splits, stream: int, streams: int):
     self.splits = splits

@@ -1,11 +1,7 @@
-"""The pipeline behind ``jaxstreams.prefetch``: items pulled and placed, in
-order, by worker threads or by the consumer's own thread (*inline*), a
-bounded number ahead. Either way, and across a switch: a worker takes one
-of ``size`` slots before it pulls, the consumer gives it back on receipt;
-pulls are serialised and numbered, results delivered by number (inline,
-only once every earlier item was); an exception raised for item ``k`` is
-item ``k``'s result. Workers hold this state, never the public iterator,
-so an abandoned iterator is collected and its finalizer stops them.
+"""The pipeline behind ``jaxstreams.prefetch``: items pulled and placed by
+worker threads or the consumer's own thread (*inline*), ``size`` slots
+ahead, numbered and delivered in order. Workers hold this state, never the
+public iterator, so an abandoned iterator is collected and stops them.
 """
 
 from __future__ import annotations
@@ -33,8 +29,7 @@ _VALUE, _ERROR, _END, _SKIP = "value", "error", "end", "skip"
 
 class Pipeline:
   """State shared by the workers and the consumer: item ``k``'s result goes
-  to ``results[k]``, whoever produced it; a pull takes the next number
-  under the lock, so a switch keeps order, bound and errors."""
+  to ``results[k]``, whoever produced it."""
 
   def __init__(self, iterator: Iterator[Any],
                make_transfer: Callable[[int], Transfer], size: int,
@@ -46,7 +41,6 @@ class Pipeline:
     # once no worker can be inside the iterable.
     self.upstream = upstream
     self.owned = owned
-    self.size = size
     self.transfer = make_transfer(size)
     self.num_threads = num_threads
     self.closed_types = closed

@@ -1,11 +1,7 @@
-"""``staged``'s modes ``"measured"``, ``"fused"`` and ``"plain"``: the
-fused pipeline where staging pays, else the plain step (the step jitted
-whole on batches read in the caller's thread), as ``_policy`` decides.
-
-Across a switch one ``Source`` is read by the caller's thread or the
-reader, never both: going plain, the pipeline drains with fused programs,
-the reader parks, the batches it read run next, then the caller reads on;
-going fused, the reader resumes and an empty pipeline warms up again.
+"""``staged``'s modes ``"measured"``, ``"fused"`` and ``"plain"``. The one
+``Source`` is read by the caller's thread or the reader, never both: going
+plain, the pipeline drains, the reader parks and the batches it read run
+next; going fused, the reader resumes and the pipeline warms up again.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Does overlap pay? The one rule behind ``mode="measured"`` of ``prefetch``
-and ``staged``, and all its thresholds (``docs/sharp-edges.md`` explains it).
-
-Hiding work behind the step (*overlap*) costs every item a hand-off and
-competes for the CPU, so both start *inline*, as a plain loop runs, and
-move only where their own measurements say overlap pays.
+and ``staged`` (``docs/sharp-edges.md``), and all its thresholds: both start
+*inline*, as a plain loop runs, and move to *overlap* (hiding work behind
+the step) only where their own measurements say it pays.
 """
 
 from __future__ import annotations
@@ -38,17 +36,17 @@ class Words(NamedTuple):
 
   overlap: str
   inline: str
-  unit: str             # what is counted
+  unit: str
   work: str             # what overlap hides
   hides: str
-  name: str             # what a trial found no faster
+  name: str
   inline_way: str
   cost: str             # what overlap costs per item
   sure_note: str
   unseen: str           # why overlap may gain what no clock sees
   says: str
   won: str
-  measured: tuple[str, str]   # a trial's cycles, with and without
+  measured: tuple[str, str]
 
 
 PREFETCH_WORDS = Words(
@@ -95,15 +93,13 @@ def for_staged(ahead: int, platform: str, stream: int) -> Chooser:
 
 
 class Chooser:
-  """The decision (the rule of ``docs/sharp-edges.md``), from windows of
-  items' *cycles* (one delivery to the next) and *production* times that
-  the ``Meter`` sums. No clock, no thread: tests drive it with made-up
-  times. ``mode`` is ``words.inline`` or ``words.overlap``; overlap holds
-  ``ahead`` items, so its first ``ahead + 1`` after a switch are skipped.
-  ``shares_cores``: only production that waits counts (``busy`` is
-  subtracted); ``verify``: trials check overlap taken at once;
-  ``unseen_gain``: below ``unseen_cycle_s``, cheap production runs trials.
-  """
+  """The decision, from windows of items' *cycles* (one delivery to the
+  next) and *production* times that the ``Meter`` sums; no clock, so tests
+  drive it with made-up times. ``mode``: ``words.inline`` or
+  ``words.overlap`` (which holds ``ahead`` items). ``shares_cores``: only
+  production that waits counts; ``verify``: trials check overlap taken at
+  once; ``unseen_gain``: below ``unseen_cycle_s`` cheap production runs
+  trials."""
 
   def __init__(self, ahead: int, words: Words, verify: bool = False,
                unseen_gain: bool = False, shares_cores: bool = False,
@@ -143,8 +139,7 @@ class Chooser:
     self.skip = WARMUP_ITEMS
 
   def _reset(self) -> None:
-    """A new window; inline, outside a trial, first judged at its second
-    item, so production that clearly needs hiding moves soon."""
+    """A new window (inline, outside a trial, judged from its 2nd item)."""
     self.judged += self.n
     self.windows += 1
     if self.n and self.cycle > 0:

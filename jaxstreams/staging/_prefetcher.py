@@ -1,9 +1,6 @@
-"""``jaxstreams.prefetch``: items on the device before the consumer asks.
-
-Host work (reading, parsing) and the host-to-device copy stall a loop
-between steps, and JAX's async dispatch hides neither; worker threads do
-them while the step runs, where that pays (``_policy``). This module checks
-the arguments and is the public iterator; ``_lookahead`` is the pipeline.
+"""``jaxstreams.prefetch``: items on the device before the consumer asks
+(JAX's async dispatch hides neither host work nor the copy from a loop
+that does them itself). The arguments and the public iterator.
 """
 
 from __future__ import annotations
@@ -58,6 +55,7 @@ class Prefetcher:
       raise TypeError(f"{FUNC}: give exactly one of transform and transfer")
     if transfer is None:
       transfer = lambda size: _transfer.FunctionTransfer(transform)  # noqa: E731
+    self.size = size
     self.num_threads = num_threads
     self.timeout = timeout
     self.mode = mode
@@ -81,16 +79,9 @@ class Prefetcher:
         ignored_exception_types, _describe(iterable),
         f"jaxstreams-prefetch-{next(_names)}", mode, reason,
         upstream=upstream, owned=owned)
+    self.transfer = self._pipeline.transfer.name
     # At collection, on any thread (even a worker): it only signals.
     self._finalizer = weakref.finalize(self, self._pipeline.stop, join=False)
-
-  @property
-  def size(self) -> int:
-    return self._pipeline.size
-
-  @property
-  def transfer(self) -> str:
-    return self._pipeline.transfer.name
 
   def __iter__(self) -> Prefetcher:
     return self

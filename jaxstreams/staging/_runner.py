@@ -1,9 +1,6 @@
-"""``staged(step, data=...)``: software pipelining of a step.
-
-The part of a step that depends only on the batch (decoding, hashing, the
-copy) of batch ``k + 1`` runs while the rest runs for batch ``k``
-(TensorFlow's staging areas, DeepRec's SmartStage). This module checks the
-arguments, picks the run (``_measured`` or ``_threads``) and warns once.
+"""``staged(step, data=...)``: software pipelining of a step (TensorFlow's
+staging areas, DeepRec's SmartStage): the arguments, the run
+(``_measured`` or ``_threads``) and the one warning.
 """
 
 from __future__ import annotations
@@ -32,13 +29,12 @@ class StagedRunner:
   arguments to run the next batch; ``StopIteration`` once the data is
   drained. A context manager with ``close()``. ``mode``: the mode asked for
   (``stats()["mode"]`` the way it runs); ``plan``: the latest batch's
-  ``StagedPlan``; ``stream``, ``streams`` (from the first call, not
-  ``"threads"``): the producer's stream, the program's stream count."""
+  ``StagedPlan``; ``stream``, ``streams`` (from the first call): the
+  producer's stream, the programs' stream count."""
 
   def __init__(self, step: Callable, data: Iterable[Any], data_argnums: int,
                capacity: int, stream: int | None, smart: bool, mode: str):
-    fun, consumer_jit, self._name, self._streams_now, self._plain = \
-        _unwrap(step)
+    fun, self._name, self._streams_now, self._plain = _unwrap(step)
     self._data = data
     self.data_argnums = data_argnums
     self.capacity = capacity
@@ -46,10 +42,7 @@ class StagedRunner:
     self.streams: int | None = None
     self.smart = smart
     self.mode = mode
-    # Thread mode jits each part on its own (the producer on ``stream``).
-    self._splits = Splits(fun, self._name, data_argnums, smart,
-                          (stream, consumer_jit) if mode == "threads"
-                          else None)
+    self._splits = Splits(fun, self._name, data_argnums, smart)
     self._run: MeasuredRun | ThreadRun | None = None
     self._done = False
 
@@ -58,12 +51,13 @@ class StagedRunner:
     data, self._data = self._data, None     # the run owns the iterable now
     other = (other_args, kwargs)
     if self.mode == "threads":
-      self._run = ThreadRun(self._splits, data, self.capacity, other)
+      self._run = ThreadRun(self._splits, data, self.capacity, self.stream,
+                            self._streams_now, other)
     else:
       self._run = MeasuredRun(self._splits, data, self.mode, self.capacity,
                               self.stream, self._streams_now, self._plain,
                               self.data_argnums, other)
-      self.stream, self.streams = self._run.stream, self._run.streams
+    self.stream, self.streams = self._run.stream, self._run.streams
 
   def __call__(self, *other_args, **kwargs):
     if self._done:
@@ -155,23 +149,20 @@ class StagedRunner:
             f"capacity={self.capacity}, smart={self.smart}>")
 
 
-def _unwrap(step: Callable) -> tuple[Callable, tuple, str,
-                                     Callable[[], int],
+def _unwrap(step: Callable) -> tuple[Callable, str, Callable[[], int],
                                      Callable[[Split], Callable]]:
-  """The function to trace, how thread mode jits the consumer, a name, the
-  streams the step's own plan uses, and the plain step for a split (the
-  step jitted whole)."""
+  """The function to trace, a name, the streams the step's own plan uses,
+  and the plain step for a split (the step jitted whole)."""
   spec = spec_of(step)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
     fun = spec.array_function(FUNC)
-    return (fun, ("jaxstreams.jit", spec.streams), name, spec.streams_now,
-            lambda split: step)
+    return fun, name, spec.streams_now, lambda split: step
   inner = getattr(step, "__wrapped__", None)
   if inner is not None and hasattr(step, "lower"):
     # A jax.jit function: trace what it wraps, so stage() is visible.
-    return inner, ("jax.jit", None), name, lambda: 1, lambda split: step
-  return (step, ("jax.jit", None), name, lambda: 1,
+    return inner, name, lambda: 1, lambda split: step
+  return (step, name, lambda: 1,
           lambda split: streams_jit(step, streams=split.streams_used))
 
 
@@ -272,7 +263,7 @@ def staged_plan(step: Callable, *args,
   the argument at ``data_argnums`` an example batch. Traces, runs nothing."""
   given = data_argnums
   data_argnums, _, _ = _check_options(data_argnums, 1, None, smart)
-  fun, _, name, _, _ = _unwrap(step)
+  fun, name, _, _ = _unwrap(step)
   position = data_argnums if data_argnums >= 0 else len(args) + data_argnums
   if not 0 <= position < len(args):
     raise ValueError(f"{FUNC}: data_argnums={given!r} does not name one of "

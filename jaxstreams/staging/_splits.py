@@ -10,14 +10,10 @@ import threading
 import weakref
 from typing import Any, Callable
 
-import jax
 from jax import tree_util
 
-from jaxstreams import config
-from jaxstreams._jit import jit as streams_jit
 from jaxstreams._signature import signature
 from jaxstreams.staging._analysis import FUNC, Split, build_split
-from jaxstreams.tag import stream as stream_scope
 
 _BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = \
     weakref.WeakKeyDictionary()
@@ -32,34 +28,14 @@ def _per_function(fun) -> dict:
     return {}
 
 
-def _jit_parts(split: Split, stream: int | None, consumer: tuple) -> None:
-  """Thread mode's ``split.fns``: each producer stage jitted (on ``stream``
-  when given), the consumer as ``consumer`` says (``_runner._unwrap``)."""
-  fns = []
-  for body in split.bodies[:-1]:
-    if body is None or stream is None:
-      fns.append(body and jax.jit(body))
-    else:
-      def run(*xs, body=body):
-        with stream_scope(stream):
-          return body(*xs)
-      fns.append(streams_jit(run, streams=stream + 1))
-  body = split.bodies[-1]
-  fns.append(jax.jit(body) if consumer[0] == "jax.jit"
-             else streams_jit(body, streams=consumer[1]))
-  split.fns = fns
-
-
 class Splits:
   """One runner's splits, in the step function's ``cache`` (fused programs
-  share it); ``jit``: thread mode's ``_jit_parts`` arguments."""
+  share it)."""
 
-  def __init__(self, fun: Callable, name: str, data_argnums: int, smart: bool,
-               jit: tuple | None = None):
+  def __init__(self, fun: Callable, name: str, data_argnums: int,
+               smart: bool):
     self.fun, self.name = fun, name
     self.data_argnums, self.smart = data_argnums, smart
-    self.jit = jit
-    self.jit_key = jit and (*jit, config.read("jaxstreams_gpu_lowering"))
     self.cache = _per_function(fun)
     self.other: tuple | None = None   # the (args, kwargs) splits are made for
     self._other_key = None            # ... their (structure, signature)
@@ -110,14 +86,11 @@ class Splits:
 
   def _shared(self, batch: Any, data_key: tuple) -> Split:
     other_args, kwargs = self.other
-    key = (data_key, self._other_key, self.data_argnums, self.smart,
-           self.jit_key)
+    key = (data_key, self._other_key, self.data_argnums, self.smart)
     split = self.cache.get(key)
     if split is None:
       split = build_split(self.fun, self.name, other_args, kwargs, batch,
                           self.data_argnums, self.smart)
-      if self.jit is not None:
-        _jit_parts(split, *self.jit)
       self.cache[key] = split
     return split
 

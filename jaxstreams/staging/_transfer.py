@@ -1,19 +1,12 @@
 """How ``prefetch`` puts an item on the device and hands it to the
 consumer: a ``Transfer`` per path of ``prefetch(transfer=...)``.
-
-* ``"device_put"``: ``place_on_device``; a worker waits for the copy.
-* ``"stage_area"``: the runtime's ``StageArea``, one slot per item ahead,
-  its structure, shapes and dtypes fixed by the first item of numpy leaves;
-  workers ``put()`` items in order (the area is a FIFO), the consumer takes
-  each out with a jitted ``get()``; items that do not fit go through
-  ``jax.device_put`` in their place.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -150,13 +143,9 @@ class _DevicePutTransfer(Transfer):
     return {"device_put": placed, "stage_area": 0}
 
 
-class _InStage:
-  """An item waiting in the stage area: its structure (the area holds the
-  leaves)."""
-  __slots__ = ("treedef",)
-
-  def __init__(self, treedef: Any):
-    self.treedef = treedef
+class _InStage(NamedTuple):
+  """An item waiting in the stage area (which holds its leaves)."""
+  treedef: Any
 
 
 def _stageable_leaves(item: Any) -> tuple[Any, list[np.ndarray]] | None:
@@ -182,7 +171,10 @@ _EXTRA_DTYPES = frozenset({
 
 
 class _StageAreaTransfer(Transfer):
-  """Items through a ``jaxstreams.runtime.StageArea`` of ``size`` slots."""
+  """Items through the runtime's ``StageArea`` of ``size`` slots, whose
+  structure, shapes and dtypes the first item of numpy leaves fixes. It is
+  a FIFO, so workers put items in ticket order; the consumer takes each
+  out with a jitted ``get()``. An item that does not fit is device_put."""
 
   name = "stage_area"
 
@@ -193,8 +185,7 @@ class _StageAreaTransfer(Transfer):
     self.turn = 0               # the ticket whose turn it is to put
     self.stopped = False
     self.area = None            # created by the first item that fits
-    self.spec = None            # ((shape, dtype), ...) of its leaves
-    self.treedef = None
+    self.spec = None            # (treedef, ((shape, dtype), ...))
     self.getter = None
     self.pending = collections.deque()   # gets dispatched, maybe not run yet
     self.staged = 0
@@ -211,11 +202,10 @@ class _StageAreaTransfer(Transfer):
       flat = _stageable_leaves(item)
       if flat is not None:
         treedef, arrays = flat
-        spec = tuple((a.shape, a.dtype) for a in arrays)
+        spec = (treedef, tuple((a.shape, a.dtype) for a in arrays))
         if self.area is None and sum(a.nbytes for a in arrays) > 0:
-          self._create(spec, treedef)
-        fits = self.area is not None and spec == self.spec and (
-            treedef == self.treedef)
+          self._create(spec)
+        fits = self.area is not None and spec == self.spec
       if fits:
         # Blocks while the area is full; stop() closes it, ending the wait.
         self.area.put(arrays)
@@ -231,16 +221,15 @@ class _StageAreaTransfer(Transfer):
       self.fallbacks += 1
     return out
 
-  def _create(self, spec, treedef) -> None:
+  def _create(self, spec) -> None:
     from jaxstreams import runtime   # pylint: disable=import-outside-toplevel
     with self.cond:
       if self.stopped:
         raise _Stopped
-      self.area = runtime.StageArea(
-          [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in spec],
+      self.area = area = runtime.StageArea(
+          [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in spec[1]],
           capacity=self.size, platform=self.platform)
-      self.spec, self.treedef = spec, treedef
-      area = self.area
+      self.spec = spec
       # One program per area; the scalar tells when the get has run (its
       # arrays may be donated).
       self.getter = jax.jit(lambda: (area.get(timeout_ms=_GET_TIMEOUT_MS),
