@@ -1,14 +1,8 @@
 """Staging: hide input preparation and host-to-device copies behind compute.
 
-* ``prefetch(iterable, size=2, ...)``: items placed on the device a bounded
-  number ahead, by worker threads where that pays.
-* ``stage(x)``: marks a stage boundary inside a step function.
-* ``staged(step, data=iterable, ...)``: runs a step as a software pipeline,
-  its producer part for the next batches beside its consumer part.
-
-``_policy`` decides, for both, whether overlap pays. This file only
-re-exports. The subpackage is ``staging`` because ``jaxstreams.stage`` is
-the marker function, which a subpackage of that name would hide.
+``prefetch`` places items on the device ahead of use; ``stage(x)`` marks a
+stage boundary that ``staged`` pipelines; ``_policy`` decides whether
+overlap pays. (Not ``stage/``: it would hide ``jaxstreams.stage``.)
 """
 
 from jaxstreams.staging._analysis import StagedPlan, stage

@@ -1,17 +1,7 @@
-"""The split analysis: which part of a step each equation runs in.
-
-``staged`` traces the step once per batch signature and gives every
-top-level equation a *level*: the data argument's leaves and constants are
-level 0, an equation is at the highest level of its inputs, a ``stage()``
-marker adds one. Equations that read another argument or have effects, and
-all that depend on them, are the consumer's. With ``K`` the highest marker
-level there are ``K`` producer stages: ``smart=False`` stages what the
-markers need; ``smart=True`` every data-only equation that reads the data
-(SmartStage's widest data-only subgraph), at ``min(level, max(K, 1) - 1)``.
-Constant-only equations (``jnp.arange(n)``) are recomputed by each part
-that reads them, never carried. A marker on a value that depends on another
-argument is an error naming it: the producer runs ahead, so it would read
-that argument from an earlier step.
+"""The split analysis: which part of a step each equation runs in. The
+data's leaves and constants are level 0, an equation is at its inputs'
+highest level, a ``stage()`` marker adds one; equations that read another
+argument or have effects, and what depends on them, are the consumer's.
 """
 
 from __future__ import annotations
@@ -37,10 +27,8 @@ _MAY_RAISE = frozenset({"pure_callback", "io_callback", "debug_callback",
                         "debug_print", "ffi_call"})
 
 
-# ``stage(x)`` marks a stage boundary: one ``checkpoint_name`` identity per
-# leaf with a reserved name, which JAX differentiates, batches and lowers,
-# and XLA removes. Outside a staged step it is the identity, so the same
-# step runs staged and unstaged.
+# ``stage(x)`` is one ``checkpoint_name`` identity per leaf with this name,
+# which JAX differentiates, batches and lowers, and XLA removes.
 STAGE_NAME = "jaxstreams_stage"
 
 
@@ -60,14 +48,7 @@ def is_marker(eqn) -> bool:
   return eqn.primitive.name == "name" and eqn.params.get("name") == STAGE_NAME
 
 
-def has_nested_marker(eqn) -> bool:
-  """Whether a ``stage()`` marker sits inside ``eqn``'s sub-jaxprs."""
-  return any(any_equation(sub.eqns, is_marker)
-             for sub in _compat.sub_jaxprs(eqn))
-
-
-# ``StagedPlan``: how ``staged`` split a step, for people to read (built
-# beside the ``Split`` the runs use, never read by them).
+# ``StagedPlan``: how ``staged`` split a step, for people to read.
 @dataclasses.dataclass(frozen=True)
 class StagedEquation:
   index: int            # position in the step's jaxpr
@@ -128,8 +109,7 @@ class Split:
   """A step split for one batch signature: per part (producer stages, then
   the consumer) the values it reads (``stage_ins``; the consumer's besides
   the other arguments), hands on (``stage_outs``) and its function
-  (``bodies``; None for an empty stage). ``fns``: thread mode's jitted
-  ``bodies``."""
+  (``bodies``; None for an empty stage)."""
 
   def __init__(self, *, plan: StagedPlan, other_invars, data_invars,
                const_vars, consts, stage_ins, stage_outs, bodies, out_tree,
@@ -144,13 +124,11 @@ class Split:
     self.keep_after = [set().union(*stage_ins[s + 1:])
                        for s in range(len(stage_ins))]
     self.bodies = bodies
-    self.fns: list | None = None
     self.out_tree = out_tree
-    # For donation: what producer stages made, and who may raise.
+    # For donation: what producer stages made.
     self.staged = {v for outs in stage_outs[:-1] for v in outs}
     self.out_avals = out_avals
     self.may_raise = may_raise
-    # The streams the step's own stream() blocks use.
     self.streams_used = streams_used
 
   def batch_env(self, data_leaves) -> dict:
@@ -195,8 +173,8 @@ def build_split(fun: Callable, function_name: str, other_args: tuple,
   members = _members(jaxpr, eqn_level, constant, set(markers), smart,
                      n_producers)
 
-  # Each part's inputs, outputs and function. The consumer takes the step's
-  # other arguments first, then the values carried to it.
+  # The consumer takes the step's other arguments first, then the values
+  # carried to it.
   parts = cut(jaxpr, members, results_part=n_producers)
   other = set(other_invars)
   stage_ins = [list(part.inputs) for part in parts]
@@ -251,13 +229,14 @@ def _levels(jaxpr, data_invars, other_invars, names, data_name):
   origin: dict[Any, str] = {v: names[v] for v in other_invars}
   level.update({v: None for v in other_invars})
   eqn_level: list[int | None] = []
-  # Values computed from a leaf of the data argument; a data-only equation
-  # that reads none is constant-only (iota, zeros, closed-over constants).
+  # Values computed from the data; a data-only equation reading none is
+  # constant-only.
   from_data: set = set(data_invars)
   constant: list[bool] = []
   markers: list[int] = []
   for i, eqn in enumerate(jaxpr.eqns):
-    if has_nested_marker(eqn):
+    if any(any_equation(sub.eqns, is_marker)
+           for sub in _compat.sub_jaxprs(eqn)):
       raise ValueError(
           f"{FUNC}: jaxstreams.stage() is called inside a nested "
           f"'{eqn.primitive.name}' ({_compat.source_location(eqn)}); call it at "
@@ -315,8 +294,7 @@ def _members(jaxpr, eqn_level, constant, markers: set, smart: bool,
         stage_of[i] = eqn_level[i]
         needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
   # A constant-only equation runs in every part that reads its value
-  # (directly or through other constant-only equations), the consumer when
-  # none does: constants are recomputed, never carried from part to part.
+  # (directly or through other constant-only ones), else in the consumer.
   parts = [{s} for s in stage_of]
   readers = collections.defaultdict(set)
   for v in jaxpr.outvars:

@@ -1,7 +1,6 @@
-"""The clocks staging measures itself with. Tests replace them
-(``monkeypatch.setattr(_clock, "now", fake)``), so callers read
-``_clock.now()`` at each call. ``reading`` and ``busy`` tell production that
-needs a core from production that waits (storage, a network, a sleep).
+"""The clocks staging measures itself with (tests replace them, so callers
+read ``_clock.now()`` at each call). ``reading`` and ``busy`` tell work that
+needs a core from work that waits.
 """
 
 import itertools

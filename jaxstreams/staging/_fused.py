@@ -1,20 +1,7 @@
-"""``staged``'s fused pipeline: one program per call.
-
-Separate programs on one GPU do not run their device work at the same time,
-so the producer of batch ``k + 1`` can overlap the consumer of batch ``k``
-only inside one program: each call runs ONE ``jaxstreams.jit`` program with
-the consumer part for batch ``k`` and producer stage ``j`` for batch
-``k + K - j``, the producer under ``jaxstreams.stream(stream)``. Staged
-values stay on the device from call to call (at most ``K + 1`` batches);
-the pipeline warms up (``A0; A1 B0``), runs (``A2 B1 C0``) and drains
-(``B4 C3``, ``C4``). Once warm, a call admits a new batch only if the
-reader has it ready, so a slow read never delays a staged consumer.
-
-Staged values are donated to the program that reads them last (never a
-leaf of the batch, a constant or another argument). A failed program is
-run again part by part to find the batch its error belongs to, so a part
-donates only when neither it nor a newer batch's part can raise while
-running (a host callback or foreign call).
+"""``staged``'s fused pipeline: separate programs on one GPU do not overlap
+their device work, so each call runs ONE program, the consumer part for
+batch ``k`` and producer stage ``j`` for batch ``k + K - j`` (on its own
+stream). Staged values are donated to the program that reads them last.
 """
 
 from __future__ import annotations
@@ -34,7 +21,7 @@ from jaxstreams.staging._lookahead import NOT_READY
 from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.tag import stream as stream_scope
 
-_SCHEDULE = 64        # programs the fused runner remembers for ``schedule``
+_SCHEDULE = 64        # programs ``schedule`` remembers
 
 
 class DataError:
@@ -47,9 +34,8 @@ class DataError:
 
 
 class _InFlight:
-  """A batch inside the fused pipeline: its split, the values its later
-  stages and the consumer still need, how many producer stages it has done;
-  or, for ``error``, the exception that batch ``index`` raised."""
+  """A batch in the pipeline: its split, the values its later parts need,
+  the producer stages done; or the ``error`` batch ``index`` raised."""
 
   __slots__ = ("index", "split", "env", "done", "error")
 
@@ -59,9 +45,9 @@ class _InFlight:
 
 
 def _layout(consumer: Split | None, stages: tuple) -> list[tuple]:
-  """The parts of a fused program in the order of its flat arguments, as
-  ``(split, part, first argument)``: the consumer (part ``K``: the other
-  arguments, then its carried values), then each producer stage run."""
+  """A fused program's parts in argument order, as ``(split, part, first
+  argument)``: the consumer (part ``K``: the other arguments, then its
+  carried values), then each producer stage."""
   n, parts, first = len(stages), [], 0
   if consumer is not None:
     parts.append((consumer, n, 0))
@@ -74,10 +60,9 @@ def _layout(consumer: Split | None, stages: tuple) -> list[tuple]:
 
 
 def _donated(consumer: Split | None, stages: tuple) -> tuple[int, ...]:
-  """The arguments a fused program donates: values a producer stage made
-  that no later part of their batch reads, only as many of one shape and
-  dtype as the program has outputs of it (jax can reuse no other), and
-  none from the first part that may raise on (newest batch first)."""
+  """The arguments a fused program donates: staged values no later part of
+  their batch reads, no more of one shape and dtype than it has outputs
+  of, none from the first part (newest batch first) that may raise on."""
   n = len(stages)
   free = collections.Counter()
   for split, part, _ in _layout(consumer, stages):
@@ -85,7 +70,6 @@ def _donated(consumer: Split | None, stages: tuple) -> tuple[int, ...]:
              else [v.aval for v in split.stage_outs[part]])
     free.update((a.shape, a.dtype) for a in avals)
   donated = []
-  # Newest batch first: stage 0, 1, ..., then the consumer.
   for split, part, first in sorted(_layout(consumer, stages),
                                    key=lambda p: p[1]):
     if split.may_raise[part]:
@@ -102,11 +86,9 @@ def _donated(consumer: Split | None, stages: tuple) -> tuple[int, ...]:
 
 def _fused_program(cache: dict, consumer: Split | None,
                    stages: tuple, stream: int, streams: int) -> Callable:
-  """The program that runs the consumer part of ``consumer``'s batch and
-  producer stage ``j`` of ``stages[j]``'s (each when not None), the
-  producer under ``stream(stream)``, on flat arguments in ``_layout``'s
-  order. Cached by the splits' ids (they live in the same cache) and the
-  GPU lowering option in force."""
+  """The program of ``consumer``'s consumer part and stage ``j`` of
+  ``stages[j]`` (each where not None), on flat arguments in ``_layout``'s
+  order; cached by the splits' ids (they live in the same cache)."""
   key = ("fused", id(consumer), tuple(map(id, stages)), stream, streams,
          config.read("jaxstreams_gpu_lowering"))
   program = cache.get(key)
@@ -135,22 +117,28 @@ def _fused_program(cache: dict, consumer: Split | None,
   return program
 
 
+def part_program(cache: dict, split: Split, part: int, stream: int,
+                 streams: int) -> Callable:
+  """The fused program that runs only ``split``'s part ``part``."""
+  k = len(split.bodies) - 1
+  return _fused_program(
+      cache, split if part == k else None,
+      tuple(split if j == part else None for j in range(k)), stream, streams)
+
+
 def producer_stream(first: Split, stream: int | None,
                     streams_now: Callable[[], int]) -> tuple[int, int]:
-  """The producer's stream (the first one the step does not use, unless
-  one was asked for) and the program's stream count."""
+  """The producer's stream (unless given, the first the step does not use)
+  and the program's stream count."""
   consumer_streams = max(streams_now(), first.streams_used)
   stream = consumer_streams if stream is None else stream
   return stream, max(consumer_streams, stream + 1)
 
 
 class FusedRun:
-  """One runner's fused pipeline, used from the caller's thread only.
-  Batches come from a reader (``(batch, seconds)`` pairs) given by
-  ``resume``, first ``held`` (on the device); not ``admitting``, the
-  pipeline drains. ``read_s`` and ``wait_s`` sum what reading the admitted
-  batches took and how long calls waited; ``first_calls`` counts programs
-  called for the first time (each may have compiled then)."""
+  """One runner's fused pipeline (the caller's thread only): batches from
+  ``held``, then ``resume``'s reader; not ``admitting``, it drains.
+  ``first_calls`` counts programs called first (each may have compiled)."""
 
   def __init__(self, splits: Splits, stream: int, streams: int):
     self.splits = splits
@@ -171,8 +159,8 @@ class FusedRun:
     self.first_calls = 0            # ... how many (a compile, maybe)
 
   def resume(self, reader: Prefetcher, next_index: int) -> None:
-    """Admits batches again, from ``reader``; ``next_index`` numbers the
-    next batch if the pipeline is empty (which then warms up again)."""
+    """Admits batches again, from ``reader``; an empty pipeline warms up
+    again from batch ``next_index``."""
     self.reader = reader
     self.admitting = True
     if not self.inflight:
@@ -180,8 +168,8 @@ class FusedRun:
       self.next_index = next_index
 
   def _admit(self, block: bool) -> _InFlight | None:
-    """The next batch as a new in-flight entry; None when none may enter
-    or the reader has none ready (``block=False``) or has ended."""
+    """The next batch, now in flight, or None (none may enter, none is
+    ready and not ``block``, the end, or its read failed)."""
     if self.ended or not self.admitting:
       return None
     if self.held is not None:
@@ -194,108 +182,99 @@ class FusedRun:
         self.ended = True
         return None
       if got is NOT_READY:
-        return None               # not read yet: the consumer does not wait
+        return None
       if block:
         self.wait_s += _clock.now() - started
       batch, seconds = got
       self.read_s += seconds
     if isinstance(batch, DataError):    # batch k's error, raised by call k
       self.ended = True
-      self.inflight.append(_InFlight(self.next_index, error=batch.exc))
-      self.next_index += 1
-      return None
-    split = self.splits.split_for(batch)
-    entry = _InFlight(self.next_index, split,
-                      split.batch_env(tree_util.tree_leaves(batch)))
+      entry = _InFlight(self.next_index, error=batch.exc)
+    else:
+      split = self.splits.split_for(batch)
+      entry = _InFlight(self.next_index, split,
+                        split.batch_env(tree_util.tree_leaves(batch)))
     self.next_index += 1
-    return entry
+    self.inflight.append(entry)
+    return None if entry.error else entry
 
   def _slots(self, consume: bool, block: bool):
-    """Who runs next: the head batch's consumer (when ``consume``) and per
-    producer stage ``j`` the batch that has done ``j`` stages."""
+    """Who runs next: the head's consumer (when ``consume``) and per stage
+    ``j`` the batch that has done ``j`` stages."""
     head = self.inflight[0] if consume else None
     stages: list[_InFlight | None] = [None] * self.k
     for entry in self.inflight:
       if entry is not head and entry.error is None and entry.done < self.k:
         stages[entry.done] = entry
     # A new batch enters while fewer than ``k`` others are in flight.
-    if stages[0] is None and len(self.inflight) - (1 if consume else 0) < self.k:
-      entry = self._admit(block)
-      if entry is not None:
-        self.inflight.append(entry)
-        stages[0] = entry
+    if stages[0] is None and len(self.inflight) - consume < self.k:
+      stages[0] = self._admit(block)
     return head, stages
 
   def labels(self) -> list[str]:
-    """The schedule in the ``A2 B1 C0`` notation, formatted when asked for."""
+    """The schedule in the ``A2 B1 C0`` notation."""
     return [" ".join(f"{chr(ord('A') + part)}{index}" for part, index in pieces)
             for pieces in self.schedule]
 
   def _run(self, head, stages, other_leaves):
     """Runs one program; returns the consumer's flat outputs (or None)."""
-    runnable = [e if e is not None and e.split.bodies[j] is not None else None
-                for j, e in enumerate(stages)]
-    for j, entry in enumerate(stages):
-      if entry is not None and runnable[j] is None:   # a stage without work
-        self._advance(entry, j, ())
-    pieces = ([("consumer", head)] if head is not None else []) + [
-        (j, e) for j, e in reversed(list(enumerate(runnable))) if e is not None]
+    pieces = [] if head is None else [(self.k, head)]    # oldest batch first
+    for j in reversed(range(self.k)):
+      entry = stages[j]
+      if entry is not None and entry.split.bodies[j] is None:
+        self._advance(entry, j, ())       # a stage without work
+      elif entry is not None:
+        pieces.append((j, entry))
     if not pieces:
       return None
-    # (part, batch index) of each piece; ``labels`` spells it out.
     self.schedule.append(
         tuple((j, e.index) for j, e in enumerate(stages) if e is not None)
         + (() if head is None else ((self.k, head.index),)))
     self.programs += 1
     try:
-      outs, produced = self._call(head, runnable, other_leaves)
+      return self._call(pieces, other_leaves)
     except Exception as exc:    # noqa: BLE001 - whose batch failed?
       if len(pieces) == 1:
-        return self._failed(pieces[0], exc)
+        self._failed(*pieces[0], exc)
+        return None
       # Run the pieces one by one, oldest batch first, to raise the error at
-      # the batch it belongs to (a consumer with effects runs them again).
+      # the batch it belongs to.
       outs = None
-      for piece in pieces:
-        who, entry = piece
-        only = [None] * self.k
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in
-               self._inputs(entry, self.k if who == "consumer" else who)):
+      for part, entry in pieces:
+        if any(isinstance(x, jax.Array) and x.is_deleted()
+               for x in self._inputs(entry, part)):
           raise exc   # donated to the failed program: this call's error
         try:
-          if who == "consumer":
-            outs, _ = self._call(entry, only, other_leaves)
-          else:
-            only[who] = entry
-            _, produced = self._call(None, only, other_leaves)
-            self._advance(entry, who, produced[who])
+          got = self._call([(part, entry)], other_leaves)
         except Exception as piece_exc:  # noqa: BLE001
-          self._failed(piece, piece_exc)
-          if who == "consumer":
-            raise
+          self._failed(part, entry, piece_exc)
           break   # newer batches were dropped with the failing one
+        outs = got if part == self.k else outs
       return outs
-    for j, entry in enumerate(runnable):
-      if entry is not None:
-        self._advance(entry, j, produced[j])
-    return outs
 
-  def _call(self, head, runnable, other_leaves):
+  def _call(self, pieces, other_leaves):
+    """Runs ``pieces`` (``(part, entry)``) as one program, advances their
+    producer stages and returns the consumer's flat outputs (or None)."""
+    split_of = {part: entry.split for part, entry in pieces}
     program = _fused_program(
-        self.splits.cache, None if head is None else head.split,
-        tuple(None if e is None else e.split for e in runnable),
-        self.stream, self.streams)
+        self.splits.cache, split_of.get(self.k),
+        tuple(split_of.get(j) for j in range(self.k)), self.stream,
+        self.streams)
     if id(program) not in self.called:     # its first call may compile it
       self.called.add(id(program))
       self.first_calls += 1
-    args = [] if head is None else [*other_leaves, *self._inputs(head, self.k)]
-    may_raise = head is not None and head.split.may_raise[self.k]
-    for j, entry in enumerate(runnable):
-      if entry is not None:
-        args += self._inputs(entry, j)
-        may_raise = may_raise or entry.split.may_raise[j]
-    outs = program(*args)
+    args, may_raise = [], False
+    for part, entry in sorted(pieces, key=lambda p: (p[0] != self.k, p[0])):
+      if part == self.k:
+        args += other_leaves
+      args += self._inputs(entry, part)
+      may_raise = may_raise or entry.split.may_raise[part]
+    outs, produced = program(*args)
     if may_raise:     # raise it here, where ``_run`` finds its batch
-      outs = jax.block_until_ready(outs)
+      outs, produced = jax.block_until_ready((outs, produced))
+    for part, entry in pieces:
+      if part < self.k:
+        self._advance(entry, part, produced[part])
     return outs
 
   @staticmethod
@@ -311,27 +290,21 @@ class FusedRun:
     entry.env = {v: x for v, x in env.items() if v in keep}
     entry.done = j + 1
 
-  def _failed(self, piece, exc):
-    """Piece ``(who, entry)`` raised ``exc``: the consumer's is raised now;
-    a producer stage's becomes its batch's, and nothing after it runs."""
-    who, entry = piece
-    if who == "consumer":
+  def _failed(self, part: int, entry: _InFlight, exc: Exception) -> None:
+    """Part ``part`` of ``entry`` raised ``exc``: the consumer's is raised
+    now, a producer stage's becomes its batch's and ends the pipeline."""
+    if part == self.k:
       raise exc
-    keep = collections.deque()
-    for e in self.inflight:
-      if e.index < entry.index:
-        keep.append(e)
-    keep.append(_InFlight(entry.index, error=exc))
-    self.inflight = keep
+    self.inflight = collections.deque(
+        [e for e in self.inflight if e.index < entry.index]
+        + [_InFlight(entry.index, error=exc)])
     self.ended = True
     if self.reader is not None:
       self.reader.close()         # nothing is read past a failure
-    return None
 
   def step(self, other_leaves):
-    """Runs until the head batch is consumed; returns its split and flat
-    outputs. Producer-only programs first until the head has done every
-    stage (warm-up, catch-up)."""
+    """Runs until the head batch is consumed (producer-only programs first
+    until it has done every stage); returns its split and flat outputs."""
     while True:
       if not self.inflight:
         if self.ended:
@@ -359,20 +332,17 @@ class FusedRun:
     return head.split, outs
 
   def step_program(self, split: Split) -> tuple[Callable, list]:
-    """The steady-state program for ``split``'s shapes and its arguments
-    as ``jax.ShapeDtypeStruct``s."""
+    """The steady-state program for ``split`` and its argument specs."""
     stages = tuple(split if split.bodies[j] is not None else None
                    for j in range(self.k))
     program = _fused_program(self.splits.cache, split, stages, self.stream,
                             self.streams)
 
-    def spec(v):
-      a = v.aval
-      return jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-    args = [spec(v) for v in split.other_invars + split.stage_ins[self.k]]
-    for j in range(self.k):
-      if stages[j] is not None:
-        args += [spec(v) for v in split.stage_ins[j]]
+    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                 weak_type=v.aval.weak_type)
+            for s, part, _ in _layout(split, stages)
+            for v in ((s.other_invars if part == self.k else [])
+                      + s.stage_ins[part])]
     return program, args
 
   def close(self) -> None:

@@ -1,22 +1,7 @@
-"""The pipeline behind ``jaxstreams.prefetch``: items pulled from an
-iterable and placed on the device, in order, by worker threads or by the
-consumer's own thread (*inline*), a bounded number ahead. Its guarantees
-hold either way and across a switch:
-
-* **Bounded lookahead.** A worker takes one of ``size`` slots before it
-  pulls an item; the consumer gives it back when it receives the item.
-* **Order.** Pulls are serialised and numbered; results are delivered by
-  number whatever the number of threads. Inline, the consumer pulls only
-  once every earlier item was delivered.
-* **Exceptions where they happened.** An exception raised for item ``k`` is
-  item ``k``'s result: ``closed_exception_types`` end the iteration there,
-  ``ignored_exception_types`` drop the item, any other is raised and
-  nothing further is pulled.
-* **Lifetime.** Workers hold this shared state, never the public iterator,
-  so an abandoned iterator is collected and its finalizer stops them.
-
-Who produces is ``mode``: ``"workers"``, ``"inline"``, or ``"measured"``,
-where the ``_policy`` chooser decides from the pipeline's ``Meter``.
+"""The pipeline behind ``jaxstreams.prefetch``: items pulled and placed by
+worker threads or the consumer's own thread (*inline*), ``size`` slots
+ahead, numbered and delivered in order. Workers hold this state, never the
+public iterator, so an abandoned iterator is collected and stops them.
 """
 
 from __future__ import annotations
@@ -31,11 +16,10 @@ from jaxstreams.staging._transfer import Transfer
 
 NOT_READY = object()    # what get(wait=False) returns for an item not ready
 
-# A worker waiting for a free slot sleeps POLL_FIRST_S, doubling up to
-# POLL_MAX_S, for POLL_FOR_S before it parks: in a loop of short steps the
-# consumer then only takes a ready item and never has to wake a worker (a
-# system call between two steps, which XLA:CPU's asynchronous dispatch
-# makes the next step pay for several times over).
+# A worker waiting for a free slot polls (POLL_FIRST_S doubling up to
+# POLL_MAX_S, for POLL_FOR_S) before it parks, so the consumer of short
+# steps need not wake it: a system call between two steps, which XLA:CPU's
+# asynchronous dispatch makes the next step pay for several times over.
 POLL_FIRST_S = 20e-6
 POLL_MAX_S = 320e-6
 POLL_FOR_S = 2e-3
@@ -44,10 +28,8 @@ _VALUE, _ERROR, _END, _SKIP = "value", "error", "end", "skip"
 
 
 class Pipeline:
-  """State shared by the workers and the consumer. A worker stores item
-  ``k``'s result in ``results``; an inline item is pulled, placed and handed
-  out by the consumer's own call. Either way the pull takes the next number
-  under the lock, so a switch keeps order, bound and errors."""
+  """State shared by the workers and the consumer: item ``k``'s result goes
+  to ``results[k]``, whoever produced it."""
 
   def __init__(self, iterator: Iterator[Any],
                make_transfer: Callable[[int], Transfer], size: int,
@@ -55,17 +37,15 @@ class Pipeline:
                description: str, name: str, mode: str, reason: str,
                upstream: Pipeline | None = None, owned: Any = None):
     self.iterator = iterator
-    # The iterable's pipeline when it is another prefetcher (stopped first),
-    # and what is closed once no worker can be inside the iterable.
+    # An upstream prefetcher's pipeline (stopped first), and what is closed
+    # once no worker can be inside the iterable.
     self.upstream = upstream
     self.owned = owned
-    self.size = size
     self.transfer = make_transfer(size)
     self.num_threads = num_threads
     self.closed_types = closed
     self.ignored_types = ignored
     self.description = description
-    # ``with self.lock`` where no wait or notify is needed (cheaper).
     self.lock = threading.RLock()
     self.cond = threading.Condition(self.lock)   # consumers: an item, a stop
     self.work = threading.Condition(self.lock)   # workers: a slot, the right
@@ -76,7 +56,9 @@ class Pipeline:
     self.refill_below = (size - 1) // 2   # ready items under which to wake
     self.next_pull = 0          # number of the next item to pull
     self.next_out = 0           # number of the next item to deliver
-    self.results: dict[int, tuple[str, Any, float]] = {}
+    # number: (kind, item or exception, seconds producing it, busy seconds
+    # of it when the consumer produced it inline, else None)
+    self.results: dict[int, tuple[str, Any, float, float | None]] = {}
     self.source_done = False    # no more pulls: end, error or stop
     self.stopped = False
     self.pulling = False        # someone is inside next(iterator)
@@ -103,7 +85,7 @@ class Pipeline:
         raise
 
   def _start_workers(self) -> None:
-    """Starts the worker threads (once; later switches wake them)."""
+    """Starts the missing worker threads."""
     for i in range(self.num_threads - len(self.workers.threads)):
       with self.lock:
         self.live_workers += 1
@@ -134,32 +116,25 @@ class Pipeline:
     if close_owned:           # close(timeout) gave up waiting for us
       self._close_owned()
 
-  def _pull(self) -> tuple[str, Any, int]:
-    """``next(iterator)`` as (kind, item or exception, ticket), by whoever
-    holds the right to pull (``pulling``); hands that right back."""
+  def _produce(self, wait: bool) -> tuple[str, Any]:
+    """Pulls the next item, by whoever holds the right to pull (which it
+    hands back), and places it: (kind, item or exception)."""
     try:
-      item = next(self.iterator)
-      kind = _VALUE
+      kind, item = _VALUE, next(self.iterator)
     except StopIteration:
       kind, item = _END, None
     except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
       kind, item = self._classify(exc), exc
     with self.lock:
       self.pulling = False
-      if kind in (_END, _ERROR):
-        self.source_done = True   # nothing is pulled past an end or failure
-      ticket = -1
-      if kind == _VALUE:    # tickets follow pull order (a stage area's)
-        ticket = self.next_ticket
-        self.next_ticket += 1
+      # Nothing is pulled past an end or failure.
+      self.source_done |= kind in (_END, _ERROR)
+      ticket = self.next_ticket     # tickets follow pull order
+      self.next_ticket += kind is _VALUE
       if not self.inline and self.workers_parked:
         self.work.notify_all()    # (inline, the workers are parked)
-    return kind, item, ticket
-
-  def _place(self, kind: str, item: Any, ticket: int,
-             wait: bool) -> tuple[str, Any]:
-    if kind != _VALUE:
-      return kind, item
+      if kind is not _VALUE or self.stopped:
+        return kind, item
     try:
       return kind, self.transfer.place(ticket, item, wait)
     except BaseException as exc:  # noqa: BLE001
@@ -208,17 +183,14 @@ class Pipeline:
           self.max_in_flight = max(self.max_in_flight,
                                    self.next_pull - self.next_out)
         started = _clock.now()
-        kind, item, ticket = self._pull()
-        if self.stopped:
-          return                    # closed while pulling: deliver nothing
-        kind, item = self._place(kind, item, ticket, wait=True)
+        kind, item = self._produce(wait=True)
         produced = _clock.now() - started
         with self.lock:
           if self.stopped:
             return                  # closed meanwhile: nothing is handed out
           if kind is _VALUE:
             self.placed += 1
-          self.results[number] = (kind, item, produced)
+          self.results[number] = (kind, item, produced, None)
           if self.consumers_waiting:
             self.cond.notify_all()
     finally:
@@ -233,14 +205,13 @@ class Pipeline:
     waited_s = 0.0
     while True:
       with self.lock:
-        # A ready item, the common case: one dict lookup, no needless call.
         number = self.next_out
         result = self.results.pop(number, None)
         if result is not None:
-          kind, value, produced = result
+          kind, value, produced, busy = result
           self.next_out = number + 1
           self.free_slots += 1
-          if (self.workers_parked
+          if (self.workers_parked and not self.inline
               and len(self.results) <= self.refill_below):
             self.work.notify_all()    # half empty: a worker refills it
           if self.consumers_waiting:
@@ -249,8 +220,10 @@ class Pipeline:
             deliver = self.transfer.deliver
             out = value if deliver is None else deliver(value)
             now = _clock.now()
-            if self.meter.count("workers", now - entered, waited_s,
-                                produced, False, now):
+            made = busy is not None
+            if self.meter.count("inline" if made else "workers",
+                                now - entered, waited_s, produced, made, now,
+                                busy=busy or 0.0):
               self.set_mode(self.meter.chooser.mode)
             return out
           if kind is _SKIP:
@@ -264,43 +237,32 @@ class Pipeline:
             return NOT_READY
           waited_s += self._wait_for(number, timeout)
           continue
-        # Inline: this thread pulls item ``number`` and places it.
+        # Inline: this thread pulls item ``number`` (all slots are free).
+        self.free_slots -= 1
         self.pulling = True
         self.next_pull += 1
         self.live_workers += 1
         self.inline_thread = threading.get_ident()
-        if not self.max_in_flight:
-          self.max_in_flight = 1
+        self.max_in_flight = max(self.max_in_flight, 1)
       try:
         started = _clock.now()
         busy_start = _clock.reading() if self.meter.time_busy else None
-        kind, item, ticket = self._pull()
-        kind, item = self._place(kind, item, ticket, wait=False)
+        kind, item = self._produce(wait=False)
       except BaseException:     # interrupted between the lines above
         with self.lock:
           self.pulling = False
         self._leave(inline=True)
         raise
-      now = _clock.now()
-      busy = _clock.busy(busy_start, now - started) if busy_start else 0.0
+      produced = _clock.now() - started
+      busy = _clock.busy(busy_start, produced) if busy_start else 0.0
       with self.lock:
         if not self.stopped:
           self.live_workers -= 1
           self.inline_thread = None
-          self.next_out += 1
-          if self.consumers_waiting:
-            self.cond.notify_all()
           if kind is _VALUE:
             self.placed += 1
-            deliver = self.transfer.deliver
-            out = item if deliver is None else deliver(item)
-            if self.meter.count("inline", now - entered, waited_s,
-                                now - started, True, now, busy=busy):
-              self.set_mode(self.meter.chooser.mode)
-            return out
-          if kind is _SKIP:
-            continue
-          self._end(kind, item)
+          self.results[number] = (kind, item, produced, busy)
+          continue
       self._leave(inline=True)    # closed meanwhile: nothing is handed out
       raise StopIteration
 
@@ -328,12 +290,16 @@ class Pipeline:
           f"{self.next_out} item(s) delivered so far)")
     return _clock.now() - wait_started
 
-  def _end(self, kind: str, value: Any) -> None:
-    """Hands out an end or a failure (under self.lock): nothing follows."""
+  def _halt(self) -> None:
+    """(Under self.lock.) Nothing more is pulled or handed out."""
     self.stopped = True
     self.results.clear()
     self.cond.notify_all()
     self.work.notify_all()
+
+  def _end(self, kind: str, value: Any) -> None:
+    """Hands out an end or a failure (under self.lock): nothing follows."""
+    self._halt()
     if kind is _END:
       raise StopIteration
     raise value
@@ -362,10 +328,7 @@ class Pipeline:
     an inline pull in another thread. Returns whether all have ended; if
     not, the last one out frees what the pipeline owns."""
     with self.lock:
-      self.stopped = True
-      self.results.clear()
-      self.cond.notify_all()
-      self.work.notify_all()
+      self._halt()
     self.transfer.stop()        # wakes a worker waiting in a stage put
     if self.upstream is not None:
       self.upstream.stop(join=False)

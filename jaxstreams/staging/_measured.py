@@ -1,16 +1,7 @@
-"""``staged``'s modes ``"measured"``, ``"fused"`` and ``"plain"``: the
-fused pipeline where staging pays, the plain step where it does not
-(``_policy`` decides from what the run measures of its calls).
-
-Plain, each call reads the next batch in the caller's thread and runs the
-step jitted whole, as the unstaged loop does. Every promise holds across a
-switch: one ``Source`` is read by the caller's thread or by the
-reader thread, never both; going plain, the pipeline stops admitting
-batches and drains with fused programs, the reader's workers park, the
-batches it had read run next, and only then does the caller read on; going
-fused, the reader resumes where the source is and an empty pipeline warms
-up again. Fused programs donate staged values only, and no staged value
-outlives a drain.
+"""``staged``'s modes ``"measured"``, ``"fused"`` and ``"plain"``. The one
+``Source`` is read by the caller's thread or the reader, never both: going
+plain, the pipeline drains, the reader parks and the batches it read run
+next; going fused, the reader resumes and the pipeline warms up again.
 """
 
 from __future__ import annotations
@@ -35,9 +26,8 @@ def _platform() -> str:
 
 
 class Source:
-  """The user's iterable, one batch (or a ``DataError``: batch ``k``'s
-  exception, raised by call ``k``) per ``next()``, read by the caller's
-  thread or the reader, never both, so batches come in order."""
+  """The user's iterable: one batch per ``next()``, or a ``DataError``
+  (batch ``k``'s exception, raised by call ``k``)."""
 
   def __init__(self, data: Iterable[Any]):
     self._iterator = iter(data)
@@ -63,37 +53,27 @@ class Source:
     if isinstance(self._iterator, types.GeneratorType):
       self._iterator.close()
 
-  def timed(self):
-    """The reader's items, ``(batch, seconds its read took)``; closing it
-    leaves the source open for the caller's thread."""
+  def placed(self):
+    """The reader's items: ``(batch on the device, seconds reading and
+    placing it took)``; closing it leaves the source open."""
     while True:
       started = _clock.now()
       try:
         batch = next(self)
       except StopIteration:
         return
+      if not isinstance(batch, DataError):
+        try:
+          batch = place_on_device(batch)
+        except Exception as exc:  # noqa: BLE001 - raised at its batch
+          batch = DataError(exc)
       yield batch, _clock.now() - started
-
-
-def _place(read: tuple[Any, float]) -> tuple[Any, float]:
-  """The reader's transform: the batch on the device, and the seconds
-  reading and placing it took."""
-  batch, seconds = read
-  if isinstance(batch, DataError):
-    return read
-  started = _clock.now()
-  try:
-    batch = place_on_device(batch)
-  except Exception as exc:  # noqa: BLE001 - raised at its batch
-    return DataError(exc), seconds
-  return batch, seconds + _clock.now() - started
 
 
 class MeasuredRun:
   """One runner's source, reader (made when it first stages), fused
-  pipeline, plain step and meter. Made by the first call, which reads the
-  first batch and splits the step with it (a planning error is that
-  call's); ``plain(split)`` gives the plain step."""
+  pipeline, plain step and meter, made by the first call from the first
+  batch; ``plain(split)`` gives the plain step."""
 
   def __init__(self, splits: Splits, data: Iterable[Any], mode: str,
                capacity: int, stream: int | None,
@@ -144,7 +124,7 @@ class MeasuredRun:
 
   def _staged_call(self, other_args: tuple, kwargs: dict,
                    started: float) -> Any:
-    """One fused program's call (staging, or draining before plain)."""
+    """One fused program's call (staging, or draining)."""
     fused = self.fused
     if self.restart:
       leaves = self.splits.use_other((other_args, kwargs))
@@ -162,7 +142,7 @@ class MeasuredRun:
   def _plain_call(self, other_args: tuple, kwargs: dict,
                   started: float) -> Any:
     """The plain step on the first batch, then on the batches the reader
-    holds, then on what this thread reads, as the plain loop does."""
+    holds, then on what this thread reads."""
     read, busy, made = 0.0, 0.0, True
     if self.first is not None:   # read before this call's clock started
       batch, self.first = self.first, None
@@ -185,8 +165,7 @@ class MeasuredRun:
   def _count(self, way: str, started: float, read: float, wait: float,
              made: bool, judged: bool = True, busy: float = 0.0) -> None:
     """One call done: reading its batch took ``read`` (``busy`` of it
-    needed a core), it waited ``wait`` for the reader, and ``made``: it
-    read its batch itself. The chooser may switch ways."""
+    needed a core), it waited ``wait``; ``made``: it read the batch."""
     self.calls += 1
     now = _clock.now()
     if self.meter.count(way, now - started, wait, read, made, now, judged,
@@ -203,8 +182,8 @@ class MeasuredRun:
         self.reader.set_way("inline")       # its workers park
       return
     if self.reader is None:
-      self.reader = Prefetcher(self.source.timed(), self.capacity,
-                               transform=_place)
+      self.reader = Prefetcher(self.source.placed(), self.capacity,
+                               transform=lambda read: read)
     else:
       self.reader.set_way("workers")
     if not fused.inflight:
@@ -212,8 +191,7 @@ class MeasuredRun:
     fused.resume(self.reader, self.calls)
 
   def close(self) -> None:
-    """Stops the reader and closes the source; staged values in flight
-    are dropped. Idempotent."""
+    """Stops the reader and closes the source; idempotent."""
     if self.fused is not None:
       self.fused.close()
     if self.reader is not None:

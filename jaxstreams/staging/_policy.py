@@ -1,17 +1,7 @@
 """Does overlap pay? The one rule behind ``mode="measured"`` of ``prefetch``
-and ``staged``, and every threshold it uses.
-
-Both features can hide work (producing an item, reading a batch) behind the
-consumer's step, *overlap* (``prefetch``: worker threads; ``staged``: a
-reader thread and one fused program per call), or run it in the consumer's
-own thread as a plain loop would, *inline*. Overlap costs every item a
-hand-off and competes for the CPU, so each feature starts inline and moves
-only where its own measurements say the hidden work is a large share of a
-cycle and costs more than the machinery. ``docs/sharp-edges.md`` explains
-the rule for users; the constants below are its only thresholds. A
-consumer counts what it measures of itself per way (``Tally``) and shows
-the chooser windows of its items (``Meter``): sums since the window began,
-so an item costs the consumer's thread a few additions.
+and ``staged`` (``docs/sharp-edges.md``), and all its thresholds: both start
+*inline*, as a plain loop runs, and move to *overlap* (hiding work behind
+the step) only where their own measurements say it pays.
 """
 
 from __future__ import annotations
@@ -38,28 +28,25 @@ FIRST_TRIAL_GAP = 256  # judged items between trials, doubling each time
 RECHECK_S = 1.0        # after overlap won, the next trial no sooner
 STEADY_S = 0.01        # a settled window lasts at least this long (staged)
 PREFETCH_STEADY_S = 0.1  # ... for prefetch, whose loops are the shortest
-SHORT_CYCLE_US = 1000.0  # cycles where the consumer's own time matters:
-                         # prefetch tries workers there on XLA:CPU with
-                         # asynchronous dispatch, and its warning says so
+SHORT_CYCLE_US = 1000.0  # prefetch's cycles where its own time matters
 
 
 class Words(NamedTuple):
-  """How a feature names its two ways and words the reasons
-  (``stats()["mode_reason"]`` and the step-aside warning)."""
+  """A feature's names for its two ways and the words of its reasons."""
 
-  overlap: str          # the way that hides work
-  inline: str           # the way the plain loop runs
-  unit: str             # what is counted
+  overlap: str
+  inline: str
+  unit: str
   work: str             # what overlap hides
-  hides: str            # "<overlap> hide(s) it"
-  name: str             # what a trial found no faster
-  inline_way: str       # what happens inline
+  hides: str
+  name: str
+  inline_way: str
   cost: str             # what overlap costs per item
-  sure_note: str        # after "hides it behind the step"
+  sure_note: str
   unseen: str           # why overlap may gain what no clock sees
-  says: str             # overlap runs: "<says>: <why>"
-  won: str              # a trial kept overlap
-  measured: tuple[str, str]   # a trial's cycles: "<n> us <overlap>, ..."
+  says: str
+  won: str
+  measured: tuple[str, str]
 
 
 PREFETCH_WORDS = Words(
@@ -87,10 +74,9 @@ STAGED_WORDS = Words(
 
 
 def for_prefetch(ahead: int, shares_cores: bool) -> Chooser:
-  """``prefetch``'s chooser. Where the device computes on the host's cores
-  with asynchronous dispatch, time the consumer spends between two short
-  steps costs the next step more than itself, and workers take placement
-  out of it: short cycles then get trials however cheap production is."""
+  """``prefetch``'s chooser. On XLA:CPU with asynchronous dispatch, time
+  spent between two short steps costs the next step more, so short cycles
+  get trials however cheap production is."""
   return Chooser(ahead, PREFETCH_WORDS, shares_cores=shares_cores,
                  unseen_gain=shares_cores and _compat.cpu_dispatch_is_async(),
                  unseen_cycle_s=SHORT_CYCLE_US * 1e-6,
@@ -98,41 +84,22 @@ def for_prefetch(ahead: int, shares_cores: bool) -> Chooser:
 
 
 def for_staged(ahead: int, platform: str, stream: int) -> Chooser:
-  """``staged``'s chooser. Its overlap has no known cost (a fused program
-  can be slower than the step), so it is verified by trials; a producer on
-  its own stream on a platform that runs streams may hide device work, so
-  there trials run even where reading is cheap."""
+  """``staged``'s chooser: a fused program can be slower than the step, so
+  trials verify it; a producer on its own GPU stream may hide device work,
+  so there trials run even where reading is cheap."""
   return Chooser(ahead, STAGED_WORDS, verify=True,
                  unseen_gain=platform != "cpu" and stream != 0,
                  shares_cores=platform == "cpu")
 
 
 class Chooser:
-  """The decision, from windows of items the ``Meter`` sums: each item's
-  *cycle* (one delivery to the next) and *production* time. No clock and no
-  thread: tests drive it with made-up times. ``mode`` is ``words.inline`` or
-  ``words.overlap``; ``ahead`` is how many items overlap holds (its first
-  ``ahead + 1`` items after a switch show it filling up).
-
-  * Inline first: production's share of a cycle is the most overlap could
-    save. Under ``TRY_SHARE`` or ``TRY_US`` per item it stays inline; from
-    ``SURE_SHARE`` and ``SURE_US`` it moves at once; in between a *trial*
-    alternates windows of both ways and keeps the one faster in most
-    rounds. Overlap whose first ``EARLY_ITEMS`` items take ``EARLY_LOSS``
-    times the inline cycle loses at once. Trials are ``FIRST_TRIAL_GAP``
-    items apart, doubling, and need production's share to have doubled.
-  * Overlap steps aside when production falls under ``LEAVE_SHARE`` or
-    ``LEAVE_US`` and the consumer hardly waits (or waits as long as
-    producing takes).
-  * ``shares_cores`` (XLA:CPU): production that needs a core would compete
-    with the step, so only the part that waits (``busy`` subtracted)
-    counts.
-  * ``verify``: overlap's cost is unknown; taken at once, its first window
-    must beat the inline cycle that chose it, and trials re-check it.
-  * ``unseen_gain``: overlap may gain what no clock sees; below
-    ``unseen_cycle_s`` cheap production then runs trials instead of
-    deciding.
-  """
+  """The decision, from windows of items' *cycles* (one delivery to the
+  next) and *production* times that the ``Meter`` sums; no clock, so tests
+  drive it with made-up times. ``mode``: ``words.inline`` or
+  ``words.overlap`` (which holds ``ahead`` items). ``shares_cores``: only
+  production that waits counts; ``verify``: trials check overlap taken at
+  once; ``unseen_gain``: below ``unseen_cycle_s`` cheap production runs
+  trials."""
 
   def __init__(self, ahead: int, words: Words, verify: bool = False,
                unseen_gain: bool = False, shares_cores: bool = False,
@@ -145,15 +112,14 @@ class Chooser:
     self.unseen_gain = unseen_gain
     self.unseen_cycle_s = unseen_cycle_s
     self.shares_cores = shares_cores
-    # Inline items' ``busy`` costs system calls: measured only where it
-    # counts, and for items not too cheap to matter.
+    # ``busy`` costs system calls: measured only where it counts.
     self.busy_from = TRY_US * 1e-6 if shares_cores else float("inf")
     self.mode = words.inline
     self.inline = True
     self.reason = (f"judging: {words.inline_way} until {words.work} is worth "
                    f"hiding (judged every {WINDOW} {words.unit})")
     self.trial: list[tuple[str, float]] | None = None
-    self.inline_cycle = 0.0    # in a trial: the last inline window's cycle
+    self.inline_cycle = 0.0    # a trial's last inline window's cycle
     self.sure_cycle = 0.0      # overlap taken at once: the cycle to beat
     self.sure_share = 0.0      # ... and the share that took it
     self.trials: list[dict[str, Any]] = []
@@ -164,7 +130,7 @@ class Chooser:
     self.switches = 0
     self.won_trial = False     # overlap runs because it won a trial
     self.news: str | None = None   # the first step aside, for the warning
-    self.news_cycle = 0.0      # ... and the inline cycle it saw (seconds)
+    self.news_cycle = 0.0      # ... and the inline cycle it judged
     self._told = False
     self.n = 0
     self.windows = 0
@@ -173,8 +139,7 @@ class Chooser:
     self.skip = WARMUP_ITEMS
 
   def _reset(self) -> None:
-    """A new window. Inline, outside a trial, it is first judged at its
-    second item, so production that clearly needs hiding moves soon."""
+    """A new window (inline, outside a trial, judged from its 2nd item)."""
     self.judged += self.n
     self.windows += 1
     if self.n and self.cycle > 0:
@@ -189,9 +154,8 @@ class Chooser:
 
   def judge(self, n: int, cycle: float, produce: float, busy: float,
             waited: int, wait: float, cycles: list[float] | None) -> bool:
-    """The window so far (sums over ``n`` items, in seconds; ``cycles`` per
-    item in a trial). Returns whether ``mode`` changed; ``windows``,
-    ``skip`` and ``check_at`` then say what the ``Meter`` sums next."""
+    """The window so far (sums over ``n`` items, in seconds; in a trial
+    ``cycles`` per item); returns whether ``mode`` changed."""
     if self.shares_cores:
       produce -= busy
     else:
@@ -334,9 +298,8 @@ class Chooser:
 
   def _end_trial(self, overlap: list[float], inline: list[float],
                  early: bool) -> bool:
-    """Records a trial (or overlap taken at once) from the window cycles
-    compared pairwise, and runs the way that won most rounds (``early``:
-    overlap was plainly slower after ``n`` items, so inline)."""
+    """Records a trial (or overlap taken at once) and runs the way faster
+    in most rounds; ``early``: overlap was plainly slower, so inline."""
     words = self.words
     wins = sum(o < i for o, i in zip(overlap, inline))
     rounds = len(overlap)
@@ -371,8 +334,7 @@ class Chooser:
     return changed
 
   def _step_aside_news(self, cycle: float | None = None) -> None:
-    """The first step aside becomes ``news``, with the inline cycle it was
-    judged on (never the first items', which may include compiling)."""
+    """The first step aside becomes ``news``, with its inline cycle."""
     if not self._told:
       self._told = True
       self.news = self.reason
@@ -383,7 +345,7 @@ class Chooser:
 
 def _trimmed_mean(cycles: list[float]) -> float:
   """The mean without the longest ``1 / TRIAL_TRIM``: one preempted item
-  must not decide a trial, a stall that recurs still does."""
+  must not decide a trial."""
   kept = sorted(cycles)[:len(cycles) - len(cycles) // TRIAL_TRIM]
   return sum(kept) / len(kept)
 
@@ -400,12 +362,10 @@ class Tally:
 
 
 class Meter:
-  """Per way a ``Tally``, and the ``Chooser`` (None where the way is fixed)
-  shown ``window``: ``[items, cycle, produce, busy, waited, wait]`` of the
-  judged items of its way, once ``skip`` of them passed (``window`` is None
-  until then). Items it must not judge (compiling, or inline ones the other
-  way made) are left out. ``names`` are ``report``'s keys for the item
-  count, own time and production time."""
+  """Per way a ``Tally``; for the ``Chooser`` (None: the way is fixed) the
+  ``window`` ``[items, cycle, produce, busy, waited, wait]`` of its way's
+  judged items, once ``skip`` passed. ``names``: ``report``'s keys for
+  items, own time and production time."""
 
   def __init__(self, ways: tuple[str, ...], chooser: Chooser | None,
                names: tuple[str, str, str]):
@@ -428,10 +388,9 @@ class Meter:
   def count(self, way: str, took: float, wait: float, produce: float,
             inline_made: bool, now: float, judged: bool = True,
             busy: float = 0.0) -> bool:
-    """One item delivered ``now``, made ``way``: the consumer spent
-    ``took`` on it (``wait`` waiting; ``produce`` producing it too when
-    ``inline_made``), ``busy`` of the production needed a core; judged
-    unless not ``judged``. Returns whether the chooser's mode changed."""
+    """One item delivered ``now``: the consumer spent ``took`` on it
+    (``wait`` waiting, and ``produce`` when ``inline_made``), ``busy`` of
+    production needed a core. Returns whether the chooser's mode changed."""
     tally = self.tallies[way]
     tally.items += 1
     if wait > 0:
@@ -479,8 +438,8 @@ class Meter:
     self.cycles = [] if self.chooser.trial is not None else None
 
   def _follow(self) -> None:
-    """After a judgement: the window goes on to its next ``check_at``, or
-    a new one starts in the chooser's way after ``skip`` items."""
+    """After a judgement: the window goes on, or a new one starts in the
+    chooser's way after ``skip`` items."""
     chooser = self.chooser
     tally = self.tallies[chooser.mode]
     if chooser.windows == self.windows and tally is self.watched:
@@ -494,8 +453,7 @@ class Meter:
       self._begin()
 
   def report(self, mode: str, reason: str) -> dict[str, Any]:
-    """``stats()``: the way and why, items, switches, trials, and per way
-    its items and per-item times."""
+    """``stats()``."""
     chooser = self.chooser
     items, own, produce = self.names
     report = {"mode": mode,

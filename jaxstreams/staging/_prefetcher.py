@@ -1,12 +1,6 @@
-"""``jaxstreams.prefetch``: a host iterator whose items are on the device
-before the consumer asks for them.
-
-The work that stalls a training loop between steps is host work (reading,
-parsing) and the host-to-device copy; JAX's async dispatch hides neither
-from a loop that does them in its own thread. Worker threads do them while
-the step runs (the GIL is released during I/O and while XLA copies or
-computes), where that pays (``_policy``). This module checks the arguments
-and is the public iterator; ``_lookahead`` is the pipeline behind it.
+"""``jaxstreams.prefetch``: items on the device before the consumer asks
+(JAX's async dispatch hides neither host work nor the copy from a loop
+that does them itself). The arguments and the public iterator.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ _names = itertools.count()
 
 
 def _describe(iterable: Any) -> str:
-  """For error messages, from the iterable's type and length, never its
-  items (a repr of large arrays would cost every call)."""
+  """For error messages: the iterable's type and length, never its items."""
   if isinstance(iterable, types.GeneratorType):
     return f"generator {iterable.__qualname__}()"
   kind = type(iterable).__qualname__
@@ -46,14 +39,10 @@ def _describe(iterable: Any) -> str:
 
 
 class Prefetcher:
-  """The iterator ``jaxstreams.prefetch`` returns; see there.
-
-  Iterate it, or use it as a context manager; ``close()`` stops the workers
-  and waits for them. Attributes: ``size``, ``num_threads``, ``timeout``,
-  ``transfer`` (the path in use), ``mode`` (the mode asked for;
-  ``stats()["mode"]`` is the way it runs). ``transform`` (package-internal)
-  places each item with a function instead of a transfer path.
-  """
+  """The iterator ``jaxstreams.prefetch`` returns, and a context manager.
+  ``transfer`` is the path in use, ``mode`` the mode asked for
+  (``stats()["mode"]``: the way it runs); ``transform`` (package-internal)
+  places each item with a function instead of a transfer path."""
 
   def __init__(self, iterable: Iterable[Any], size: int, *,
                transform: Callable[[Any], Any] | None = None,
@@ -66,6 +55,7 @@ class Prefetcher:
       raise TypeError(f"{FUNC}: give exactly one of transform and transfer")
     if transfer is None:
       transfer = lambda size: _transfer.FunctionTransfer(transform)  # noqa: E731
+    self.size = size
     self.num_threads = num_threads
     self.timeout = timeout
     self.mode = mode
@@ -80,7 +70,7 @@ class Prefetcher:
           f"workers produce the items: timeout={timeout} was given, and "
           f"only a wait for a worker can time out")
     self._closed = False
-    self._warn = warn     # staged's internal pipelines do not warn
+    self._warn = warn     # staged's pipelines do not warn
     upstream = iterator._pipeline if isinstance(iterator, Prefetcher) else None
     owned = (iterator if isinstance(iterator, (Prefetcher, types.GeneratorType))
              else None)    # a file the caller opened is the caller's to close
@@ -89,16 +79,9 @@ class Prefetcher:
         ignored_exception_types, _describe(iterable),
         f"jaxstreams-prefetch-{next(_names)}", mode, reason,
         upstream=upstream, owned=owned)
+    self.transfer = self._pipeline.transfer.name
     # At collection, on any thread (even a worker): it only signals.
     self._finalizer = weakref.finalize(self, self._pipeline.stop, join=False)
-
-  @property
-  def size(self) -> int:
-    return self._pipeline.size
-
-  @property
-  def transfer(self) -> str:
-    return self._pipeline.transfer.name
 
   def __iter__(self) -> Prefetcher:
     return self
@@ -119,10 +102,8 @@ class Prefetcher:
 
   __next__ = _get       # one call per item, not two
 
-  # For staged's reader, whose runner decides who produces and never
-  # waits for a batch the reader has not finished.
   def next_if_ready(self) -> Any:
-    """The next item, or ``NOT_READY`` at once where it is not ready."""
+    """The next item, or ``NOT_READY`` at once (for staged's reader)."""
     return self._get(wait=False)
 
   def set_way(self, way: str) -> None:
@@ -167,9 +148,8 @@ class Prefetcher:
   def close(self, timeout: float | None = None) -> bool:
     """Stops the workers and waits up to ``timeout`` seconds (None: as long
     as it takes) for them to exit; returns whether they have. A worker
-    blocked inside the iterable's ``__next__`` exits when that call returns,
-    delivers nothing, and then closes what the iterator owns (a generator
-    iterable, a stage area). Idempotent."""
+    blocked inside the iterable's ``__next__`` delivers nothing and then
+    closes what the iterator owns. Idempotent."""
     timeout = _checks.timeout(timeout, name="timeout", context="Prefetcher.close")
     self._closed = True
     self._finalizer.detach()
@@ -242,30 +222,25 @@ def prefetch(iterable: Iterable[Any], size: int = 2, *, sharding: Any = None,
     closed_exception_types: exceptions that end the iteration cleanly when
       raised for an item (``StopIteration`` from the iterable always does).
     ignored_exception_types: exceptions that skip the item they were raised
-      for; iteration continues with the next one.
-    transfer: how items reach the device: ``"device_put"``; ``"stage_area"``
-      (the runtime's ``StageArea`` of ``size`` slots, copies on its copy
-      stream; items that do not fit its first item's structure, shapes and
-      dtypes go through ``jax.device_put``, in order; default device only);
-      or ``"by_platform"`` (default), the path ``benchmarks/prefetch.py``
-      measured faster on this backend (``BY_PLATFORM_TRANSFER``), and
-      ``"device_put"`` where ``"stage_area"`` cannot be used. Both paths
-      hand out the same arrays, bit for bit.
-    mode: who produces the items (pulls and places them). ``"measured"``
-      (default): the consumer's thread at ``next()``, as a plain loop
-      would, until the iterator's own measurements say workers pay, and
-      back when they stop paying (docs/sharp-edges.md has the rule); one
-      ``jaxstreams.PerformanceWarning`` the first time it steps aside; with
-      a ``timeout``, always workers. ``"workers"``: always worker threads.
-      ``"inline"``: always the consumer's thread (no ``timeout``).
-      ``Prefetcher.stats()`` says which way it runs and why.
+      for.
+    transfer: ``"device_put"``; ``"stage_area"`` (the runtime's
+      ``StageArea`` of ``size`` slots, copies on its copy stream; items that
+      do not fit its first item's structure, shapes and dtypes go through
+      ``jax.device_put``, in order; default device only); or
+      ``"by_platform"`` (default): the path measured faster on this backend
+      (``BY_PLATFORM_TRANSFER``). All hand out the same arrays, bit for bit.
+    mode: who produces the items. ``"measured"`` (default): the consumer's
+      thread at ``next()``, as a plain loop would, until the iterator's own
+      measurements say workers pay, and back when they stop paying
+      (docs/sharp-edges.md); one ``jaxstreams.PerformanceWarning`` the
+      first time it steps aside; with a ``timeout``, always workers.
+      ``"workers"``: always worker threads. ``"inline"``: always the
+      consumer's thread (no ``timeout``). ``stats()`` says which and why.
 
   Any other exception raised for item ``k`` is raised by ``next()`` after
-  items ``< k`` were delivered, and ends the iteration.
-
-  Returns a ``Prefetcher``: an iterator and a context manager. Workers stop
-  at the end, on ``close()``, on leaving the ``with`` block, or when the
-  iterator is garbage-collected; a stage area is destroyed then.
+  items ``< k`` were delivered, and ends the iteration. Workers stop at the
+  end, on ``close()``, on leaving a ``with`` block, or when the iterator is
+  garbage-collected; a stage area is destroyed then.
   """
   size = _checks.integer(size, name="size", context=FUNC, minimum=1)
   num_threads = _checks.integer(num_threads, name="num_threads", context=FUNC,

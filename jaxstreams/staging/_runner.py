@@ -1,12 +1,6 @@
-"""``staged(step, data=...)``: software pipelining of a step.
-
-A step usually begins with work that depends only on the batch (decoding,
-hashing, the host-to-device copy) and continues with work on parameters and
-state; the first part of batch ``k + 1`` can run while the second part of
-batch ``k`` runs (TensorFlow's staging areas, DeepRec's SmartStage). This
-module checks the arguments, picks the run (``_measured`` or ``_threads``)
-and warns once when staging stepped aside. Either way each equation is the
-one ``step`` would run, on the same inputs (bitwise on CPU).
+"""``staged(step, data=...)``: software pipelining of a step (TensorFlow's
+staging areas, DeepRec's SmartStage): the arguments, the run
+(``_measured`` or ``_threads``) and the one warning.
 """
 
 from __future__ import annotations
@@ -33,17 +27,14 @@ MODES = ("measured", "fused", "plain", "threads")
 class StagedRunner:
   """What ``jaxstreams.staged`` returns: call it with the step's other
   arguments to run the next batch; ``StopIteration`` once the data is
-  exhausted and drained. A context manager with ``close()``. ``mode`` is
-  the mode asked for (``stats()["mode"]``: the way it runs); ``plan`` the
-  ``StagedPlan`` of the latest batch (None before the first call);
-  ``stream`` and ``streams`` (from the first call, not ``"threads"``) the
-  producer's stream and the fused program's stream count; ``data_argnums``
-  the data argument's position, as one int."""
+  drained. A context manager with ``close()``. ``mode``: the mode asked for
+  (``stats()["mode"]`` the way it runs); ``plan``: the latest batch's
+  ``StagedPlan``; ``stream``, ``streams`` (from the first call): the
+  producer's stream, the programs' stream count."""
 
   def __init__(self, step: Callable, data: Iterable[Any], data_argnums: int,
                capacity: int, stream: int | None, smart: bool, mode: str):
-    fun, consumer_jit, self._name, self._streams_now, self._plain = \
-        _unwrap(step)
+    fun, self._name, self._streams_now, self._plain = _unwrap(step)
     self._data = data
     self.data_argnums = data_argnums
     self.capacity = capacity
@@ -51,26 +42,22 @@ class StagedRunner:
     self.streams: int | None = None
     self.smart = smart
     self.mode = mode
-    # Thread mode jits each part on its own (the producer on ``stream``);
-    # fused programs apply the stream inside the one program they fuse.
-    self._splits = Splits(fun, self._name, data_argnums, smart,
-                          (stream, consumer_jit) if mode == "threads"
-                          else None)
+    self._splits = Splits(fun, self._name, data_argnums, smart)
     self._run: MeasuredRun | ThreadRun | None = None
     self._done = False
 
   def _start(self, other_args: tuple, kwargs: dict) -> None:
-    """The first call reads the first batch and splits the step with it,
-    so a planning error is raised by this call."""
+    """The first call reads the first batch and splits the step with it."""
     data, self._data = self._data, None     # the run owns the iterable now
     other = (other_args, kwargs)
     if self.mode == "threads":
-      self._run = ThreadRun(self._splits, data, self.capacity, other)
+      self._run = ThreadRun(self._splits, data, self.capacity, self.stream,
+                            self._streams_now, other)
     else:
       self._run = MeasuredRun(self._splits, data, self.mode, self.capacity,
                               self.stream, self._streams_now, self._plain,
                               self.data_argnums, other)
-      self.stream, self.streams = self._run.stream, self._run.streams
+    self.stream, self.streams = self._run.stream, self._run.streams
 
   def __call__(self, *other_args, **kwargs):
     if self._done:
@@ -80,7 +67,7 @@ class StagedRunner:
         self._start(other_args, kwargs)
       outs = self._run.call(other_args, kwargs)
       if any(self._run.last_split.may_raise):
-        # A callback can fail while the program runs: raise it at this call.
+        # Raise a failure while the program runs at this call.
         outs = jax.block_until_ready(outs)
     except BaseException:
       self.close()
@@ -106,14 +93,12 @@ class StagedRunner:
   @property
   def schedule(self) -> list[str]:
     """The latest fused programs run (up to 64), oldest first: ``"A2 B1
-    C0"`` ran producer stage A for batch 2, stage B for batch 1 and the
-    consumer for batch 0. Plain calls (and mode ``"threads"``) add none."""
+    C0"`` ran stage A for batch 2, B for batch 1 and the consumer for 0."""
     return self._fused.labels() if self._fused is not None else []
 
   def step_program(self) -> tuple[Callable, list]:
-    """The steady-state fused program for the latest batch shapes and its
-    arguments as ``jax.ShapeDtypeStruct``s, to inspect
-    (``program.trace(*args).lower(...)``); all modes but ``"threads"``."""
+    """The steady-state fused program for the latest batch and its
+    arguments as ``jax.ShapeDtypeStruct``s, to inspect; not ``"threads"``."""
     if self._fused is None:
       raise RuntimeError(f"{FUNC}: step_program() needs a runner in mode "
                          "'measured', 'fused' or 'plain' that has run a "
@@ -138,8 +123,7 @@ class StagedRunner:
     return self._run.meter.report(self._run.way, self._run.reason)
 
   def staged_plan(self) -> StagedPlan:
-    """The ``StagedPlan`` of the latest batch (from the first call on;
-    ``jaxstreams.staging.staged_plan`` makes one without running)."""
+    """The ``StagedPlan`` of the latest batch (from the first call on)."""
     if self.plan is None:
       raise RuntimeError(f"{FUNC}: the runner has not traced a batch yet; call "
                          "it once, or use jaxstreams.staging.staged_plan("
@@ -147,8 +131,8 @@ class StagedRunner:
     return self.plan
 
   def close(self) -> None:
-    """Stops the reader and every stage's worker and waits for them;
-    idempotent. Staged values still in flight are dropped."""
+    """Stops the reader and workers and waits for them; idempotent. Staged
+    values in flight are dropped."""
     self._done = True
     if self._run is not None:
       self._run.close()
@@ -165,25 +149,20 @@ class StagedRunner:
             f"capacity={self.capacity}, smart={self.smart}>")
 
 
-def _unwrap(step: Callable) -> tuple[Callable, tuple, str,
-                                     Callable[[], int],
+def _unwrap(step: Callable) -> tuple[Callable, str, Callable[[], int],
                                      Callable[[Split], Callable]]:
-  """The function to trace, how thread mode jits the consumer (``_splits``'s
-  ``_jit_parts``), a name, the streams the step's own plan uses, and the
-  plain step for a split (the step jitted whole: a jitted step itself, a
-  plain function as a ``jaxstreams.jit`` one with the streams its
-  ``stream()`` blocks use)."""
+  """The function to trace, a name, the streams the step's own plan uses,
+  and the plain step for a split (the step jitted whole)."""
   spec = spec_of(step)
   name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
   if spec is not None:
     fun = spec.array_function(FUNC)
-    return (fun, ("jaxstreams.jit", spec.streams), name, spec.streams_now,
-            lambda split: step)
+    return fun, name, spec.streams_now, lambda split: step
   inner = getattr(step, "__wrapped__", None)
   if inner is not None and hasattr(step, "lower"):
     # A jax.jit function: trace what it wraps, so stage() is visible.
-    return inner, ("jax.jit", None), name, lambda: 1, lambda split: step
-  return (step, ("jax.jit", None), name, lambda: 1,
+    return inner, name, lambda: 1, lambda split: step
+  return (step, name, lambda: 1,
           lambda split: streams_jit(step, streams=split.streams_used))
 
 
@@ -192,8 +171,7 @@ _DATA_ARGNUMS = ("an int or a sequence of exactly one int (the position of "
 
 
 def _data_argnums(value: Any) -> int:
-  """``data_argnums`` (spelled as jax's ``static_argnums``) as the one
-  position it names."""
+  """``data_argnums`` as the one position it names."""
   item = value
   if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
     if len(value) != 1:
@@ -210,8 +188,7 @@ def _data_argnums(value: Any) -> int:
 
 
 def _check_options(data_argnums, capacity, stream, smart, mode="measured"):
-  """The options checked; returns ``(data_argnums, capacity, stream)``
-  normalised (``data_argnums`` to the one int it names)."""
+  """The options checked: ``(data_argnums, capacity, stream)``."""
   data_argnums = _data_argnums(data_argnums)
   capacity = _checks.integer(capacity, name="capacity", context=FUNC,
                              minimum=1)
@@ -243,34 +220,28 @@ def staged(step: Callable, data: Iterable[Any], *,
   consumer part for batch ``k`` and producer stage ``j`` for batch
   ``k + K - j`` (``K`` stages): ``A0; A1 B0`` (warm-up), ``A2 B1 C0``, ...,
   ``B4 C3``, ``C4`` (drain); ``runner.schedule`` lists them. The producer
-  runs on stream ``stream`` inside the program (on a GPU beside the
-  consumer; on CPU inlined, bitwise the unstaged step's results);
-  ``stream=None`` picks the first stream the step does not use itself, and
-  the program has ``max(step's streams, stream + 1)``; ``stream=0`` keeps
-  the producer on the main stream. A reader thread places batches on the
-  device up to ``capacity`` ahead; a warm pipeline never waits for a batch
-  the reader has not finished. At most ``K + 1`` batches' staged values are
-  on the device at once.
+  runs on stream ``stream`` (``None``: the first the step does not use;
+  ``0``: the main stream); the program has ``max(step's streams, stream +
+  1)``. A reader thread places batches up to ``capacity`` ahead; a warm
+  pipeline never waits for one. At most ``K + 1`` batches' staged values
+  are on the device at once.
 
   ``mode="measured"`` (default): the plain step (jitted whole, on batches
-  read in the caller's thread) until the runner's measurements of its own
-  calls say staging pays, then fused, and back when it stops paying
-  (docs/sharp-edges.md has the rule). A switch drains the pipeline first,
-  so outputs, order, errors and ``close()`` hold either way. One
+  read in the caller's thread) until the runner's own measurements say
+  staging pays, then fused, and back when it stops paying
+  (docs/sharp-edges.md). A switch drains the pipeline first, so outputs,
+  order, errors and ``close()`` hold either way. One
   ``jaxstreams.PerformanceWarning`` the first time it steps aside.
   ``mode="plain"``: always the plain step (the first call still splits).
-
-  ``mode="threads"``: each producer stage is a program of its own run by a
-  worker thread ``capacity`` items ahead, the consumer in the caller's
-  thread. On a GPU this hides only host work and copies; on CPU producer
-  work also runs on other cores.
+  ``mode="threads"``: each producer stage a program of its own, run by a
+  worker thread ``capacity`` items ahead (on a GPU this hides only host
+  work and copies).
 
   ``step`` is a plain function, a ``jaxstreams.jit`` function (its consumer
-  keeps its stream plan) or a ``jax.jit`` one (its wrapped function is
-  traced). Its other arguments must keep their shapes while it stages. A
-  failed fused program is run again part by part to find the batch the
-  error belongs to, so the consumer's side effects of that call may happen
-  twice.
+  keeps its stream plan) or a ``jax.jit`` one. Its other arguments must
+  keep their shapes while it stages. A failed fused program is run again
+  part by part to find the batch the error belongs to, so the consumer's
+  side effects of that call may happen twice.
   """
   if not callable(step):
     raise TypeError(f"{FUNC}: step must be callable, got {step!r} of type "
@@ -292,7 +263,7 @@ def staged_plan(step: Callable, *args,
   the argument at ``data_argnums`` an example batch. Traces, runs nothing."""
   given = data_argnums
   data_argnums, _, _ = _check_options(data_argnums, 1, None, smart)
-  fun, _, name, _, _ = _unwrap(step)
+  fun, name, _, _ = _unwrap(step)
   position = data_argnums if data_argnums >= 0 else len(args) + data_argnums
   if not 0 <= position < len(args):
     raise ValueError(f"{FUNC}: data_argnums={given!r} does not name one of "

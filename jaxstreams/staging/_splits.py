@@ -1,10 +1,7 @@
-"""Which ``Split`` a batch runs with: one per batch signature, cached.
-
-Splits are kept per step function across runners (weakly), so the next
-epoch's runner reuses the traced and compiled parts. A split is made for
-one signature of the step's other arguments (the consumer reads them): the
-first call's, or what ``use_other`` sets when a pipeline starts anew. Worker
-threads hold this object, never the runner.
+"""Which ``Split`` a batch runs with: one per batch signature, cached per
+step function across runners (weakly), so the next epoch's runner reuses
+the traced and compiled parts. Splits are made for one signature of the
+other arguments (``use_other``). Worker threads hold this, never the runner.
 """
 
 from __future__ import annotations
@@ -13,14 +10,10 @@ import threading
 import weakref
 from typing import Any, Callable
 
-import jax
 from jax import tree_util
 
-from jaxstreams import config
-from jaxstreams._jit import jit as streams_jit
 from jaxstreams._signature import signature
 from jaxstreams.staging._analysis import FUNC, Split, build_split
-from jaxstreams.tag import stream as stream_scope
 
 _BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = \
     weakref.WeakKeyDictionary()
@@ -35,36 +28,14 @@ def _per_function(fun) -> dict:
     return {}
 
 
-def _jit_parts(split: Split, stream: int | None, consumer: tuple) -> None:
-  """Thread mode's ``split.fns``: each producer stage jitted (on ``stream``
-  when given), the consumer as the step was: ``consumer`` is
-  ``("jaxstreams.jit", streams)`` or ``("jax.jit", None)``."""
-  fns = []
-  for body in split.bodies[:-1]:
-    if body is None or stream is None:
-      fns.append(body and jax.jit(body))
-    else:
-      def run(*xs, body=body):
-        with stream_scope(stream):
-          return body(*xs)
-      fns.append(streams_jit(run, streams=stream + 1))
-  body = split.bodies[-1]
-  fns.append(jax.jit(body) if consumer[0] == "jax.jit"
-             else streams_jit(body, streams=consumer[1]))
-  split.fns = fns
-
-
 class Splits:
-  """One runner's splits, in the step function's ``cache``, which fused
-  programs share. ``jit``: thread mode's ``(stream, consumer)``,
-  with which a new split's parts are jitted (``_jit_parts``)."""
+  """One runner's splits, in the step function's ``cache`` (fused programs
+  share it)."""
 
-  def __init__(self, fun: Callable, name: str, data_argnums: int, smart: bool,
-               jit: tuple | None = None):
+  def __init__(self, fun: Callable, name: str, data_argnums: int,
+               smart: bool):
     self.fun, self.name = fun, name
     self.data_argnums, self.smart = data_argnums, smart
-    self.jit = jit
-    self.jit_key = jit and (*jit, config.read("jaxstreams_gpu_lowering"))
     self.cache = _per_function(fun)
     self.other: tuple | None = None   # the (args, kwargs) splits are made for
     self._other_key = None            # ... their (structure, signature)
@@ -73,8 +44,8 @@ class Splits:
     self._lock = threading.Lock()
 
   def use_other(self, call: tuple) -> list:
-    """Makes splits for the other arguments ``call`` (``(args, kwargs)``)
-    from now on (a pipeline starting); returns its leaves."""
+    """Splits from now on are for the other arguments ``call`` (``(args,
+    kwargs)``); returns its leaves."""
     leaves, treedef = tree_util.tree_flatten(call)
     key = (treedef, signature(leaves))
     with self._lock:
@@ -115,14 +86,11 @@ class Splits:
 
   def _shared(self, batch: Any, data_key: tuple) -> Split:
     other_args, kwargs = self.other
-    key = (data_key, self._other_key, self.data_argnums, self.smart,
-           self.jit_key)
+    key = (data_key, self._other_key, self.data_argnums, self.smart)
     split = self.cache.get(key)
     if split is None:
       split = build_split(self.fun, self.name, other_args, kwargs, batch,
                           self.data_argnums, self.smart)
-      if self.jit is not None:
-        _jit_parts(split, *self.jit)
       self.cache[key] = split
     return split
 

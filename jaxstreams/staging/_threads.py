@@ -1,31 +1,30 @@
-"""``staged(mode="threads")``: each producer stage in a worker thread.
-
-Each producer stage is a jitted function run by a ``Prefetcher`` (one
-worker, ``capacity`` finished items ahead) over the previous stage's items;
-stage 0's worker also copies the batch to the device, behind a reader
-thread. The consumer runs in the caller's thread. Nothing is donated.
+"""``staged(mode="threads")``: each producer stage a program run by a
+``Prefetcher`` (``capacity`` finished items ahead) over the previous
+stage's items, behind a reader thread; the consumer in the caller's thread.
+The programs are the fused pipeline's, with one part each.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 from jax import tree_util
 
 from jaxstreams.staging import _clock
 from jaxstreams.staging._analysis import Split
+from jaxstreams.staging._fused import part_program, producer_stream
 from jaxstreams.staging._policy import Meter
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging._prefetcher import Prefetcher
 
 
 class ThreadRun:
-  """Reader, then one worker per producer stage. Made by the first call,
-  which reads the first batch (a planning error is that call's)."""
+  """Reader, then one worker per producer stage; made by the first call."""
 
   def __init__(self, splits: Splits, data: Iterable[Any], capacity: int,
+               stream: int | None, streams_now: Callable[[], int],
                other: tuple):
     self.splits = splits
     self.stages: list[Prefetcher] = []
@@ -35,11 +34,18 @@ class ThreadRun:
     first = next(iterator)          # StopIteration: no data, nothing to run
     splits.use_other(other)
     self.last_split = splits.split_for(first)
+    self.stream, self.streams = producer_stream(self.last_split, stream,
+                                                streams_now)
+    run = functools.partial(part_program, splits.cache,
+                            stream=self.stream, streams=self.streams)
+    self.run = run
     # Workers never hold this object: an abandoned runner is collected.
     reader = self._pipe(_chain(first, iterator), capacity, lambda b: b)
-    pipe = self._pipe(reader, capacity, functools.partial(_first_stage, splits))
+    pipe = self._pipe(reader, capacity,
+                      functools.partial(_first_stage, splits, run))
     for index in range(1, splits.n_producers):
-      pipe = self._pipe(pipe, capacity, functools.partial(_run_stage, index))
+      pipe = self._pipe(pipe, capacity,
+                        functools.partial(_run_stage, run, index))
     self.pipeline = pipe
 
   def _pipe(self, items, capacity: int, transform) -> Prefetcher:
@@ -52,8 +58,9 @@ class ThreadRun:
     started = _clock.now()
     other_leaves = self.splits.check_other((other_args, kwargs))
     split, env = next(self.pipeline)
-    carried = [env[v] for v in split.stage_ins[-1]]
-    outs = split.fns[-1](*other_leaves, *carried)
+    k = len(split.bodies) - 1
+    carried = [env[v] for v in split.stage_ins[k]]
+    outs, _ = self.run(split, k)(*other_leaves, *carried)
     self.last_split = split
     now = _clock.now()
     self.meter.count("threads", now - started, 0.0, 0.0, False, now)
@@ -64,20 +71,19 @@ class ThreadRun:
       pipe.close()
 
 
-def _first_stage(splits: Splits, batch: Any):
+def _first_stage(splits: Splits, run: Callable, batch: Any):
   split = splits.split_for(batch)
   # The host-to-device copy happens here, in the worker, not in the step.
   env = split.batch_env(jax.device_put(tree_util.tree_leaves(batch)))
-  return _run_stage(0, (split, env))
+  return _run_stage(run, 0, (split, env))
 
 
-def _run_stage(s: int, item: tuple[Split, dict]):
+def _run_stage(run: Callable, s: int, item: tuple[Split, dict]):
   split, env = item
-  fn = split.fns[s]
-  if fn is not None:
-    outs = fn(*(env[v] for v in split.stage_ins[s]))
+  if split.bodies[s] is not None:
+    _, produced = run(split, s)(*(env[v] for v in split.stage_ins[s]))
     # Ready before handed on: ``capacity`` counts finished items.
-    outs = jax.block_until_ready(outs)
+    outs = jax.block_until_ready(produced[s])
     env = {**env, **dict(zip(split.stage_outs[s], outs))}
   keep = split.keep_after[s]
   return split, {v: x for v, x in env.items() if v in keep}

@@ -1,23 +1,12 @@
-"""How ``prefetch`` puts an item on the device and how the consumer
-receives it: a ``Transfer``, one per path of ``prefetch(transfer=...)``.
-
-* ``"device_put"``: ``place_on_device`` (``jax.device_put``, numpy leaves
-  through the call it ends in); a worker waits for the copy, so an item
-  handed out is on the device.
-* ``"stage_area"``: the runtime's ``StageArea`` with one slot per item of
-  the lookahead. The first item whose leaves are all numpy arrays fixes its
-  structure, shapes and dtypes (as ``jax.device_put`` converts them); a
-  worker ``put()``s each item (on a GPU: pinned host slot, copy on the
-  runtime's copy stream, a ready event per slot), in item order since the
-  area is a FIFO; the consumer takes it out with a small jitted ``get()``.
-  An item that does not fit goes through ``jax.device_put``, in its place.
+"""How ``prefetch`` puts an item on the device and hands it to the
+consumer: a ``Transfer`` per path of ``prefetch(transfer=...)``.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -27,8 +16,7 @@ from jaxstreams import _compat
 TRANSFERS = ("by_platform", "device_put", "stage_area")
 
 # What transfer="by_platform" picks, by jax.default_backend(): the path
-# benchmarks/prefetch.py measured faster there (its results name the runs).
-# Other backends have no runtime library: device_put.
+# benchmarks/prefetch.py measured faster there; elsewhere device_put.
 BY_PLATFORM_TRANSFER = {"cpu": "device_put", "gpu": "device_put"}
 
 # A get follows its put: the bound only turns a runtime bug into an error.
@@ -36,11 +24,10 @@ _GET_TIMEOUT_MS = 60_000
 
 
 class Transfer:
-  """``place(ticket, item, wait)`` runs in a worker or, inline, in the
-  consumer (tickets number the pulled items in order; ``wait``: return once
-  the copies are done); ``deliver(value)``, if not None, runs in the
-  consumer under the pipeline's lock, in item order; ``stop()`` only
-  signals, from any thread; ``release()`` runs once no worker is left."""
+  """``place(ticket, item, wait)`` runs in a worker or inline (tickets
+  number pulled items in order; ``wait``: until the copies are done);
+  ``deliver(value)``, if not None, in the consumer, in item order;
+  ``stop()`` only signals; ``release()`` runs once no worker is left."""
 
   name = "custom"
   deliver: Callable[[Any], Any] | None = None
@@ -59,8 +46,7 @@ class Transfer:
     return {}
 
   def shares_cores(self) -> bool:
-    """Whether the device items go to computes on the host's own cores
-    (XLA:CPU), so producing items there competes with the step."""
+    """Whether the items' device computes on the host's cores (XLA:CPU)."""
     return jax.default_backend() == "cpu"
 
 
@@ -91,32 +77,38 @@ def _unchanged(dtype: np.dtype) -> bool:
   return _device_dtype(dtype) == dtype
 
 
+def _numpy_leaves(item: Any) -> tuple[Any, list] | None:
+  """(treedef, leaves) where every leaf is a numpy array or scalar, else
+  None (a Python scalar becomes weakly typed, a jax array is placed)."""
+  leaves, treedef = jax.tree_util.tree_flatten(item)
+  if not leaves or not all(isinstance(leaf, (np.ndarray, np.generic))
+                           for leaf in leaves):
+    return None
+  return treedef, leaves
+
+
 def _host_arrays(item: Any) -> Any:
-  """``item`` with its leaves on jax's default device through
+  """``item`` on jax's default device through
   ``_compat.host_array_to_device`` (a sixth of ``jax.device_put``'s cost on
-  a small array), when every leaf is a numpy array of a dtype that goes to
+  a small array) where every leaf is a numpy array of a dtype that goes to
   the device unchanged; else None."""
   if type(item) is np.ndarray:     # the common item, without a tree walk
     return _compat.host_array_to_device(item, _unchanged)
-  leaves, treedef = jax.tree_util.tree_flatten(item)
-  if not leaves:
+  flat = _numpy_leaves(item)
+  if flat is None:
     return None
   placed = []
-  for leaf in leaves:
-    if not isinstance(leaf, (np.ndarray, np.generic)):
-      return None     # a Python scalar (weakly typed), a jax array, ...
+  for leaf in flat[1]:
     array = _compat.host_array_to_device(np.asarray(leaf), _unchanged)
     if array is None:
       return None
     placed.append(array)
-  return treedef.unflatten(placed)
+  return flat[0].unflatten(placed)
 
 
 def place_on_device(item: Any, sharding: Any = None, wait: bool = True) -> Any:
-  """``jax.device_put(item, sharding)``: the same arrays, bit for bit, with
-  the same dtypes, weak types and devices; numpy leaves placed on the
-  default device cheaply (``_host_arrays``). With ``wait``, returns once
-  the copies are done. Used by prefetch and by staged's reader."""
+  """``jax.device_put(item, sharding)``, bit for bit, numpy leaves placed
+  cheaply (``_host_arrays``); with ``wait``, once the copies are done."""
   out = _host_arrays(item) if sharding is None else None
   if out is None:
     out = jax.device_put(item, sharding)
@@ -151,26 +143,19 @@ class _DevicePutTransfer(Transfer):
     return {"device_put": placed, "stage_area": 0}
 
 
-class _InStage:
-  """What a worker hands the consumer for an item waiting in the stage area:
-  its structure (the area holds the flat leaves)."""
-  __slots__ = ("treedef",)
-
-  def __init__(self, treedef: Any):
-    self.treedef = treedef
+class _InStage(NamedTuple):
+  """An item waiting in the stage area (which holds its leaves)."""
+  treedef: Any
 
 
 def _stageable_leaves(item: Any) -> tuple[Any, list[np.ndarray]] | None:
   """(treedef, leaves as the arrays ``jax.device_put`` would copy), or None
-  when a leaf is not a numpy array of a device dtype (a Python scalar
-  becomes weakly typed under device_put, a jax array is already placed)."""
-  leaves, treedef = jax.tree_util.tree_flatten(item)
-  if not leaves:
+  where a leaf is not a numpy array of a device dtype."""
+  flat = _numpy_leaves(item)
+  if flat is None:
     return None
-  arrays = []
-  for leaf in leaves:
-    if not isinstance(leaf, (np.ndarray, np.generic)):
-      return None
+  treedef, arrays = flat[0], []
+  for leaf in flat[1]:
     dtype = _device_dtype(leaf.dtype)
     if dtype is None:
       return None
@@ -186,7 +171,10 @@ _EXTRA_DTYPES = frozenset({
 
 
 class _StageAreaTransfer(Transfer):
-  """Items through a ``jaxstreams.runtime.StageArea`` of ``size`` slots."""
+  """Items through the runtime's ``StageArea`` of ``size`` slots, whose
+  structure, shapes and dtypes the first item of numpy leaves fixes. It is
+  a FIFO, so workers put items in ticket order; the consumer takes each
+  out with a jitted ``get()``. An item that does not fit is device_put."""
 
   name = "stage_area"
 
@@ -197,8 +185,7 @@ class _StageAreaTransfer(Transfer):
     self.turn = 0               # the ticket whose turn it is to put
     self.stopped = False
     self.area = None            # created by the first item that fits
-    self.spec = None            # ((shape, dtype), ...) of its leaves
-    self.treedef = None
+    self.spec = None            # (treedef, ((shape, dtype), ...))
     self.getter = None
     self.pending = collections.deque()   # gets dispatched, maybe not run yet
     self.staged = 0
@@ -215,11 +202,10 @@ class _StageAreaTransfer(Transfer):
       flat = _stageable_leaves(item)
       if flat is not None:
         treedef, arrays = flat
-        spec = tuple((a.shape, a.dtype) for a in arrays)
+        spec = (treedef, tuple((a.shape, a.dtype) for a in arrays))
         if self.area is None and sum(a.nbytes for a in arrays) > 0:
-          self._create(spec, treedef)
-        fits = self.area is not None and spec == self.spec and (
-            treedef == self.treedef)
+          self._create(spec)
+        fits = self.area is not None and spec == self.spec
       if fits:
         # Blocks while the area is full; stop() closes it, ending the wait.
         self.area.put(arrays)
@@ -235,18 +221,17 @@ class _StageAreaTransfer(Transfer):
       self.fallbacks += 1
     return out
 
-  def _create(self, spec, treedef) -> None:
+  def _create(self, spec) -> None:
     from jaxstreams import runtime   # pylint: disable=import-outside-toplevel
     with self.cond:
       if self.stopped:
         raise _Stopped
-      self.area = runtime.StageArea(
-          [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in spec],
+      self.area = area = runtime.StageArea(
+          [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in spec[1]],
           capacity=self.size, platform=self.platform)
-      self.spec, self.treedef = spec, treedef
-      area = self.area
-      # One program per area (its id is an attribute of the call); the
-      # scalar tells when the get has run (its arrays may be donated).
+      self.spec = spec
+      # One program per area; the scalar tells when the get has run (its
+      # arrays may be donated).
       self.getter = jax.jit(lambda: (area.get(timeout_ms=_GET_TIMEOUT_MS),
                                      jax.numpy.zeros((), jax.numpy.int32)))
 
@@ -315,9 +300,8 @@ def _stage_platform(sharding: Any) -> tuple[str | None, str]:
 
 def resolve(transfer: Any, sharding: Any, func: str
             ) -> Callable[[int], Transfer]:
-  """What makes the ``Transfer`` for ``prefetch(transfer=...)``, given the
-  lookahead's size; a ValueError now naming the value, or why
-  ``"stage_area"`` cannot be used here."""
+  """What makes ``prefetch(transfer=...)``'s ``Transfer`` from the
+  lookahead's size; a ValueError where it cannot be used here."""
   if not isinstance(transfer, str) or transfer not in TRANSFERS:
     raise ValueError(f"{func}: transfer must be one of {list(TRANSFERS)}, got "
                      f"{transfer!r}")
