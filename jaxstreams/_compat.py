@@ -567,24 +567,30 @@ def lowered_compiler_options(lowered) -> dict[str, Any]:
   return dict(getattr(lowering, "_compiler_options_kvs", ()) or ())
 
 
-def compile_module_text(text: str, device, compiler_options: dict) -> Any:
+def compile_module_text(text: str, devices, compiler_options: dict) -> Any:
   """Compile the StableHLO module ``text`` (``Lowered.as_text()``) for
-  ``device`` with ``compiler_options``, as ``Lowered.compile`` would for one
-  device; returns XLA's executable (``hlo_modules()``,
-  ``get_compiled_memory_stats()``). jax has no public call that compiles
-  module text, so this goes through the client of the device: for a
-  topology's device, the compile-only client of deviceless compilation."""
+  ``devices`` (one per partition, in the module's order) with
+  ``compiler_options``, as ``Lowered.compile`` would; returns XLA's
+  executable (``hlo_modules()``, ``get_compiled_memory_stats()``). jax has
+  no public call that compiles module text, so this goes through the client
+  of the devices: for a topology's devices, the compile-only client of
+  deviceless compilation."""
+  import numpy as np
   from jax._src import compiler
   from jax._src.interpreters import mlir
   from jax._src.lib import xla_client
   from jax._src.lib.mlir import ir
+  devices = tuple(devices)
   options = compiler.get_compile_options(
-      num_replicas=1, num_partitions=1,
+      num_replicas=1, num_partitions=len(devices),
+      device_assignment=np.array(devices).reshape(1, -1),
       env_options_overrides=dict(compiler_options))
+  if len(devices) > 1:   # the module's shardings partition it, as jax.jit's
+    options.executable_build_options.use_spmd_partitioning = True
   with mlir.make_ir_context():
     module = ir.Module.parse(text)
-    return device.client.compile(
-        module, executable_devices=xla_client.DeviceList((device,)),
+    return devices[0].client.compile(
+        module, executable_devices=xla_client.DeviceList(devices),
         compile_options=options)
 
 

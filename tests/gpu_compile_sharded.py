@@ -2,7 +2,8 @@
 without one and prints, as JSON (one line), what XLA:GPU will run: per way
 of writing the step (one program jax.jit partitions; shard_map), whether it
 compiled with the 'streams' lowering, its async regions and its collectives
-with the regions in flight beside each. Run by tests/test_gpu_compile.py in
+with the regions in flight beside each, and for shard_map each device's
+CUDA graphs. Run by tests/test_gpu_compile.py in
 a process of its own (deviceless compilation needs JAX_PLATFORMS=cpu before
 jax starts).
 
@@ -27,7 +28,7 @@ DEVICES = 8
 BATCH, FEATURES, WIDTH, TOWERS = 4096, 1024, 1024, 2
 
 
-def report(step, mesh):
+def report(step, mesh, graphs=False):
   replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   struct = lambda shape, sharding: jax.ShapeDtypeStruct(shape, jnp.float32,
                                                         sharding=sharding)
@@ -38,7 +39,17 @@ def report(step, mesh):
   fn = jaxstreams.jit(step, streams=3, gpu_lowering="streams")
   plan = fn.plan(*args)
   schedule = jaxstreams.xla_schedule(fn.lower(*args).compile())
-  return {
+  found = {}
+  if graphs:
+    # Each device's CUDA graphs, in XLA's CONCURRENT mode: the towers'
+    # regions of the shard_map body as branches.
+    concurrent = jaxstreams.jit(step, streams=3,
+                                gpu_lowering="streams_concurrent")
+    cuda = jaxstreams.xla_graphs(concurrent.lower(*args))
+    [body] = plan.bodies.values()
+    found = {"graph_pairs": [list(p) for p in cuda.compare(body)],
+             "graph_summary": cuda.summary()}
+  return {**found,
       "plan_streams": sorted({r.stream for r in plan.regions}),
       "body_streams": {str(i): sorted({r.stream for r in body.regions})
                        for i, body in plan.bodies.items()},
@@ -59,7 +70,7 @@ def main():
   print(json.dumps({
       "jit_partitioned": report(sharded_training.make_step(TOWERS, 0.05), mesh),
       "shard_map": report(sharded_training.make_shard_map_step(0.05, mesh),
-                          mesh),
+                          mesh, graphs=True),
   }))
 
 

@@ -155,3 +155,12 @@ def test_shard_map_body_regions_are_async_calls_on_each_of_eight_gpus(eight_gpus
   # The gradients' all-reduce runs on the main stream, outside every region.
   assert [c["opcode"] for c in report["collectives"]
           if c["opcode"].startswith("all-reduce")], report["summary"]
+
+
+def test_shard_map_towers_are_side_by_side_in_each_gpus_cuda_graph(eight_gpus):
+  """The towers' backward regions, on streams 1 and 2, are branches of one
+  CUDA graph on every device (XLA's CONCURRENT mode)."""
+  report = eight_gpus["shard_map"]
+  pairs = report["graph_pairs"]
+  assert pairs and all(together for _, _, together in pairs), \
+      report["graph_summary"]

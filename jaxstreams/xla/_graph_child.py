@@ -5,7 +5,8 @@ XLA reads its logging settings (``TF_CPP_VMODULE``) once, when the process
 first logs, so the log that lists each CUDA graph's commands and edges can
 only be turned on in a process started with it; the parent starts this
 module so, hands it the program on stdin as JSON (``module``: StableHLO
-text, ``compiler_options``, ``target_name``, ``target_config``) and reads
+text, ``compiler_options``, ``target_name``, ``target_config``,
+``devices``: the node's GPUs, one per partition) and reads
 XLA's log from its stderr. On stdout, as one JSON line: the compiled HLO
 text and XLA's dumps of the program's thunk sequence (which command is
 which HLO instruction) and buffer assignment (which buffers each reads and
@@ -25,7 +26,8 @@ def main() -> None:
   from jaxstreams import _compat
   from jaxstreams.xla import target
   gpu = target.target_from_config(request["target_name"],
-                                  request["target_config"])
+                                  request["target_config"],
+                                  request.get("devices", 1))
   try:   # register the runtime's FFI targets, for programs that call them
     from jaxstreams.runtime import _loader
     _loader.load()
@@ -34,7 +36,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory(prefix="jaxstreams-graph-") as dump:
     options = dict(request["compiler_options"], xla_dump_to=dump)
     executable = _compat.compile_module_text(
-        request["module"], gpu.mesh.devices.flat[0], options)
+        request["module"], gpu.mesh.devices.flat, options)
     files = {}
     for kind in ("thunk_sequence_after_thunk_passes", "thunk_metadata",
                  "gpu_after_optimizations-buffer-assignment"):

@@ -707,7 +707,9 @@ def xla_graphs(lowered: Any, *, target: Any = "h100",
   the compiler options its own ``compile()`` would use, plus
   ``compiler_options``. ``target``: "h100" (default), "h200", the path of a
   GpuTargetConfigProto text file, or a ``GpuTarget``. With the function's
-  ``plan``, ``compare()`` checks the plan's pairs of regions.
+  ``plan``, ``compare()`` checks the plan's pairs of regions. A program
+  partitioned over several devices is compiled for a node of that many
+  GPUs; the graphs are one device's.
   """
   from jaxstreams.xla import target as targets
   if isinstance(target, targets.GpuTarget):
@@ -715,9 +717,12 @@ def xla_graphs(lowered: Any, *, target: Any = "h100",
   else:
     name, config_text = targets.target_config(target)
   options = {**_compat.lowered_compiler_options(lowered), **(compiler_options or {})}
-  request = json.dumps({"module": lowered.as_text(debug_info=True),
+  text = lowered.as_text(debug_info=True)
+  partitions = re.search(r"mhlo\.num_partitions = (\d+)", text)
+  request = json.dumps({"module": text,
                         "compiler_options": {k: _option_text(v) for k, v in options.items()},
-                        "target_name": name, "target_config": config_text})
+                        "target_name": name, "target_config": config_text,
+                        "devices": int(partitions.group(1)) if partitions else 1})
   package_root = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0",
