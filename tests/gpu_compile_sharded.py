@@ -3,7 +3,8 @@ without one and prints, as JSON (one line), what XLA:GPU will run: per way
 of writing the step (one program jax.jit partitions; shard_map), whether it
 compiled with the 'streams' lowering, its async regions and its collectives
 with the regions in flight beside each, and for shard_map each device's
-CUDA graphs. Run by tests/test_gpu_compile.py in
+CUDA graphs; and for an FSDP-style step (tests/programs.py's
+gathered_towers), its collectives and the regions in flight beside them. Run by tests/test_gpu_compile.py in
 a process of its own (deviceless compilation needs JAX_PLATFORMS=cpu before
 jax starts).
 
@@ -15,7 +16,7 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxstreams  # noqa: E402
 import sharded_training  # noqa: E402
+from programs import gathered_towers  # noqa: E402
 
 DEVICES = 8
 BATCH, FEATURES, WIDTH, TOWERS = 4096, 1024, 1024, 2
@@ -64,6 +66,23 @@ def report(step, mesh, graphs=False):
   }
 
 
+def gathered(mesh):
+  """programs.gathered_towers: two towers' weights all-gathered on the main
+  stream, the towers on streams 1 and 2."""
+  step = jaxstreams.jit(gathered_towers(mesh), streams=3,
+                        gpu_lowering="streams")
+  sharded = NamedSharding(mesh, P("data"))
+  args = ([jax.ShapeDtypeStruct((2048, 2048), jnp.float32, sharding=sharded)
+           for _ in range(2)],
+          jax.ShapeDtypeStruct((4096, 2048), jnp.float32, sharding=sharded))
+  schedule = jaxstreams.xla_schedule(step.lower(*args).compile())
+  return {"collectives": [{"name": c.name, "opcode": c.opcode,
+                           "regions_in_flight": list(c.regions_in_flight)}
+                          for c in schedule.collectives],
+          "streams": sorted({r.stream for r in schedule.main_regions}),
+          "summary": schedule.summary()}
+
+
 def main():
   target = jaxstreams.gpu_target("h100", devices=DEVICES)
   mesh = target.make_mesh((DEVICES,), ("data",))
@@ -71,6 +90,7 @@ def main():
       "jit_partitioned": report(sharded_training.make_step(TOWERS, 0.05), mesh),
       "shard_map": report(sharded_training.make_shard_map_step(0.05, mesh),
                           mesh, graphs=True),
+      "gathered_towers": gathered(mesh),
   }))
 
 

@@ -54,6 +54,23 @@ def training_step(params, x, y):
   return jax.value_and_grad(loss)(params)
 
 
+def gathered_towers(mesh, axis="data"):
+  """Each device's step (shard_map) with the weights sharded over ``axis``
+  (FSDP-style): each tower all-gathers its weight on the main stream, then
+  computes on a stream of its own, so one tower's all-gather can be in
+  flight while the other tower runs."""
+  def body(ws, x):
+    outs = []
+    for t, shard in enumerate(ws):
+      w = jax.lax.all_gather(shard, axis, tiled=True)
+      with jaxstreams.stream(1 + t):
+        outs.append(jnp.tanh(jnp.tanh(x @ w) @ w))
+    return sum(outs)
+  from jax.sharding import PartitionSpec as P
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis)),
+                       out_specs=P(axis))
+
+
 def training_params(d=16, seed=0):
   w1, w2, out = random_inputs((d, d), (d, d), (d, 1), seed=seed)
   return {"w1": w1, "w2": w2, "out": out}

@@ -164,3 +164,14 @@ def test_shard_map_towers_are_side_by_side_in_each_gpus_cuda_graph(eight_gpus):
   pairs = report["graph_pairs"]
   assert pairs and all(together for _, _, together in pairs), \
       report["graph_summary"]
+
+
+def test_an_all_gather_is_in_flight_while_a_tower_runs_on_its_stream(eight_gpus):
+  """Collectives beside compute: with each tower on a stream of its own, XLA
+  runs one tower while the other tower's weights are still being gathered
+  (on every jax version; under jax.jit's own program nothing overlaps)."""
+  report = eight_gpus["gathered_towers"]
+  assert report["streams"] == [1, 2]
+  gathers = [c for c in report["collectives"] if "all-gather" in c["opcode"]]
+  assert len(gathers) == 2, report["summary"]
+  assert any(c["regions_in_flight"] for c in gathers), report["summary"]

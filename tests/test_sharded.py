@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxstreams
-from programs import ROOT, assert_equal_results, run_example
+from programs import ROOT, assert_equal_results, gathered_towers, run_example
 
 try:
   from jax import shard_map
@@ -192,3 +192,19 @@ def test_the_shard_map_example_runs_its_towers_on_streams_in_the_body():
                    out, re.M), out
   _loss_line(out)
   assert "results equal jax.jit: bitwise" in out, out
+
+
+@pytest.mark.parametrize("lowering", ["inline", "streams"])
+def test_gathered_towers_give_jax_jit_results(lowering):
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  step = gathered_towers(mesh)
+  n = len(jax.devices())
+  ws = [jnp.linspace(-1, 1, (8 * n) ** 2).reshape(8 * n, 8 * n) / (t + n)
+        for t in range(2)]
+  x = jnp.linspace(0, 1, 16 * n * 8 * n).reshape(16 * n, 8 * n)
+  plan = jaxstreams.plan(step, streams=3)(ws, x)
+  body = plan.bodies[0]
+  assert {e.primitive: e.stream for e in body.equations}["all_gather"] == 0
+  assert_equal_results(
+      jaxstreams.jit(step, streams=3, gpu_lowering=lowering)(ws, x),
+      jax.jit(step)(ws, x))
