@@ -245,8 +245,8 @@ class _Tally:
 
   A hot path adds with ``next(tally.count)``: the builtin ``next`` is
   called by vectorcall, where ``count.__next__`` (a method-wrapper) or
-  ``functools.partial(next, count)`` costs about 250 instructions more per
-  call (callgrind, CPython 3.11)."""
+  ``functools.partial(next, count)`` costs more per call (callgrind: about
+  250 instructions more on CPython 3.11, 60 on 3.12)."""
 
   def __init__(self):
     self.count = itertools.count()
@@ -374,6 +374,35 @@ class _Core:
             "waiting)")
 
   # -- direct mode: the caller's thread runs jax.jit(f) --------------------
+
+  def call_direct(self, *args, **kwargs):
+    """A request in direct mode (``server(...)`` is this call): ``jax.jit(f)``
+    in the caller's thread, waited for, so that a run-time error reaches
+    this caller as it would a plain caller reading the result. No lock for
+    a request admitted at once (see ``__init__``): with many threads a
+    request costs the time it holds the GIL (about 5 us for jax.jit's
+    dispatch), and every step here is a share of that."""
+    running = self.running
+    running.append(None)
+    if len(running) > self.admit_limit:
+      running.pop()
+      self._admit_slowly()        # refused, or waits for room
+    try:
+      # Forwarding an empty **kwargs builds and merges a dict on the way.
+      out = self.jitted(*args, **kwargs) if kwargs else self.jitted(*args)
+      if type(out) is _ARRAY_TYPE:
+        out.block_until_ready()   # one array: no tree walk
+      else:
+        jax.block_until_ready(out)
+    except BaseException:
+      self._direct_failure()
+      raise
+    finally:
+      running.pop()
+      next(self.finished_count)
+      if self.wake_on_finish:
+        self._wake()
+    return out
 
   def _admit_slowly(self) -> None:
     """A direct request that found the server closing or full: refuse it,
@@ -692,20 +721,31 @@ def _name(fun) -> str:
 # ---------------------------------------------------------------------------
 # The public object.
 
-class Server:
+class Server(functools.partial):
   """A thread-safe callable serving ``f``; made by ``jaxstreams.serve``.
 
-  ``server(*args, **kwargs)`` waits for and returns ``f(*args, **kwargs)``;
+  ``server(*args, **kwargs)`` waits for and returns ``f(*args, **kwargs)``,
+  run with whatever requests arrive with it (in grouped mode; with none
+  running or queued, it runs at once in the calling thread);
   ``server.submit(...)`` returns a ``concurrent.futures.Future`` instead.
   Use it as a context manager, or call ``close()``: the queued requests are
   finished, new ones raise ``ServerClosedError``, and the worker threads
   end. The threads also end when the server is garbage-collected.
+
+  A call is the core's ``call_direct`` or ``call_grouped``, as chosen by
+  the mode, made by ``functools.partial`` in C (as a ``jaxstreams.jit``
+  function's is): from CPython 3.12 that is a vectorcall, about 500
+  instructions a request less than a ``__call__`` method forwarding
+  ``*args, **kwargs`` (callgrind); on 3.11 the two cost the same.
   """
 
-  def __init__(self, core: _Core):
+  def __new__(cls, core: _Core):
+    call = _Core.call_direct if core.direct else _Core.call_grouped
+    self = super().__new__(cls, call, core)
     self._core = core
     self._finalizer = weakref.finalize(self, core.close, False, None)
     functools.update_wrapper(self, core.fun, updated=())
+    return self
 
   def submit(self, *args, **kwargs) -> concurrent.futures.Future:
     """Queue ``f(*args, **kwargs)``; the future holds its result or error.
@@ -714,40 +754,6 @@ class Server:
     ``QueueFullError`` when the queue is full and the server does not block.
     """
     return self._core.submit((args, kwargs))
-
-  def __call__(self, *args, **kwargs):
-    """``f(*args, **kwargs)``, run with whatever requests arrive with it
-    (with none running or queued, it runs at once in the calling thread)."""
-    core = self._core
-    if not core.direct:
-      return core.call_grouped(*args, **kwargs)
-    # Direct mode: jax.jit(f) in this thread, waited for (so a run-time
-    # error reaches this caller, as it would a plain caller reading the
-    # result). Written out here rather than called: with many threads a
-    # request costs the time it holds the GIL (about 5 us for jax.jit's
-    # dispatch), and each call frame more is a share of that. No lock for
-    # a request admitted at once (see _Core).
-    running = core.running
-    running.append(None)
-    if len(running) > core.admit_limit:
-      running.pop()
-      core._admit_slowly()        # refused, or waits for room
-    try:
-      # Forwarding an empty **kwargs builds and merges a dict on the way.
-      out = core.jitted(*args, **kwargs) if kwargs else core.jitted(*args)
-      if type(out) is _ARRAY_TYPE:
-        out.block_until_ready()   # one array: no tree walk
-      else:
-        jax.block_until_ready(out)
-    except BaseException:
-      core._direct_failure()
-      raise
-    finally:
-      running.pop()
-      next(core.finished_count)
-      if core.wake_on_finish:
-        core._wake()
-    return out
 
   def close(self, timeout: float | None = None) -> bool:
     """Refuse new requests, finish the queued ones, and stop the threads.
@@ -793,6 +799,10 @@ class Server:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+  def __reduce__(self):
+    raise TypeError(f"cannot pickle or copy {self!r}: a server holds its "
+                    "threads and locks; make another with jaxstreams.serve")
 
   def __repr__(self) -> str:
     state = "closed" if self.closed else "open"
