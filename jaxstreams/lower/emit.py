@@ -90,8 +90,11 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
   with ``profile``, which wraps each region in timing markers)."""
   program = plan.program
   graph = plan.graph
-  stream_calls = (profile or gpu_lowering == "streams") and any(
-      stream != 0 for stream in graph.streams)
+  # Profiled, regions are calls too, except where calls cannot compile (the
+  # "bodies" program of a partitioned program).
+  stream_calls = (gpu_lowering == "streams"
+                  or (profile and gpu_lowering != "bodies")) and any(
+                      stream != 0 for stream in graph.streams)
   body_calls = (profile or gpu_lowering in ("streams", "bodies")) and any(
       body.has_calls for body in plan.bodies.values())
   if stream_calls or body_calls:
