@@ -208,3 +208,31 @@ def test_gathered_towers_give_jax_jit_results(lowering):
   assert_equal_results(
       jaxstreams.jit(step, streams=3, gpu_lowering=lowering)(ws, x),
       jax.jit(step)(ws, x))
+
+
+def test_a_jit_inside_a_shard_map_body_and_collectives_between_regions():
+  @jax.jit
+  def inner(x):
+    with jaxstreams.stream(1):
+      a = jnp.sin(x)
+    with jaxstreams.stream(2):
+      b = jnp.cos(x)
+    return a, b
+
+  def body(x):
+    a, b = inner(x)
+    gathered = jax.lax.all_gather(a, "d", tiled=True)
+    scattered = jax.lax.psum_scatter(b, "d", tiled=True)
+    return (gathered.sum() + scattered.sum())[None]
+
+  def f(x):
+    return shard_map(body, mesh=_mesh(), in_specs=P("d"), out_specs=P("d"))(x)
+
+  x = jnp.arange(4.0 * len(jax.devices()) ** 2)
+  body_plan = jaxstreams.plan(f, streams=3)(x).bodies[0]
+  streams = {e.primitive: e.stream for e in body_plan.equations}
+  assert (streams["sin"], streams["cos"]) == (1, 2)   # the inner jit's blocks
+  assert streams["all_gather"] == streams["reduce_scatter"] == 0
+  for lowering in ("inline", "streams"):
+    assert_equal_results(
+        jaxstreams.jit(f, streams=3, gpu_lowering=lowering)(x), jax.jit(f)(x))
