@@ -69,7 +69,8 @@ def _plan(closed_jaxpr, streams, source, function_name,
   program = expose_tags(closed_jaxpr)
   placements = assign_streams(
       program, streams, source, rules=options.rules,
-      forward_propagation=options.forward_propagation)
+      forward_propagation=options.forward_propagation,
+      plan_bodies=options.spread)
   costs = [equation_cost(e) for e in program.jaxpr.eqns]
   seconds = [c.seconds(options.device) for c in costs]
   work = sum(c.work_seconds(options.device) for c in costs)
@@ -79,7 +80,7 @@ def _plan(closed_jaxpr, streams, source, function_name,
   if options.spread:
     placements, graph, schedule, summary = _try_spread(
         program, placements, graph, schedule, seconds, work, streams, options)
-  bodies = {}
+  bodies, placements = {}, list(placements)
   for index, placement in enumerate(placements):
     if placement.rule == "inside":
       eqn = program.jaxpr.eqns[index]
@@ -87,6 +88,8 @@ def _plan(closed_jaxpr, streams, source, function_name,
                    f"{function_name}/{eqn.primitive.name}#{index}", options)
       if body.has_calls:
         bodies[index] = body
+      else:   # nothing in it runs off the main stream: it is one equation
+        placements[index] = Placement(0, "main")
   return PartitionedProgram(
       function_name=function_name, streams=streams, program=program,
       placements=tuple(placements), costs=tuple(costs), graph=graph,

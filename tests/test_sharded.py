@@ -236,3 +236,35 @@ def test_a_jit_inside_a_shard_map_body_and_collectives_between_regions():
   for lowering in ("inline", "streams"):
     assert_equal_results(
         jaxstreams.jit(f, streams=3, gpu_lowering=lowering)(x), jax.jit(f)(x))
+
+
+def test_spreading_never_moves_a_collective_and_costs_it_by_its_transfer():
+  from jaxstreams.assign import DEFAULT_DEVICE, equation_cost
+
+  def body(x, w):
+    a = jnp.tanh(x @ w)          # unplaced: spreading may move these
+    b = jnp.sin(x) @ w
+    return jax.lax.psum(a * b, "d")
+
+  def f(x, w):
+    return shard_map(body, mesh=_mesh(), in_specs=(P("d"), P()),
+                     out_specs=P())(x, w)
+
+  x, w = _towers_inputs()
+  from jaxstreams import _compat
+  from jaxstreams.assign import assign_streams
+  from jaxstreams.tag import expose_tags
+  [shard_map_eqn] = jax.make_jaxpr(f)(x, w).jaxpr.eqns
+  body_program = expose_tags(_compat.shard_map_body(shard_map_eqn))
+  placements = assign_streams(body_program, 3, "test", plan_bodies=True)
+  [(psum, placement)] = [
+      (e, p) for e, p in zip(body_program.jaxpr.eqns, placements)
+      if e.primitive.name.startswith("psum")]
+  # Rule "collective", not "main": spreading moves only "main" equations.
+  assert (placement.stream, placement.rule) == (0, "collective")
+  cost = equation_cost(psum)
+  assert cost.link_bytes > 0
+  assert cost.seconds() >= DEFAULT_DEVICE.collective_s
+  assert_equal_results(
+      jaxstreams.jit(f, streams=3, spread=True, gpu_lowering="streams")(x, w),
+      jax.jit(f)(x, w))

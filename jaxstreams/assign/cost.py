@@ -29,6 +29,8 @@ class DeviceModel:
   kernel_s: float = 3e-6           # shortest kernel: launch + ramp, per kernel
   region_launch_s: float = 2e-6    # a call on another stream: call-start/done
   event_s: float = 1e-6            # one cross-stream event record + wait
+  link_bandwidth: float = 450e9    # between devices (NVLink 4), bytes/s a way
+  collective_s: float = 10e-6      # shortest collective: setup and sync
 
 
 DEFAULT_DEVICE = DeviceModel()
@@ -39,21 +41,37 @@ class Cost:
   flops: float
   bytes: float
   kernels: float = 0.0   # kernels of its own (0 for fusable elementwise work)
+  link_bytes: float = 0.0   # sent to other devices (collectives)
 
   def work_seconds(self, device: DeviceModel = DEFAULT_DEVICE) -> float:
-    """Time with the whole GPU to itself."""
+    """Time with the whole GPU to itself (a collective's transfer uses the
+    links, not the GPU's compute or memory)."""
     return max(self.flops / device.peak_flops, self.bytes / device.bandwidth)
 
   def seconds(self, device: DeviceModel = DEFAULT_DEVICE) -> float:
-    """Time on its stream: the work, but no less than its kernels' latency."""
-    return max(self.work_seconds(device), self.kernels * device.kernel_s)
+    """Time on its stream: the work, but no less than its kernels' latency
+    or its transfer between devices."""
+    link = (device.collective_s + self.link_bytes / device.link_bandwidth
+            if self.link_bytes else 0.0)
+    return max(self.work_seconds(device), self.kernels * device.kernel_s, link)
 
   def __add__(self, other: "Cost") -> "Cost":
     return Cost(self.flops + other.flops, self.bytes + other.bytes,
-                self.kernels + other.kernels)
+                self.kernels + other.kernels,
+                self.link_bytes + other.link_bytes)
 
 
 ZERO = Cost(0.0, 0.0)
+
+# The primitives that move data between devices (jax.lax's collectives;
+# axis_index and pvary move nothing), and how many times its larger operand
+# or result each sends over the links (a ring all-reduce sends it twice).
+COLLECTIVES = {
+    "psum": 2.0, "psum_invariant": 2.0, "pmax": 2.0, "pmin": 2.0,
+    "ppermute": 1.0, "pbroadcast": 1.0, "all_gather": 1.0,
+    "all_gather_invariant": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0,
+    "ragged_all_to_all": 1.0, "psend": 1.0, "precv": 1.0,
+}
 
 # Primitives that only move or reinterpret data: no arithmetic.
 _DATA_MOVEMENT = frozenset({
@@ -91,6 +109,9 @@ def equation_cost(eqn) -> Cost:
   ins, outs = _avals(eqn.invars), _avals(eqn.outvars)
   moved = float(sum(map(_bytes, ins)) + sum(map(_bytes, outs)))
   out_elems = float(sum(map(_size, outs)))
+  if name in COLLECTIVES:
+    largest = max(map(_bytes, ins + outs), default=0)
+    return Cost(0.0, moved, 1.0, COLLECTIVES[name] * largest)
   if name == "dot_general":
     (lhs_contract, _), _ = eqn.params["dimension_numbers"]
     lhs_shape = ins[0].shape
@@ -112,7 +133,7 @@ def equation_cost(eqn) -> Cost:
     if name == "cond":
       repeats = 1.0 / max(len(subs), 1)   # one branch runs
     return Cost(inner.flops * repeats, max(inner.bytes * repeats, moved),
-                max(inner.kernels * repeats, 1.0))
+                max(inner.kernels * repeats, 1.0), inner.link_bytes * repeats)
   if name in ("gather", "scatter", "scatter-add", "scatter_add", "sort"):
     return Cost(0.0, moved, 1.0)
   if name in _DATA_MOVEMENT:

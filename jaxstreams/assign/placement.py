@@ -12,9 +12,9 @@ Rules, in order (the first that applies wins):
    it is left to the rules below and the plan notes the placements it could
    not honour: XLA runs a loop or branch body as one computation.
    ``inside``: a ``shard_map`` over all its mesh's axes whose body has
-   blocks, and is not itself in one, stays on the main stream and its body
-   gets a plan of its own (each device runs the body as a program: its
-   regions are calls there).
+   blocks (or any, with spreading on), and is not itself in one, stays on
+   the main stream and its body gets a plan of its own (each device runs the
+   body as a program: its regions are calls there).
 4. ``file``: the first line of the ``jaxstreams_stream_from_file`` rules
    whose regex matches the equation's name.
 5. ``forward``: with ``jaxstreams_forward_propagation``, an equation whose
@@ -39,6 +39,7 @@ import dataclasses
 from typing import Any
 
 from jaxstreams import _compat
+from jaxstreams.assign.cost import COLLECTIVES
 from jaxstreams.assign.rules import StreamRules
 from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag
 
@@ -77,17 +78,10 @@ def _inner_stream_tags(eqn, outer_stack, streams, streams_source,
       _inner_stream_tags(inner, stack, streams, streams_source, found)
 
 
-# The primitives that move data between devices (jax.lax's collectives;
-# axis_index and pvary move nothing). XLA:GPU compiles none of them inside a
-# stream-annotated call ("No ExecutionStreamId found", jaxlib 0.10-0.12).
-COLLECTIVES = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "pbroadcast",
-    "all_gather", "all_gather_invariant", "reduce_scatter", "all_to_all",
-    "ragged_all_to_all", "psend", "precv"})
-
-
 def _has_collective(eqn) -> bool:
-  """Whether ``eqn`` is a collective or runs one in a body (any depth)."""
+  """Whether ``eqn`` is a collective or runs one in a body (any depth).
+  XLA:GPU compiles no collective inside a stream-annotated call ("No
+  ExecutionStreamId found", jaxlib 0.10-0.12)."""
   return eqn.primitive.name in COLLECTIVES or any(
       _has_collective(inner) for sub in _compat.sub_jaxprs(eqn)
       for inner in sub.eqns)
@@ -101,11 +95,13 @@ def equation_name(eqn) -> str:
 
 def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
                    *, rules: StreamRules | None = None,
-                   forward_propagation: bool = False) -> list[Placement]:
+                   forward_propagation: bool = False,
+                   plan_bodies: bool = False) -> list[Placement]:
   """A ``Placement`` for each top-level equation of ``program.jaxpr``, by
   rules 1-5 and 7 (``spread`` is applied by the caller, which can compare).
   ``rules`` is the rules file's content (rule 4), ``forward_propagation``
-  turns on rule 5."""
+  turns on rule 5. ``plan_bodies`` (with spreading) plans every fully
+  manual shard_map's body, blocks or not."""
   if rules is not None:
     rules.check_range(streams, streams_source)
   placements: list[Placement] = []
@@ -113,12 +109,14 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
     stack = _compat.name_stack_entries(eqn)
     placement = _place(index, eqn, stack, effective_tag(stack), program,
                        placements, streams, streams_source, rules,
-                       forward_propagation)
+                       forward_propagation, plan_bodies)
     if placement.stream != 0 and _has_collective(eqn):
       placement = Placement(
           0, "collective", f"asked for stream {placement.stream} "
           f"({placement.rule}), but collectives run on the main stream: "
           "XLA:GPU cannot run one inside a stream call")
+    elif placement.rule == "main" and _has_collective(eqn):
+      placement = Placement(0, "collective")   # nor may spreading move it
     elif eqn.effects and placement.stream != 0:
       placement = Placement(
           0, "effects", f"asked for stream {placement.stream} "
@@ -130,7 +128,7 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
 
 def _place(index, eqn, stack, tag: Tag | None, program, placements,
            streams, streams_source, rules: StreamRules | None,
-           forward_propagation: bool) -> Placement:
+           forward_propagation: bool, plan_bodies: bool) -> Placement:
   inner: dict[int, Any] = {}
   _inner_stream_tags(eqn, stack, streams, streams_source, inner)
   if tag is not None and tag.kind == "stream":
@@ -148,7 +146,7 @@ def _place(index, eqn, stack, tag: Tag | None, program, placements,
     if source is None:
       return Placement(0, "colocate")   # an argument or constant: main stream
     return Placement(placements[source].stream, "colocate")
-  if (inner and set(inner) != {0}
+  if ((plan_bodies and streams > 1 or inner and set(inner) != {0})
       and _compat.shard_map_is_fully_manual(eqn)):
     # Every device runs the body as a program of its own: it is planned
     # apart (its regions on their streams), the shard_map stays on main.
