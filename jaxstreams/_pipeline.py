@@ -106,12 +106,26 @@ def _try_spread(program, placements, graph, schedule, seconds, work, streams,
     return placements, graph, schedule, (
         "spread: nothing to place" if streams > 1
         else "spread: streams=1, nothing to split")
-  chosen = spread_assign(program, fixed, streams, seconds, options.device)
-  spread_placements = [p if f is not None else Placement(s, "spread", p.note)
-                       for p, f, s in zip(placements, fixed, chosen)]
-  spread_graph = partition(program, [p.stream for p in spread_placements])
-  spread_schedule = estimate(spread_graph, seconds, options.device, work,
-                             program)
+  # The scheduler places one equation at a time: on the main stream, work
+  # can hold back a collective that comes later. Where the program has
+  # collectives, it also tries leaving the main stream to them until the
+  # last one; the estimates pick.
+  tries = [None]
+  collectives = [i for i, p in enumerate(placements) if p.rule == "collective"]
+  if collectives:
+    tries.append(collectives[-1])
+  best = None
+  for main_for_collectives_until in tries:
+    chosen = spread_assign(program, fixed, streams, seconds, options.device,
+                           main_for_collectives_until)
+    candidate = [p if f is not None else Placement(s, "spread", p.note)
+                 for p, f, s in zip(placements, fixed, chosen)]
+    candidate_graph = partition(program, [p.stream for p in candidate])
+    candidate_schedule = estimate(candidate_graph, seconds, options.device,
+                                  work, program)
+    if best is None or candidate_schedule.makespan < best[2].makespan:
+      best = (candidate, candidate_graph, candidate_schedule)
+  spread_placements, spread_graph, spread_schedule = best
   before, after = schedule.makespan, spread_schedule.makespan
   moved = sum(p.rule == "spread" and p.stream != 0 for p in spread_placements)
   figures = (f"estimated {after * 1e6:.1f} us split vs {before * 1e6:.1f} us "

@@ -66,17 +66,20 @@ def report(step, mesh, graphs=False):
   }
 
 
-def gathered(mesh):
+def gathered(mesh, placed=True):
   """programs.gathered_towers: two towers' weights all-gathered on the main
-  stream, the towers on streams 1 and 2."""
-  step = jaxstreams.jit(gathered_towers(mesh), streams=3,
-                        gpu_lowering="streams")
+  stream, the towers on streams 1 and 2 (``placed``), or wherever spreading
+  puts them."""
+  step = jaxstreams.jit(gathered_towers(mesh, placed=placed), streams=3,
+                        spread=not placed, gpu_lowering="streams")
   sharded = NamedSharding(mesh, P("data"))
   args = ([jax.ShapeDtypeStruct((2048, 2048), jnp.float32, sharding=sharded)
            for _ in range(2)],
           jax.ShapeDtypeStruct((4096, 2048), jnp.float32, sharding=sharded))
   schedule = jaxstreams.xla_schedule(step.lower(*args).compile())
-  return {"collectives": [{"name": c.name, "opcode": c.opcode,
+  plan = step.plan(*args)
+  return {"spread": [b.summary for b in plan.bodies.values()],
+          "collectives": [{"name": c.name, "opcode": c.opcode,
                            "regions_in_flight": list(c.regions_in_flight)}
                           for c in schedule.collectives],
           "streams": sorted({r.stream for r in schedule.main_regions}),
@@ -91,6 +94,7 @@ def main():
       "shard_map": report(sharded_training.make_shard_map_step(0.05, mesh),
                           mesh, graphs=True),
       "gathered_towers": gathered(mesh),
+      "gathered_towers_spread": gathered(mesh, placed=False),
   }))
 
 

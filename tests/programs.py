@@ -54,16 +54,16 @@ def training_step(params, x, y):
   return jax.value_and_grad(loss)(params)
 
 
-def gathered_towers(mesh, axis="data"):
+def gathered_towers(mesh, axis="data", placed=True):
   """Each device's step (shard_map) with the weights sharded over ``axis``
   (FSDP-style): each tower all-gathers its weight on the main stream, then
-  computes on a stream of its own, so one tower's all-gather can be in
-  flight while the other tower runs."""
+  computes on a stream of its own (``placed``; else nobody places it), so
+  one tower's all-gather can be in flight while the other tower runs."""
   def body(ws, x):
     outs = []
     for t, shard in enumerate(ws):
       w = jax.lax.all_gather(shard, axis, tiled=True)
-      with jaxstreams.stream(1 + t):
+      with jaxstreams.stream(1 + t) if placed else contextlib.nullcontext():
         outs.append(jnp.tanh(jnp.tanh(x @ w) @ w))
     return sum(outs)
   from jax.sharding import PartitionSpec as P

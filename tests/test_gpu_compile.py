@@ -175,3 +175,14 @@ def test_an_all_gather_is_in_flight_while_a_tower_runs_on_its_stream(eight_gpus)
   gathers = [c for c in report["collectives"] if "all-gather" in c["opcode"]]
   assert len(gathers) == 2, report["summary"]
   assert any(c["regions_in_flight"] for c in gathers), report["summary"]
+
+
+def test_spreading_puts_a_tower_beside_the_other_towers_all_gather(eight_gpus):
+  """The same step with no stream blocks and spreading on: the cost model
+  prices the all-gathers, leaves the main stream to them, moves a tower off
+  it, and XLA runs that tower while the other all-gather is in flight."""
+  report = eight_gpus["gathered_towers_spread"]
+  [summary] = report["spread"]
+  assert summary.startswith("spread: split pays"), summary
+  gathers = [c for c in report["collectives"] if "all-gather" in c["opcode"]]
+  assert any(c["regions_in_flight"] for c in gathers), report["summary"]

@@ -195,18 +195,23 @@ def test_the_shard_map_example_runs_its_towers_on_streams_in_the_body():
 
 
 @pytest.mark.parametrize("lowering", ["inline", "streams"])
-def test_gathered_towers_give_jax_jit_results(lowering):
+@pytest.mark.parametrize("placed", [True, False])
+def test_gathered_towers_give_jax_jit_results(lowering, placed):
   mesh = Mesh(np.array(jax.devices()), ("data",))
-  step = gathered_towers(mesh)
+  step = gathered_towers(mesh, placed=placed)
   n = len(jax.devices())
   ws = [jnp.linspace(-1, 1, (8 * n) ** 2).reshape(8 * n, 8 * n) / (t + n)
         for t in range(2)]
   x = jnp.linspace(0, 1, 16 * n * 8 * n).reshape(16 * n, 8 * n)
-  plan = jaxstreams.plan(step, streams=3)(ws, x)
-  body = plan.bodies[0]
-  assert {e.primitive: e.stream for e in body.equations}["all_gather"] == 0
+  spread = not placed
+  plan = jaxstreams.plan(step, streams=3, spread=spread)(ws, x)
+  for body in plan.bodies.values():   # spread: where the estimate pays
+    assert {e.primitive: (e.stream, e.rule) for e in body.equations
+            }["all_gather"] == (0, "collective")
+  assert plan.bodies or spread
   assert_equal_results(
-      jaxstreams.jit(step, streams=3, gpu_lowering=lowering)(ws, x),
+      jaxstreams.jit(step, streams=3, spread=spread,
+                     gpu_lowering=lowering)(ws, x),
       jax.jit(step)(ws, x))
 
 

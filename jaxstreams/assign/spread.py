@@ -26,8 +26,12 @@ from jaxstreams.tag.read import ExposedProgram
 
 def spread_assign(program: ExposedProgram, fixed: Sequence[int | None],
                   streams: int, seconds: Sequence[float],
-                  device: DeviceModel) -> list[int]:
+                  device: DeviceModel,
+                  main_for_collectives_until: int | None = None) -> list[int]:
   """A stream for every equation: ``fixed[i]`` where given, chosen otherwise.
+  With ``main_for_collectives_until``, equations before that one (the last
+  collective) that get a stream of their own do not take the main stream,
+  which the collectives before it need free.
 
   Equations cheaper than an event are followers: they take no stream time
   in the simulation and go where their inputs are (to the main stream when
@@ -68,7 +72,11 @@ def spread_assign(program: ExposedProgram, fixed: Sequence[int | None],
         choice = fixed[index]
       else:
         choice, best = home, None
-        for stream in [home] + [s for s in range(streams) if s != home]:
+        allowed = [home] + [s for s in range(streams) if s != home]
+        if (main_for_collectives_until is not None
+            and index < main_for_collectives_until):
+          allowed = [s for s in allowed if s != 0]
+        for stream in allowed:
           start = max([ready[stream]] + [arrival(p, stream) for p in preds])
           if stream != home:
             start += device.region_launch_s

@@ -35,7 +35,9 @@ def estimate(graph: RegionGraph, seconds: Sequence[float],
   A region off the main stream is a call: it starts when all its inputs are
   there. Main-stream equations are emitted inline, so, given the
   ``program`` (an ``ExposedProgram``), each of them starts as soon as its
-  own inputs are there.
+  own inputs are there, and a call reading one of them waits for that
+  equation, not for the rest of its region (XLA starts a call as early as
+  its operands allow).
   """
   count = len(graph.streams)
   preds: list[set[int]] = [set() for _ in range(count)]
@@ -71,8 +73,18 @@ def estimate(graph: RegionGraph, seconds: Sequence[float],
       end[region] = clock
     else:
       for p in preds[region]:
+        if graph.streams[p] == 0 and program is not None:
+          continue   # inline: its values arrive one by one (below)
         if arrival(p, stream) > begin:
           begin, why = arrival(p, stream), p
+      if program is not None:
+        for var in graph.inputs[region]:
+          i = program.producer_of(var)
+          if i is None or graph.streams[graph.region_of[i]] != 0:
+            continue
+          ready = eqn_end[i] + (device.event_s if stream != 0 else 0.0)
+          if ready > begin:
+            begin, why = ready, graph.region_of[i]
       launch = device.region_launch_s if stream != 0 else 0.0
       start[region] = begin
       end[region] = begin + launch + sum(seconds[i] for i in graph.members[region])
