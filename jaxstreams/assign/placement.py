@@ -29,8 +29,9 @@ Rules, in order (the first that applies wins):
 An equation with side effects (``jax.debug.print``, callbacks) always runs on
 the main stream, whatever was asked, so that effect ordering is XLA's usual
 one, and so does a collective (``psum``, ``all_gather``, ``ppermute``, ...,
-or an equation with one in its body): XLA:GPU cannot compile one inside a
-stream call. The plan notes each such move.
+or an equation with one in its body; rule ``collective``, which spreading
+never moves): XLA:GPU cannot compile one inside a stream call. The plan
+notes each such move.
 """
 
 from __future__ import annotations
