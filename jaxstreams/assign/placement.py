@@ -117,7 +117,8 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
           f"({placement.rule}), but collectives run on the main stream: "
           "XLA:GPU cannot run one inside a stream call")
     elif placement.rule == "main" and _has_collective(eqn):
-      placement = Placement(0, "collective")   # nor may spreading move it
+      # Nor may spreading move it.
+      placement = Placement(0, "collective", placement.note)
     elif eqn.effects and placement.stream != 0:
       placement = Placement(
           0, "effects", f"asked for stream {placement.stream} "
