@@ -723,17 +723,25 @@ class _switch:
     return self.nested(*args, **kwargs)
 
 
-def _first_device(args, kwargs, jit_kwargs=None):
-  """The device of the first argument with a sharding (a placed array, a
-  ShapeDtypeStruct on a compile target, or ``in_shardings``), else jax's
-  default device: where a call with these arguments runs."""
-  shardings = (jit_kwargs or {}).get("in_shardings")
+def _device_sets(args, kwargs, shardings):
+  """The device set of each argument leaf with a sharding (a placed array,
+  a ShapeDtypeStruct on a compile target) and of each of ``shardings``, in
+  order."""
   for leaf in tree_util.tree_leaves((args, kwargs, shardings)):
     sharding = (leaf if isinstance(leaf, jax.sharding.Sharding)
                 else getattr(leaf, "sharding", None))
     devices = getattr(sharding, "device_set", None)
     if devices:
-      return next(iter(devices))
+      yield devices
+
+
+def _first_device(args, kwargs, jit_kwargs=None):
+  """The device of the first argument with a sharding (or of
+  ``in_shardings``), else jax's default device: where a call with these
+  arguments runs."""
+  shardings = (jit_kwargs or {}).get("in_shardings")
+  for devices in _device_sets(args, kwargs, shardings):
+    return next(iter(devices))
   return jax.devices()[0]
 
 
@@ -742,14 +750,8 @@ def _device_count(args, kwargs, jit_kwargs=None) -> int:
   argument's sharding (or ``in_shardings``/``out_shardings``) names."""
   shardings = [(jit_kwargs or {}).get(k) for k in ("in_shardings",
                                                     "out_shardings")]
-  count = 1
-  for leaf in tree_util.tree_leaves((args, kwargs, shardings)):
-    sharding = (leaf if isinstance(leaf, jax.sharding.Sharding)
-                else getattr(leaf, "sharding", None))
-    devices = getattr(sharding, "device_set", None)
-    if devices:
-      count = max(count, len(devices))
-  return count
+  return max((len(d) for d in _device_sets(args, kwargs, shardings)),
+             default=1)
 
 
 def _platform(args, kwargs, jit_kwargs) -> str:

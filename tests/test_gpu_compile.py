@@ -26,14 +26,20 @@ pytestmark = pytest.mark.usefixtures("stream_calls")
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def schedules():
+def _compile_in_child(script):
+  """The JSON line a deviceless-compile script prints, run in a process of
+  its own (deviceless compilation needs JAX_PLATFORMS=cpu before jax starts)."""
   require_gpu_target()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, str(HERE / "gpu_compile_programs.py")],
+  result = subprocess.run([sys.executable, str(HERE / script)],
                           env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-4000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def schedules():
+  return _compile_in_child("gpu_compile_programs.py")
 
 
 PROGRAMS = ["two_towers", "two_tower_demo", "four_branches", "dlrm_towers", "one_chain"]
@@ -125,12 +131,7 @@ def test_one_chain_has_nothing_in_its_windows(schedules):
 def eight_gpus():
   """examples/sharded_training.py's step compiled for a node of eight H100s
   with the 'streams' lowering (tests/gpu_compile_sharded.py)."""
-  require_gpu_target()
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, str(HERE / "gpu_compile_sharded.py")],
-                          env=env, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-4000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  return _compile_in_child("gpu_compile_sharded.py")
 
 
 def test_a_partitioned_step_compiles_for_eight_gpus_with_its_regions_in_place(
