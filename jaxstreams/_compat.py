@@ -42,6 +42,7 @@ import jax
 import jax.extend.core as jcore
 import jax.interpreters.mlir
 import jaxlib
+from jax import tree_util
 from jax.extend import source_info_util
 
 # The name jax gives the nested-jit primitive: "pjit" before 0.8, "jit" since.
@@ -381,14 +382,77 @@ def register_cache(cache: Any, for_what: str) -> None:
   util.register_cache(cache, for_what)
 
 
-def cache_misses_unexplained():
-  """A context in which jax does not explain its tracing cache misses
-  (``jax_explain_cache_misses``). ``jaxstreams.jit`` traces the user's
-  function a second time inside the trace ``jax.jit`` explains, always
-  afresh: an explanation of that trace would be a second, meaningless one.
-  jax offers the option's context manager only internally."""
+def trace_to_jaxpr(fun: Callable, args: tuple, kwargs: dict,
+                   static_argnums: Sequence[int], static_argnames: Sequence[str]
+                   ) -> tuple[Any, list, Any]:
+  """``fun(*args, **kwargs)`` traced to a closed jaxpr, once, outside jax's
+  trace cache: ``(closed, inputs, out_tree)``, the inputs being the leaves
+  of the arguments not named static, in the jaxpr's order.
+
+  ``jaxstreams.jit`` traces the user's function inside the trace ``jax.jit``
+  makes of its staged function. ``jax.make_jaxpr`` would make that a second
+  jit trace, cached (under a key nobody asks for again) and counted as a
+  trace-cache miss: jax's own accounting would see two traces where
+  ``jax.jit`` makes one. This is the uncached tracer jax's own control flow
+  uses for its bodies. The debug info is a jit's, so tracing errors name
+  the function, its arguments and ``jit`` as ``jax.jit``'s do.
+  """
+  from jax._src import api_util
+  from jax._src import core
+  from jax._src import linear_util as lu
+  from jax._src.interpreters import partial_eval as pe
+  static_argnums = frozenset(static_argnums)
+  static_kwargs = {k: v for k, v in kwargs.items() if k in static_argnames}
+  dynamic_args = tuple(a for i, a in enumerate(args) if i not in static_argnums)
+  dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
+
+  def with_statics(*dynamic, **dynamic_kw):
+    given = iter(dynamic)
+    full = [arg if i in static_argnums else next(given)
+            for i, arg in enumerate(args)]
+    return fun(*full, **static_kwargs, **dynamic_kw)
+
+  debug = api_util.debug_info("jit", fun, args, kwargs,
+                              static_argnums=tuple(static_argnums),
+                              static_argnames=tuple(static_kwargs))
+  inputs, in_tree = tree_util.tree_flatten((dynamic_args, dynamic_kwargs))
+  flat_fun, out_tree = api_util.flatten_fun(
+      lu.wrap_init(with_statics, debug_info=debug), in_tree)
+  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+      flat_fun, [core.shaped_abstractify(x) for x in inputs])
+  closed = (jaxpr.with_consts(consts) if _JAXPR_HOLDS_CONSTS
+            else jcore.ClosedJaxpr(jaxpr, consts))
+  return closed, inputs, out_tree()
+
+
+def count_jax_events(event: str):
+  """A context that counts jax's internal test event ``event`` while open
+  and yields a function giving the count so far: ``"trace_to_jaxpr"``
+  (every jit trace, nested ones included: a miss of jax's trace cache) or
+  ``"lower_jaxpr_to_module"`` (a lowering). What jax's own tests count;
+  for jaxstreams' tests and benchmarks, which hold it to ``jax.jit``'s
+  counts. jax's public monitoring events skip nested traces."""
+  from jax._src import test_util
+  return test_util.count_events(event)()
+
+
+def jit_cpp_cache() -> Any:
+  """The C++ call cache ``jax.jit`` functions made now would use (the
+  ``jax_jit_cpp_cache_obj`` context; None: jax's global one)."""
   from jax._src import config as jax_config
-  return jax_config.explain_cache_misses(False)
+  return jax_config.jax_jit_cpp_cache_obj.value
+
+
+def using_jit_cpp_cache(cache: Any):
+  """A context in which ``jax.jit`` functions are made with ``cache``."""
+  from jax._src import config as jax_config
+  return jax_config.jax_jit_cpp_cache_obj(cache)
+
+
+def function_name(fun: Callable) -> str:
+  """The name jax gives ``fun`` (a partial: its function's)."""
+  from jax._src import util
+  return util.fun_name(fun)
 
 
 def jit_disabled() -> bool:

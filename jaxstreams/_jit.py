@@ -43,9 +43,6 @@ __all__ = ["jit", "plan", "spec_of", "StreamJit"]
 _JIT_PARAMETERS = frozenset(
     name for name, p in inspect.signature(jax.jit).parameters.items()
     if p.kind is inspect.Parameter.KEYWORD_ONLY)
-# What the plan-only trace keeps: it returns nothing, so shardings and
-# donation do not apply to it.
-_TRACE_ONLY_PARAMETERS = frozenset({"static_argnums", "static_argnames"})
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 _ONE_STREAM = "one stream: the program jax.jit builds"
 
@@ -151,6 +148,8 @@ class _Staged:
       value = getattr(fun, name, None)
       if isinstance(value, str):
         setattr(self, name, value)
+    if "__name__" not in self.__dict__:   # a partial: jax's name for it
+      self.__name__ = _compat.function_name(fun)
     try:
       self.__signature__ = inspect.signature(fun)
     except (TypeError, ValueError):
@@ -302,6 +301,9 @@ class _Spec:
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
                    else "the jaxstreams_streams option")
     self._own_plans: dict[tuple, _Plans] = {}   # where fun cannot share
+    # jax reads its C++ call cache setting when a jax.jit function is made;
+    # these are made later, so they get the one in force now.
+    self.cpp_cache = _compat.jit_cpp_cache()
 
   def plans(self, streams: int) -> _Plans:
     """The plans this function's programs at ``streams`` share."""
@@ -348,10 +350,13 @@ class _Spec:
     if not donate:
       kwargs.pop("donate_argnums", None)
       kwargs.pop("donate_argnames", None)
-    return jax.jit(staged, **kwargs)
+    with _compat.using_jit_cpp_cache(self.cpp_cache):
+      return jax.jit(staged, **kwargs)
 
   def plan(self, *args, **kwargs) -> StreamPlan:
-    """The ``StreamPlan`` for these arguments (traces; does not compile)."""
+    """The ``StreamPlan`` for these arguments (traces; does not compile).
+    The trace is jax's uncached one: it shares the plan with the calls'
+    traces, and jax's accounting sees no jit trace of its own."""
     streams = self.streams_now()
     plans = []
 
@@ -359,10 +364,10 @@ class _Spec:
     def plan_only(*a, **k):
       plans.append(make_plan(self.fun, streams, self.spread, self.source,
                              a, k, self.plans(streams))[0])
+      return ()
 
-    trace_kwargs = {k: v for k, v in self.jit_kwargs.items()
-                    if k in _TRACE_ONLY_PARAMETERS}
-    jax.jit(plan_only, **trace_kwargs).trace(*args, **kwargs)
+    nums, names = _static_arguments(self, args, kwargs)
+    _compat.trace_to_jaxpr(plan_only, args, kwargs, sorted(nums), sorted(names))
     return report(plans[0])
 
 
@@ -385,9 +390,8 @@ def make_plan(fun: Callable, streams: int, spread: bool | None, source: str,
     dynamic = [leaf for leaf in tree_util.tree_leaves((args, kwargs))
                if isinstance(leaf, jax.core.Tracer)]
     return plan, out_tree, dynamic
-  with _compat.cache_misses_unexplained():
-    closed, dynamic, out_tree = trace(
-        fun, args, kwargs, traced=lambda leaf: isinstance(leaf, jax.core.Tracer))
+  closed, dynamic, out_tree = trace(
+      fun, args, kwargs, traced=lambda leaf: isinstance(leaf, jax.core.Tracer))
   plan = _pipeline.plan_program(closed, streams, source, _function_name(fun),
                                 options)
   if plans is not None:
@@ -445,6 +449,7 @@ class StreamJit(functools.partial):
                                   self._spec.jit_kwargs,
                                   self._spec.lowering()), streams)
           child._spec.source = self._spec.source
+          child._spec.cpp_cache = self._spec.cpp_cache
           self._children[streams] = child
     return child
 
@@ -496,12 +501,8 @@ class StreamJit(functools.partial):
     with self._lock:
       if not isinstance(self.func, _first_call):   # settled by another thread
         return self._top_level_target()
-      if not _is_gpu(_platform(args, kwargs, self._spec.jit_kwargs)):
-        # One stream: the program of the way asked for (stream calls lower
-        # in place), without the GPU's compiler options, for every call.
-        name = self._spec.lowering()
-        way = gpu.WAYS["inline" if name == gpu.DEFAULT else name]
-        target = self._jit(way, top_level=False)
+      if not self._on_gpu(args, kwargs):
+        target = self._cpu_jit()
         self._point_to(target)
         return target
       self._devices = _device_count(args, kwargs, self._spec.jit_kwargs)
@@ -511,6 +512,30 @@ class StreamJit(functools.partial):
                 else self._jit(self._nested_way(), top_level=False))
       self._point_to(top if top is nested else _switch(top, nested))
       return top
+
+  def _cpu_jit(self):
+    """The ``jax.jit`` function of every call on CPU, at top level or
+    inside another trace, and of ``lower``, ``trace`` and ``eval_shape``
+    with arguments on a CPU: the program of the way asked for (stream calls
+    lower in place), without the GPU's compiler options (XLA:CPU has one
+    stream). One function, so jax's trace, lowering and compile caches
+    serve all of them, as they serve one ``jax.jit`` function."""
+    name = self._spec.lowering()
+    return self._jit(gpu.WAYS["inline" if name == gpu.DEFAULT else name],
+                     top_level=False)
+
+  def _on_gpu(self, args, kwargs) -> bool:
+    """Whether a call with these arguments runs on a GPU (a GPU compile
+    target included)."""
+    return _is_gpu(_platform(args, kwargs, self._spec.jit_kwargs))
+
+  def _nested_jit(self):
+    """The ``jax.jit`` function of a call traced inside another jit, before
+    the first top-level call settled: in a process without a GPU, the CPU
+    one; else the nested way's."""
+    if not _is_gpu(jax.devices()[0].platform):
+      return self._cpu_jit()
+    return self._jit(self._nested_way(), top_level=False)
 
   def _top_level_target(self):
     func = self.func
@@ -581,11 +606,13 @@ class StreamJit(functools.partial):
     return _Choice(gpu.WAYS[decision.way], "timed at the first call", decision)
 
   def _aot_jit(self, args, kwargs):
-    """The ``jax.jit`` function that ``lower`` and ``trace`` use: the one a
-    top-level call on a GPU runs, compiler options included. Its program is
-    the one ``jax.jit`` builds when lowered for CPU, and XLA:CPU ignores the
-    GPU options, so one answer serves every platform, including lowering for
-    a GPU from a machine without one."""
+    """The ``jax.jit`` function that ``lower``, ``trace`` and
+    ``eval_shape`` use: the one a top-level call on a GPU runs, compiler
+    options included. Its program is the CPU calls' program (the options
+    are all that differ, and XLA:CPU ignores them), so one answer serves
+    every platform, including lowering for a GPU from a machine without
+    one; and both trace the same staged function, so jax's trace and
+    lowering caches serve both."""
     choice = self._choice or self._static_choice(
         lambda: self._spec.plan(*args, **kwargs))
     if self._choice is None:
@@ -610,7 +637,7 @@ class StreamJit(functools.partial):
   def eval_shape(self, *args, **kwargs):
     if self._streams is None:
       return self._for_streams(self._spec.streams_now()).eval_shape(*args, **kwargs)
-    return self._jit(self._nested_way(), top_level=False).eval_shape(*args, **kwargs)
+    return self._aot_jit(args, kwargs).eval_shape(*args, **kwargs)
 
   def plan(self, *args, **kwargs) -> StreamPlan:
     """The ``StreamPlan`` for these arguments (traces; does not compile),
@@ -654,13 +681,34 @@ class StreamJit(functools.partial):
     return functools.partial(self, instance)
 
   def __repr__(self) -> str:
-    streams = (f"streams={self._streams}" if self._streams is not None
-               else "streams from the jaxstreams_streams option")
+    """``jax.jit``'s: the function as ``jax.jit(f)`` shows it (``spec_of``
+    and ``plan`` tell a ``jaxstreams.jit`` function apart). Like jax's, it
+    never fails."""
     try:
-      name = f" {_function_name(self._spec.fun)},"
-    except Exception:  # noqa: BLE001 - as jax.jit's, a repr never fails
-      name = ""
-    return f"<jaxstreams.jit{name} {streams}>"
+      return f"<PjitFunction of {self.__wrapped__!r}>"
+    except Exception:  # noqa: BLE001
+      return "<PjitFunction>"
+
+  def __getstate__(self) -> dict:
+    """The state ``jax.jit``'s functions give (their function's name,
+    static arguments, ...): that of the ``jax.jit`` function top-level calls
+    reach now. Like those, a ``jaxstreams.jit`` function cannot be
+    pickled."""
+    return self._current_jit().__getstate__()
+
+  def _cache_size(self) -> int:
+    """The entries in the C++ call caches of this function's ``jax.jit``
+    functions (``jax.jit``'s own ``_cache_size``)."""
+    return (sum(jitted._cache_size() for jitted in list(self._jits.values()))
+            + sum(child._cache_size() for child in list(self._children.values())))
+
+  def _current_jit(self):
+    """The ``jax.jit`` function a top-level call reaches now (before the
+    first call, the one a call without a GPU would)."""
+    if self._streams is None:
+      return self._for_streams(self._spec.streams_now())._current_jit()
+    target = self._top_level_target()
+    return self._nested_jit() if isinstance(target, _first_call) else target
 
   def __reduce__(self):
     raise TypeError(f"cannot pickle {self!r} (jax.jit functions cannot be "
@@ -702,7 +750,7 @@ class _first_call:
     if me._streams is None:
       return me._by_option()(*args, **kwargs)
     if not _compat.at_top_level():
-      return me._jit(me._nested_way(), top_level=False)(*args, **kwargs)
+      return me._nested_jit()(*args, **kwargs)
     return me._settle(args, kwargs)(*args, **kwargs)
 
 
@@ -723,25 +771,29 @@ class _switch:
     return self.nested(*args, **kwargs)
 
 
-def _device_sets(args, kwargs, shardings):
-  """The device set of each argument leaf with a sharding (a placed array,
-  a ShapeDtypeStruct on a compile target) and of each of ``shardings``, in
+def _shardings(args, kwargs, shardings):
+  """The sharding of each argument leaf with one (a placed array, a
+  ShapeDtypeStruct on a compile target) and each of ``shardings``, in
   order."""
   for leaf in tree_util.tree_leaves((args, kwargs, shardings)):
     sharding = (leaf if isinstance(leaf, jax.sharding.Sharding)
                 else getattr(leaf, "sharding", None))
-    devices = getattr(sharding, "device_set", None)
-    if devices:
-      yield devices
+    if isinstance(sharding, jax.sharding.Sharding):
+      yield sharding
 
 
 def _first_device(args, kwargs, jit_kwargs=None):
-  """The device of the first argument with a sharding (or of
+  """The device of the first argument with a sharding on devices (or of
   ``in_shardings``), else jax's default device: where a call with these
-  arguments runs."""
+  arguments runs. A sharding over an abstract mesh names no device."""
   shardings = (jit_kwargs or {}).get("in_shardings")
-  for devices in _device_sets(args, kwargs, shardings):
-    return next(iter(devices))
+  for sharding in _shardings(args, kwargs, shardings):
+    try:
+      devices = sharding.device_set
+    except ValueError:   # an abstract mesh
+      continue
+    if devices:
+      return next(iter(devices))
   return jax.devices()[0]
 
 
@@ -750,7 +802,7 @@ def _device_count(args, kwargs, jit_kwargs=None) -> int:
   argument's sharding (or ``in_shardings``/``out_shardings``) names."""
   shardings = [(jit_kwargs or {}).get(k) for k in ("in_shardings",
                                                     "out_shardings")]
-  return max((len(d) for d in _device_sets(args, kwargs, shardings)),
+  return max((s.num_devices for s in _shardings(args, kwargs, shardings)),
              default=1)
 
 
@@ -764,10 +816,11 @@ def _is_gpu(platform: str) -> bool:
   return platform.lower() in _GPU_PLATFORMS
 
 
-def _dynamic_arguments(spec: _Spec, args, kwargs):
-  """``(args, kwargs)`` without the static ones, as a compiled program
-  takes them: jax.jit's ``static_argnums`` and ``static_argnames``, each
-  completed from the other through the function's signature, as jax does."""
+def _static_arguments(spec: _Spec, args, kwargs) -> tuple[set, set]:
+  """The positions and names of the static arguments of a call with
+  ``args`` and ``kwargs``: jax.jit's ``static_argnums`` and
+  ``static_argnames``, each completed from the other through the
+  function's signature, as jax does."""
   nums = spec.jit_kwargs.get("static_argnums")
   names = spec.jit_kwargs.get("static_argnames")
   nums = set((nums,) if isinstance(nums, int) else nums or ())
@@ -782,6 +835,14 @@ def _dynamic_arguments(spec: _Spec, args, kwargs):
     names |= {positional[n] for n in nums if n < len(positional)}
   if names and not spec.jit_kwargs.get("static_argnums"):
     nums |= {i for i, name in enumerate(positional) if name in names}
+  return ({n for n in nums if n < len(args)},
+          {k for k in names if k in kwargs})
+
+
+def _dynamic_arguments(spec: _Spec, args, kwargs):
+  """``(args, kwargs)`` without the static ones, as a compiled program
+  takes them."""
+  nums, names = _static_arguments(spec, args, kwargs)
   return (tuple(a for i, a in enumerate(args) if i not in nums),
           {k: v for k, v in kwargs.items() if k not in names})
 

@@ -14,11 +14,11 @@ line, and the argument (``x``, ``params['w']``) as ``jax.jit``'s do.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple
 
-import jax
 from jax import tree_util
+
+from jaxstreams import _compat
 
 
 class Traced(NamedTuple):
@@ -38,20 +38,12 @@ def trace(fun: Callable, args: tuple, kwargs: dict, *,
   as plain values and the others as tracers.
   """
   static_argnums: tuple[int, ...] = ()
-  static_kwargs: dict[str, Any] = {}
+  static_argnames: tuple[str, ...] = ()
   if traced is not None:
     def is_static(tree) -> bool:
       leaves = tree_util.tree_leaves(tree)
       return bool(leaves) and not any(traced(leaf) for leaf in leaves)
     static_argnums = tuple(i for i, arg in enumerate(args) if is_static(arg))
-    static_kwargs = {k: v for k, v in kwargs.items() if is_static(v)}
-  dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
-  # A new partial each time: jax's trace cache, keyed by the function, never
-  # hands back an earlier trace, so the user's Python runs on every trace
-  # (a failed one is traced again, not reused).
-  closed, out_shapes = jax.make_jaxpr(
-      functools.partial(fun, **static_kwargs), static_argnums=static_argnums,
-      return_shape=True)(*args, **dynamic_kwargs)
-  flat_args = [leaf for leaf in tree_util.tree_leaves((args, kwargs))
-               if traced is None or traced(leaf)]
-  return Traced(closed, flat_args, tree_util.tree_structure(out_shapes))
+    static_argnames = tuple(k for k, v in kwargs.items() if is_static(v))
+  return Traced(*_compat.trace_to_jaxpr(fun, args, kwargs, static_argnums,
+                                        static_argnames))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxstreams
+from jaxstreams import _compat
 from jaxstreams.staging import _policy
 
 
@@ -152,6 +153,17 @@ def cpu_text(jitted, *args, **kwargs):
   backend is."""
   return jitted.trace(*args, **kwargs).lower(
       lowering_platforms=("cpu",)).as_text()
+
+
+TRACES = "trace_to_jaxpr"              # a jit trace (a trace-cache miss)
+LOWERINGS = "lower_jaxpr_to_module"   # a jaxpr lowered to a module
+
+
+def jax_events(event):
+  """Counts jax's ``event`` (``TRACES``, ``LOWERINGS``, nested traces
+  included) while open, as jax's own tests count them; yields a function
+  giving the count so far."""
+  return _compat.count_jax_events(event)
 
 
 def jaxstreams_threads(prefix="jaxstreams-"):

@@ -1,6 +1,7 @@
 """jaxstreams.jit as a drop-in for jax.jit (issue 16): each behaviour is
 checked side by side with jax.jit in the same test."""
 
+import functools
 import subprocess
 import sys
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 import jaxstreams
-from programs import assert_equal_results, cuda_text, random_inputs
+from programs import (LOWERINGS, TRACES, assert_equal_results, cuda_text,
+                      jax_events, random_inputs, two_towers)
 
 # These read the GPU program's stream calls (or compare programs that have
 # them): jaxstreams.jit functions are made with the 'streams' lowering.
@@ -142,6 +144,35 @@ def test_one_trace_for_many_jit_objects_of_one_function(streams, monkeypatch):
   jaxstreams.jit(ours_f, streams=3)(y)
   jaxstreams.jit(ours_f, streams=2, spread=True)(y)
   assert len(ours_traces) == 3
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_jaxs_own_trace_and_lowering_counts_are_jax_jits(spread):
+  """jax counts one trace and one lowering for a call, none more for
+  ``lower``/``trace``/``eval_shape`` with the same arguments, and one of
+  each for a jit around it: as for ``jax.jit``. (With the ``streams``
+  lowering jax also traces each region's call, as it would a user's own
+  ``compute_on``.)"""
+  args = random_inputs((8, 16), (16, 16), (16, 16))
+
+  def counts(make):
+    def fun(*a):          # a new function: nothing cached yet
+      return two_towers(*a)
+    f = make(fun)
+    found = []
+    with jax_events(TRACES) as traces, jax_events(LOWERINGS) as lowerings:
+      f(*args)
+      found.append((traces(), lowerings()))
+      f.lower(*args), f.trace(*args), f.eval_shape(*args)
+      found.append((traces(), lowerings()))
+      jax.jit(lambda *a: f(*a))(*args)
+      found.append((traces(), lowerings()))
+    return found
+
+  counts(jax.jit)   # jax's own helpers (jnp functions) traced once
+  ours = counts(lambda f: jaxstreams.jit(f, streams=3, spread=spread,
+                                         gpu_lowering="default"))
+  assert ours == counts(jax.jit) == [(1, 1), (1, 1), (2, 2)]
 
 
 def _streams_option(value):
@@ -372,8 +403,9 @@ def test_a_function_without_weak_references_fails_at_its_call_as_with_jax_jit():
   assert call_error(jaxstreams.jit(CallableWithSlots())) == theirs
 
 
-def test_repr_never_fails():
-  """As jax.jit's: a callable whose own repr raises still has one."""
+def test_repr_getstate_and_cache_size_are_jax_jits():
+  """repr, ``__getstate__`` (the function's name) and ``_cache_size`` as
+  jax.jit's; a repr never fails, even for a callable whose repr raises."""
   class BadRepr:
     def __call__(self, x):
       return x
@@ -381,11 +413,19 @@ def test_repr_never_fails():
     def __repr__(self):
       raise ValueError("invalid repr")
 
-  repr(jax.jit(BadRepr()))
-  assert repr(jaxstreams.jit(BadRepr(), streams=2)) == \
-      "<jaxstreams.jit streams=2>"
-  assert repr(jaxstreams.jit(_divides_in_a_region, streams=2)) == \
-      "<jaxstreams.jit _divides_in_a_region, streams=2>"
+  for fun in (BadRepr(), _divides_in_a_region,
+              functools.partial(_divides_in_a_region)):
+    ours, theirs = jaxstreams.jit(fun, streams=2), jax.jit(fun)
+    assert repr(ours) == repr(theirs)
+    assert (ours.__getstate__()["function_name"]
+            == theirs.__getstate__()["function_name"])
+  ours = jaxstreams.jit(_divides_in_a_region, streams=2)
+  del ours.__wrapped__
+  assert repr(ours) == "<PjitFunction>"
+  ours, theirs = (jaxstreams.jit(jnp.sin, streams=2), jax.jit(jnp.sin))
+  for x in (np.float32(1), np.float32(2), np.arange(3.0)):
+    ours(x), theirs(x)
+  assert ours._cache_size() == theirs._cache_size() == 2
 
 
 def _explanations(caplog, jitted):
