@@ -514,12 +514,10 @@ class StreamJit(functools.partial):
       return top
 
   def _cpu_jit(self):
-    """The ``jax.jit`` function of every call on CPU, at top level or
-    inside another trace, and of ``lower``, ``trace`` and ``eval_shape``
-    with arguments on a CPU: the program of the way asked for (stream calls
-    lower in place), without the GPU's compiler options (XLA:CPU has one
-    stream). One function, so jax's trace, lowering and compile caches
-    serve all of them, as they serve one ``jax.jit`` function."""
+    """The ``jax.jit`` function of every call once a top-level call on CPU
+    settled, at top level or inside another trace: the program of the way
+    asked for (stream calls lower in place), without the GPU's compiler
+    options (XLA:CPU has one stream)."""
     name = self._spec.lowering()
     return self._jit(gpu.WAYS["inline" if name == gpu.DEFAULT else name],
                      top_level=False)
@@ -530,11 +528,10 @@ class StreamJit(functools.partial):
     return _is_gpu(_platform(args, kwargs, self._spec.jit_kwargs))
 
   def _nested_jit(self):
-    """The ``jax.jit`` function of a call traced inside another jit, before
-    the first top-level call settled: in a process without a GPU, the CPU
-    one; else the nested way's."""
-    if not _is_gpu(jax.devices()[0].platform):
-      return self._cpu_jit()
+    """The ``jax.jit`` function of a call traced inside another jit before
+    the first top-level call settled: the nested way's (what a GPU runs
+    there; on CPU the same results), so an outer jit lowered for a GPU from
+    a machine without one gets the GPU's program."""
     return self._jit(self._nested_way(), top_level=False)
 
   def _top_level_target(self):
