@@ -45,7 +45,9 @@ of one kind into one, which waits for all their inputs: in a data-parallel
 last tower. ``emit`` therefore gives each collective that waits for stream
 calls a ``combiner_key`` naming those calls (``combiner_keys``): XLA merges
 only collectives that can start at the same point, and one tower's
-gradients are reduced while another tower computes.
+gradients are reduced while another tower computes. For the XLA that
+schedules stream calls itself, a call that a collective waits for returns
+its outputs in one buffer (``_packed_for_collectives`` says why).
 
 All of the above is for stream calls (the ``streams`` programs). The
 ``inline`` program binds every region's equations in place, in plan order:
@@ -117,6 +119,8 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
     env[var] = value
   keys = combiner_keys(plan) if stream_calls else {}
   order = _Sequencer.for_plan(plan, env, keys) if stream_calls else None
+  packings = (_packed_for_collectives(plan) if stream_calls and order is None
+              and _compat.XLA_SCHEDULES_STREAM_CALLS else {})
 
   for index, stream in enumerate(graph.streams):
     if stream_calls and not _emitted(plan, index):
@@ -126,7 +130,7 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
       continue
     with jax.named_scope(REGION_SCOPE.format(index=index)):
       _emit_region(plan, index, env, order, profile, stream_calls, body_calls,
-                   keys)
+                   keys, packings.get(index))
   if profile:
     from jaxstreams.runtime import profile as profiling
     profiling.completion_token()
@@ -138,8 +142,9 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
 
 def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
                  profile: bool, stream_calls: bool, body_calls: bool,
-                 keys: dict[int, str]) -> None:
-  """Emit region ``index`` into ``env`` (or through ``order``)."""
+                 keys: dict[int, str], packing: "_Packing | None") -> None:
+  """Emit region ``index`` into ``env`` (or through ``order``); a call with
+  a ``packing`` returns its outputs in one buffer, unpacked after it."""
   graph = plan.graph
   stream = graph.streams[index]
   if order is not None and stream == 0:
@@ -161,8 +166,13 @@ def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
     return
   inputs = [order.read(v) if order else env[v] for v in graph.inputs[index]]
   if stream != 0 and stream_calls:
+    if packing is not None:
+      unpacked = fn
+      fn = lambda *xs: [packing.pack(unpacked(*xs))]
     fn = _compat.stream_call(fn, xla_stream(plan, stream), index)
   results = fn(*inputs)
+  if stream != 0 and stream_calls and packing is not None:
+    results = [packing.unpack(results[0], v) for v in graph.outputs[index]]
   for var, value in zip(graph.outputs[index], results):
     env[var] = value
 
@@ -331,6 +341,27 @@ def _collective_waits(plan: PartitionedProgram) -> dict[int, tuple[int, ...]]:
   return {i: tuple(r for r in calls if mask & bit[r])
           for i, mask in main_upstream.items()
           if mask and eqns[i].primitive.name in COLLECTIVES}
+
+
+def _packed_for_collectives(plan: PartitionedProgram) -> dict[int, "_Packing"]:
+  """Per stream call that a collective waits for and that has several
+  outputs: their packing into one buffer. For the XLA that schedules stream
+  calls itself (jaxlib 0.12) and no sequence points (which pack on their
+  own). That XLA splits each element of a call's result tuple off as an
+  async call of its own (a fragment: no kernel, a start and a done), and
+  its latency-hiding scheduler counts the fragments' windows as time that
+  hides a collective: it leaves the collectives after every region, none
+  beside one (a data-parallel step, checked in deviceless H100 compiles).
+  A call with one result has no fragment."""
+  waited = {r for regions in _collective_waits(plan).values() for r in regions}
+  packings = {}
+  for r in sorted(waited):
+    outputs = plan.graph.outputs[r]
+    if len(outputs) > 1:
+      packing = _Packing.of(outputs)
+      if packing is not None:
+        packings[r] = packing
+  return packings
 
 
 class _Sequencer:
