@@ -16,7 +16,11 @@ One machine, eight CPU devices:
 The same step written with ``shard_map`` (``--shard_map``) is each device's
 own program: jaxstreams plans its body, the towers' regions run on their
 streams on every device, and the gradients' all-reduces stay on the main
-stream.
+stream. Each tower's gradients are reduced on their own (jaxstreams keeps
+XLA from merging them with the other tower's), so XLA:GPU schedules one
+tower's all-reduce while the other tower still computes. Written for
+``jax.jit`` to partition, the regions stay in place (XLA's partitioner may
+put collectives into them), and none runs beside a collective.
 
 Two processes on this machine, four CPU devices each (the same step,
 unchanged, with gradients all-reduced across processes by JAX's CPU
@@ -90,8 +94,9 @@ def make_step(towers, lr):
 
 def make_shard_map_step(lr, mesh):
   """The same step as each device's program (``shard_map``): the towers'
-  regions run on their streams on every device, and the gradients'
-  all-reduces, on the main stream, can run while a tower still computes."""
+  regions run on their streams on every device, and XLA:GPU schedules one
+  tower's gradient all-reduce, on the main stream, while the other tower
+  computes."""
   from jax.sharding import PartitionSpec as P
 
   def local_step(params, x, y):

@@ -2,10 +2,11 @@
 without one and prints, as JSON (one line), what XLA:GPU will run: per way
 of writing the step (one program jax.jit partitions; shard_map), whether it
 compiled with the 'streams' lowering, its async regions and its collectives
-with the regions in flight beside each, and for shard_map each device's
-CUDA graphs; and for an FSDP-style step (tests/programs.py's
-gathered_towers), its collectives and the regions in flight beside them. Run by tests/test_gpu_compile.py in
-a process of its own (deviceless compilation needs JAX_PLATFORMS=cpu before
+with the regions in flight beside each and the regions each waits for, and
+for shard_map its body's regions and each device's CUDA graphs; and for an
+FSDP-style step (tests/programs.py's gathered_towers), its collectives and
+the regions in flight beside them. Run by tests/test_gpu_compile.py in a
+process of its own (deviceless compilation needs JAX_PLATFORMS=cpu before
 jax starts).
 
     JAX_PLATFORMS=cpu python tests/gpu_compile_sharded.py
@@ -23,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxstreams  # noqa: E402
+from jaxstreams.xla.schedule import _reachability  # noqa: E402
 import sharded_training  # noqa: E402
 from programs import gathered_towers  # noqa: E402
 
@@ -40,17 +42,27 @@ def report(step, mesh, graphs=False):
   args = (params, struct((BATCH, FEATURES), batch), struct((BATCH, 1), batch))
   fn = jaxstreams.jit(step, streams=3, gpu_lowering="streams")
   plan = fn.plan(*args)
-  schedule = jaxstreams.xla_schedule(fn.lower(*args).compile())
+  # A shard_map step's regions are its body's: matched to the body's plan.
+  body = next(iter(plan.bodies.values()), None)
+  schedule = jaxstreams.xla_schedule(fn.lower(*args).compile(), body)
+  plan_region = lambda k: schedule.regions[k].plan_region
   found = {}
+  if body is not None:
+    reach = _reachability(body)
+    found["body_regions"] = [{"index": r.index, "stream": r.stream,
+                              "reaches": sorted(reach[r.index])}
+                             for r in body.regions]
   if graphs:
-    # Each device's CUDA graphs, in XLA's CONCURRENT mode: the towers'
-    # regions of the shard_map body as branches.
+    # Each device's CUDA graphs, in XLA's CONCURRENT mode, and what XLA
+    # leaves out of them (collectives, and regions whose window holds one).
     concurrent = jaxstreams.jit(step, streams=3,
                                 gpu_lowering="streams_concurrent")
     cuda = jaxstreams.xla_graphs(concurrent.lower(*args))
-    [body] = plan.bodies.values()
-    found = {"graph_pairs": [list(p) for p in cuda.compare(body)],
-             "graph_summary": cuda.summary()}
+    found.update({"graph_pairs": [list(p) for p in cuda.compare(body)],
+                  "graph_summary": cuda.summary(),
+                  "outside_graphs": [{"region": o.region, "stream": o.stream,
+                                      "instruction": o.instruction}
+                                     for o in cuda.outside]})
   return {**found,
       "plan_streams": sorted({r.stream for r in plan.regions}),
       "body_streams": {str(i): sorted({r.stream for r in body.regions})
@@ -60,7 +72,11 @@ def report(step, mesh, graphs=False):
                    "plan_region": r.plan_region} for r in schedule.regions],
       "synchronous": len(schedule.synchronous),
       "collectives": [{"name": c.name, "opcode": c.opcode,
-                       "regions_in_flight": list(c.regions_in_flight)}
+                       "regions_in_flight": list(c.regions_in_flight),
+                       # The same, as plan regions (of the shard_map body).
+                       "plan_regions_in_flight": [plan_region(k) for k in
+                                                  c.regions_in_flight],
+                       "waits_for": [plan_region(k) for k in c.waits_for]}
                       for c in schedule.collectives],
       "summary": schedule.summary(),
   }

@@ -158,13 +158,56 @@ def test_shard_map_body_regions_are_async_calls_on_each_of_eight_gpus(eight_gpus
           if c["opcode"].startswith("all-reduce")], report["summary"]
 
 
-def test_shard_map_towers_are_side_by_side_in_each_gpus_cuda_graph(eight_gpus):
-  """The towers' backward regions, on streams 1 and 2, are branches of one
-  CUDA graph on every device (XLA's CONCURRENT mode)."""
+def test_shard_map_towers_are_side_by_side_in_what_each_gpu_launches(eight_gpus):
+  """The towers' backward regions, on streams 1 and 2, may run at the same
+  time in what every device launches (XLA's CONCURRENT mode): here on their
+  own streams outside the CUDA graphs, with an all-reduce in flight beside
+  one of them (below)."""
   report = eight_gpus["shard_map"]
   pairs = report["graph_pairs"]
   assert pairs and all(together for _, _, together in pairs), \
       report["graph_summary"]
+
+
+def _gradient_reduced_beside_other_tower(report):
+  """(all-reduce, the region it waits for, a region in flight beside it)
+  where the two regions are on different streams off the main one and
+  neither depends on the other: one tower's gradients all-reduced while
+  the other tower computes. Regions are the shard_map body's plan regions."""
+  regions = {r["index"]: r for r in report["body_regions"]}
+  found = []
+  for c in report["collectives"]:
+    if not c["opcode"].startswith("all-reduce"):
+      continue
+    for waited in c["waits_for"]:
+      for running in c["plan_regions_in_flight"]:
+        if waited is None or running is None:
+          continue
+        a, b = regions[waited], regions[running]
+        if (0 != a["stream"] != b["stream"] != 0 and running not in a["reaches"]
+            and waited not in b["reaches"]):
+          found.append((c["name"], waited, running))
+  return found
+
+
+def test_one_towers_gradient_all_reduce_runs_while_the_other_tower_computes(
+    eight_gpus):
+  """In the shard_map step, each tower's gradients are all-reduced on their
+  own (jaxstreams keys each collective for XLA's combiners by the stream
+  calls it waits for), and XLA starts one tower's all-reduce while the other
+  tower's backward region still runs, on every jax version. Merged into one
+  all-reduce, they would wait for both towers."""
+  report = eight_gpus["shard_map"]
+  found = _gradient_reduced_beside_other_tower(report)
+  assert found, report["summary"]
+  # What the GPU launches (XLA's CONCURRENT mode): the all-reduce is in no
+  # CUDA graph (XLA puts no collective in one), and neither is the region
+  # beside it: its kernels run on its own stream while the all-reduce moves
+  # data.
+  outside = {(o["region"], o["stream"]) for o in report["outside_graphs"]}
+  streams = {r["index"]: r["stream"] for r in report["body_regions"]}
+  assert any((running, streams[running]) in outside
+             for _, _, running in found), report["graph_summary"]
 
 
 def test_an_all_gather_is_in_flight_while_a_tower_runs_on_its_stream(eight_gpus):

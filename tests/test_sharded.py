@@ -273,3 +273,51 @@ def test_spreading_never_moves_a_collective_and_costs_it_by_its_transfer():
   assert_equal_results(
       jaxstreams.jit(f, streams=3, spread=True, gpu_lowering="streams")(x, w),
       jax.jit(f)(x, w))
+
+
+def _data_parallel_step(mesh):
+  """examples/sharded_training.py's shard_map step: two MLP towers, each
+  (and its gradient) in a stream block, replicated parameters, SGD."""
+  def loss_fn(params, x, y):
+    out = 0.0
+    for t, tower in enumerate(params):
+      with jaxstreams.stream(1 + t % 2):
+        out = out + jnp.tanh(x @ tower["w"]) @ tower["v"]
+    return jnp.mean((out - y) ** 2)
+
+  def local_step(params, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    count = jax.lax.psum(1, "d")
+    params = jax.tree_util.tree_map(lambda p, g: p - 0.05 * g / count,
+                                    params, grads)
+    return params, jax.lax.pmean(loss, "d")
+
+  return shard_map(local_step, mesh=mesh, in_specs=(P(), P("d"), P("d")),
+                   out_specs=(P(), P()))
+
+
+def test_each_towers_gradients_are_reduced_apart_with_jax_jit_results():
+  """With stream calls, each collective of a shard_map body that waits for
+  stream calls carries the set of those calls as its key for XLA:GPU's
+  combiners: one tower's gradient psums share a key, the other tower's have
+  another, so XLA never merges them into one all-reduce that waits for both
+  towers (tests/test_gpu_compile.py checks the overlap this gives). Keys
+  and all, the results are jax.jit's, bitwise."""
+  step = _data_parallel_step(_mesh())
+  rng = np.random.default_rng(0)
+  params = [{"w": jnp.asarray(rng.standard_normal((8, 16)), jnp.float32),
+             "v": jnp.asarray(rng.standard_normal((16, 1)), jnp.float32)}
+            for _ in range(2)]
+  n = 4 * len(jax.devices())
+  x = jnp.asarray(rng.standard_normal((n, 8)), jnp.float32)
+  y = jnp.sin(x.sum(axis=1, keepdims=True))
+  streamed = jaxstreams.jit(step, streams=3, gpu_lowering="streams")
+  text = streamed.lower(params, x, y).as_text()
+  # Each psum's all_reduce (its reducer's add carries the key as well).
+  keys = re.findall(r'^\s*\}\) \{mhlo\.frontend_attributes = '
+                    r'\{combiner_key = "(\w+)"', text, re.M)
+  # The loss's pmean waits for the forward regions only; each tower's two
+  # gradient psums wait for its own backward region as well.
+  assert len(keys) == 5 and len(set(keys)) == 3, keys
+  assert sorted(keys.count(k) for k in set(keys)) == [1, 2, 2], keys
+  assert_equal_results(streamed(params, x, y), jax.jit(step)(params, x, y))

@@ -228,4 +228,6 @@ def test_each_collective_names_the_regions_in_flight_beside_it():
           for c in schedule.collectives] == [
               ("all-reduce-start", "all-reduce-start", (0,)),
               ("all-reduce", "all-reduce", ())]
+  # The second reduces the region's result: it waits for the region.
+  assert [c.waits_for for c in schedule.collectives] == [(), (0,)]
   assert schedule.summary().endswith("2 collective(s), 1 with a region in flight")

@@ -38,6 +38,17 @@ program does only that, leaving the top level's regions in place: a program
 partitioned over several devices may get collectives from XLA's partitioner
 inside any region, and XLA:GPU compiles no collective inside a stream call.
 
+Collectives. A collective stays on the main stream (XLA:GPU compiles none
+inside a stream call), and XLA:GPU's combiners merge independent collectives
+of one kind into one, which waits for all their inputs: in a data-parallel
+``shard_map`` step, every tower's gradient all-reduce becomes one, after the
+last tower. ``emit`` therefore gives each collective that waits for stream
+calls a ``combiner_key`` naming those calls (``combiner_keys``): XLA merges
+only collectives that can start at the same point, and one tower's
+gradients are reduced while another tower computes. For the XLA that
+schedules stream calls itself, a call that a collective waits for returns
+its outputs in one buffer (``_packed_for_collectives`` says why).
+
 All of the above is for stream calls (the ``streams`` programs). The
 ``inline`` program binds every region's equations in place, in plan order:
 the program ``jax.jit`` builds. Which program runs, with which compiler
@@ -55,8 +66,10 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxstreams import _compat, config
+from jaxstreams.assign.cost import COLLECTIVES
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
 
@@ -104,7 +117,10 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
     env[var] = value
   for var, value in zip(program.jaxpr.invars, args):
     env[var] = value
-  order = _Sequencer.for_plan(plan, env) if stream_calls else None
+  keys = combiner_keys(plan) if stream_calls else {}
+  order = _Sequencer.for_plan(plan, env, keys) if stream_calls else None
+  packings = (_packed_for_collectives(plan) if stream_calls and order is None
+              and _compat.XLA_SCHEDULES_STREAM_CALLS else {})
 
   for index, stream in enumerate(graph.streams):
     if stream_calls and not _emitted(plan, index):
@@ -113,7 +129,8 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
       # traces (a tracer leaked into it fails the call, as under jax.jit).
       continue
     with jax.named_scope(REGION_SCOPE.format(index=index)):
-      _emit_region(plan, index, env, order, profile, stream_calls, body_calls)
+      _emit_region(plan, index, env, order, profile, stream_calls, body_calls,
+                   keys, packings.get(index))
   if profile:
     from jaxstreams.runtime import profile as profiling
     profiling.completion_token()
@@ -124,14 +141,17 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
 
 
 def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
-                 profile: bool, stream_calls: bool, body_calls: bool) -> None:
-  """Emit region ``index`` into ``env`` (or through ``order``)."""
+                 profile: bool, stream_calls: bool, body_calls: bool,
+                 keys: dict[int, str], packing: "_Packing | None") -> None:
+  """Emit region ``index`` into ``env`` (or through ``order``); a call with
+  a ``packing`` returns its outputs in one buffer, unpacked after it."""
   graph = plan.graph
   stream = graph.streams[index]
   if order is not None and stream == 0:
     fn = order.main_region(index)
-  elif body_calls and any(i in plan.bodies for i in graph.members[index]):
-    fn = _region_with_bodies(plan, index)
+  elif any((body_calls and i in plan.bodies) or i in keys
+           for i in graph.members[index]):
+    fn = _region_by_equation(plan, index, keys)
   else:
     fn = region_function(plan, index)
   if profile:
@@ -146,20 +166,35 @@ def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
     return
   inputs = [order.read(v) if order else env[v] for v in graph.inputs[index]]
   if stream != 0 and stream_calls:
+    if packing is not None:
+      unpacked = fn
+      fn = lambda *xs: [packing.pack(unpacked(*xs))]
     fn = _compat.stream_call(fn, xla_stream(plan, stream), index)
   results = fn(*inputs)
+  if stream != 0 and stream_calls and packing is not None:
+    results = [packing.unpack(results[0], v) for v in graph.outputs[index]]
   for var, value in zip(graph.outputs[index], results):
     env[var] = value
 
 
-def _equation_function(plan: PartitionedProgram, i: int, reads):
-  """A function of ``reads``' values binding equation ``i`` again: as it is,
-  or, for a ``shard_map`` with a planned body, through ``jax.shard_map`` with
-  the body's regions emitted as stream calls (on every device)."""
+def _equation_function(plan: PartitionedProgram, i: int, reads,
+                       keys: dict[int, str] | None = None):
+  """A function of ``reads``' values binding equation ``i`` again: as it is
+  (a collective with a combiner key in ``keys`` carrying it), or, for a
+  ``shard_map`` with a planned body, through ``jax.shard_map`` with the
+  body's regions emitted as stream calls (on every device)."""
   eqn = plan.program.jaxpr.eqns[i]
   body = plan.bodies.get(i)
   if body is None:
-    return part_function(reads, eqn.outvars, [eqn])
+    bind = part_function(reads, eqn.outvars, [eqn])
+    key = (keys or {}).get(i)
+    if key is None:
+      return bind
+
+    def keyed(*values):
+      with set_xla_metadata(**{COMBINER_KEY: key}):
+        return bind(*values)
+    return keyed
 
   def run(*values):
     env = dict(zip(reads, values))
@@ -170,9 +205,11 @@ def _equation_function(plan: PartitionedProgram, i: int, reads):
   return run
 
 
-def _region_with_bodies(plan: PartitionedProgram, index: int):
-  """``region_function`` for a region holding a ``shard_map`` with a planned
-  body: its equations bound one by one (``_equation_function``)."""
+def _region_by_equation(plan: PartitionedProgram, index: int,
+                        keys: dict[int, str]):
+  """``region_function`` for a main-stream region holding a ``shard_map``
+  with a planned body or a collective with a combiner key: its equations
+  bound one by one (``_equation_function``)."""
   graph = plan.graph
 
   def run(*inputs):
@@ -181,7 +218,8 @@ def _region_with_bodies(plan: PartitionedProgram, index: int):
       eqn = plan.program.jaxpr.eqns[i]
       reads = list(dict.fromkeys(v for v in eqn.invars
                                  if not isinstance(v, jcore.Literal)))
-      results = _equation_function(plan, i, reads)(*(env[v] for v in reads))
+      results = _equation_function(plan, i, reads, keys)(
+          *(env[v] for v in reads))
       env.update(zip(eqn.outvars, results))
     return [env[v] for v in graph.outputs[index]]
   return run
@@ -192,17 +230,15 @@ def _emitted(plan: PartitionedProgram, index: int) -> bool:
       eqn.effects for eqn in plan.region_equations(index))
 
 
-def overlappable_calls(plan: PartitionedProgram) -> frozenset[int]:
-  """The off-main regions that have work to overlap: a main-stream equation
-  that does work and neither feeds nor reads them, or a region on another
-  stream that neither depends on them nor they on it."""
+def _calls_upstream(plan: PartitionedProgram):
+  """The off-main regions (``calls``, one bit each in ``bit``) each region
+  and each main-stream equation depends on, through any chain of values:
+  ``(calls, bit, call_upstream, main_upstream)``, masks by region index and
+  by equation index."""
   graph = plan.graph
   eqns = plan.program.jaxpr.eqns
   calls = [r for r, s in enumerate(graph.streams) if s != 0]
-  if not calls:
-    return frozenset()
   bit = {r: 1 << k for k, r in enumerate(calls)}
-  # Forward: the calls each value depends on; backward: the calls that read it.
   upstream: dict[Any, int] = {}
   call_upstream: dict[int, int] = {}
   main_upstream: dict[int, int] = {}
@@ -224,6 +260,19 @@ def overlappable_calls(plan: PartitionedProgram) -> frozenset[int]:
       main_upstream[i] = above(eqns[i].invars)
       for v in eqns[i].outvars:
         upstream[v] = main_upstream[i]
+  return calls, bit, call_upstream, main_upstream
+
+
+def overlappable_calls(plan: PartitionedProgram) -> frozenset[int]:
+  """The off-main regions that have work to overlap: a main-stream equation
+  that does work and neither feeds nor reads them, or a region on another
+  stream that neither depends on them nor they on it."""
+  graph = plan.graph
+  eqns = plan.program.jaxpr.eqns
+  calls, bit, call_upstream, main_upstream = _calls_upstream(plan)
+  if not calls:
+    return frozenset()
+  # The calls that read each value, through any chain of values.
   downstream: dict[Any, int] = {}
   main_downstream: dict[int, int] = {}
 
@@ -261,6 +310,60 @@ def overlappable_calls(plan: PartitionedProgram) -> frozenset[int]:
   return frozenset(found)
 
 
+# The frontend attribute XLA:GPU's collective combiners add to their
+# grouping key (jaxlib 0.10-0.12): collectives with different values are
+# never combined into one.
+COMBINER_KEY = "combiner_key"
+
+
+def combiner_keys(plan: PartitionedProgram) -> dict[int, str]:
+  """A combiner key for each main-stream collective that waits for a stream
+  call: the set of calls it waits for (``jaxstreams_after_R3_R5``).
+
+  XLA:GPU's combiners merge independent collectives of one kind into one,
+  and a merged collective waits for every input of them all. In a
+  data-parallel step, each tower's gradients are all-reduced after its own
+  backward region; merged, they are all-reduced after the last tower's
+  region, and no all-reduce runs while a tower computes. Collectives keyed
+  by the calls they wait for are merged only with those that can start at
+  the same point anyway: one tower's gradients together, never two towers'.
+  A collective that waits for no call is left to XLA (no key). Only
+  collective primitives bound at this level are keyed (one inside a nested
+  jit keeps what its own trace gave it)."""
+  return {i: "jaxstreams_after_" + "_".join(f"R{r}" for r in waited)
+          for i, waited in _collective_waits(plan).items()}
+
+
+def _collective_waits(plan: PartitionedProgram) -> dict[int, tuple[int, ...]]:
+  """The stream calls each main-stream collective waits for, where any."""
+  calls, bit, _, main_upstream = _calls_upstream(plan)
+  eqns = plan.program.jaxpr.eqns
+  return {i: tuple(r for r in calls if mask & bit[r])
+          for i, mask in main_upstream.items()
+          if mask and eqns[i].primitive.name in COLLECTIVES}
+
+
+def _packed_for_collectives(plan: PartitionedProgram) -> dict[int, "_Packing"]:
+  """Per stream call that a collective waits for and that has several
+  outputs: their packing into one buffer. For the XLA that schedules stream
+  calls itself (jaxlib 0.12) and no sequence points (which pack on their
+  own). That XLA splits each element of a call's result tuple off as an
+  async call of its own (a fragment: no kernel, a start and a done), and
+  its latency-hiding scheduler counts the fragments' windows as time that
+  hides a collective: it leaves the collectives after every region, none
+  beside one (a data-parallel step, checked in deviceless H100 compiles).
+  A call with one result has no fragment."""
+  waited = {r for regions in _collective_waits(plan).values() for r in regions}
+  packings = {}
+  for r in sorted(waited):
+    outputs = plan.graph.outputs[r]
+    if len(outputs) > 1:
+      packing = _Packing.of(outputs)
+      if packing is not None:
+        packings[r] = packing
+  return packings
+
+
 class _Sequencer:
   """Emits the sequence points (see the module docstring) while ``emit``
   walks the plan. It owns the environment from there on: the results of a
@@ -269,7 +372,8 @@ class _Sequencer:
   runs on the main stream."""
 
   @classmethod
-  def for_plan(cls, plan: PartitionedProgram, env: dict) -> "_Sequencer | None":
+  def for_plan(cls, plan: PartitionedProgram, env: dict,
+               keys: dict[int, str]) -> "_Sequencer | None":
     if (_compat.XLA_SCHEDULES_STREAM_CALLS
         or not config.read("jaxstreams_sequence_points")):
       return None
@@ -278,12 +382,14 @@ class _Sequencer:
          for v in eqn.outvars}) > 1:
       return None   # a barrier would make every value vary over every axis
     calls = overlappable_calls(plan)
-    return cls(plan, env, calls) if calls else None
+    return cls(plan, env, calls, keys) if calls else None
 
-  def __init__(self, plan: PartitionedProgram, env: dict, calls: frozenset):
+  def __init__(self, plan: PartitionedProgram, env: dict, calls: frozenset,
+               keys: dict[int, str]):
     self.plan = plan
     self.env = env
     self.calls = calls
+    self.keys = keys
     graph = plan.graph
     self.packings = {r: _Packing.of(graph.outputs[r]) for r in calls
                      if len(graph.outputs[r]) > 1}
@@ -426,7 +532,7 @@ class _Sequencer:
         reads = list(dict.fromkeys(v for v in eqn.invars
                                    if not isinstance(v, jcore.Literal)))
         self._before(reads)
-        results = _equation_function(self.plan, i, reads)(
+        results = _equation_function(self.plan, i, reads, self.keys)(
             *(self.read(v) for v in reads))
         for var, value in zip(eqn.outvars, results):
           self.env[var] = value

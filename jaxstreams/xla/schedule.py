@@ -77,12 +77,14 @@ class Collective:
   """One collective of the entry computation, from ``start`` to ``done``
   (one position for a synchronous one), and the regions (``AsyncRegion``
   indices, fragments aside) in flight meanwhile: their kernels can run
-  while it moves data."""
+  while it moves data; and the regions whose results it waits for (any
+  chain of values from their done to its operands)."""
   name: str
   opcode: str
   start: int
   done: int
   regions_in_flight: tuple[int, ...]
+  waits_for: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,12 +438,24 @@ def _collectives(instructions, computations, regions) -> list[Collective]:
 
   done_of = {ins.operands[0]: i for i, ins in enumerate(instructions)
              if ins.opcode.endswith("-done") and ins.operands}
+  # Per instruction, the regions (bits) whose done is upstream of it: the
+  # entry computation is scheduled, so operands come first.
+  region_of_done = {r.done: r.index for r in regions if not r.fragment}
+  upstream: dict[str, int] = {}
   found = []
   for position, ins in enumerate(instructions):
+    mask = 0
+    for operand in ins.operands:
+      mask |= upstream.get(operand, 0)
+    if position in region_of_done:
+      mask |= 1 << region_of_done[position]
+    upstream[ins.name] = mask
     if not is_collective(ins):
       continue
     done = done_of.get(ins.name, position) if ins.opcode.endswith("-start") else position
     in_flight = tuple(r.index for r in regions if not r.fragment
                       and r.start < done and position < r.done)
-    found.append(Collective(ins.name, ins.opcode, position, done, in_flight))
+    waits = tuple(r.index for r in regions if mask >> r.index & 1)
+    found.append(Collective(ins.name, ins.opcode, position, done, in_flight,
+                            waits))
   return found
