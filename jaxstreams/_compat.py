@@ -406,18 +406,24 @@ def trace_to_jaxpr(fun: Callable, args: tuple, kwargs: dict,
   dynamic_args = tuple(a for i, a in enumerate(args) if i not in static_argnums)
   dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
 
+  debug = api_util.debug_info("jit", fun, args, kwargs,
+                              static_argnums=tuple(static_argnums),
+                              static_argnames=tuple(static_kwargs))
+  result_paths: list[str] = []   # the outputs' paths, for jax's errors
+
   def with_statics(*dynamic, **dynamic_kw):
     given = iter(dynamic)
     full = [arg if i in static_argnums else next(given)
             for i, arg in enumerate(args)]
-    return fun(*full, **static_kwargs, **dynamic_kw)
+    answer = fun(*full, **static_kwargs, **dynamic_kw)
+    result_paths[:] = debug.set_result_paths(answer).result_paths
+    return answer
 
-  debug = api_util.debug_info("jit", fun, args, kwargs,
-                              static_argnums=tuple(static_argnums),
-                              static_argnames=tuple(static_kwargs))
   inputs, in_tree = tree_util.tree_flatten((dynamic_args, dynamic_kwargs))
   flat_fun, out_tree = api_util.flatten_fun(
       lu.wrap_init(with_statics, debug_info=debug), in_tree)
+  flat_fun = flat_fun.replace_debug_info(
+      debug._replace(result_paths=lambda: tuple(result_paths)))
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
       flat_fun, [core.shaped_abstractify(x) for x in inputs])
   closed = (jaxpr.with_consts(consts) if _JAXPR_HOLDS_CONSTS

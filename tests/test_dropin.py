@@ -356,6 +356,20 @@ def test_tracing_errors_name_the_users_function_and_argument(
     assert where in str(planned.value) and named in str(planned.value)
 
 
+def _returns_a_name(x):
+  return {"y": x, "name": "not an array"}
+
+
+def test_an_output_that_is_no_jax_type_is_named_as_jax_jit_names_it():
+  with pytest.raises(TypeError) as theirs:
+    jax.jit(_returns_a_name)(1.0)
+  assert "returned a value of type" in str(theirs.value)
+  assert "['name']" in str(theirs.value)
+  with pytest.raises(TypeError) as ours:
+    jaxstreams.jit(_returns_a_name, streams=2)(1.0)
+  assert str(ours.value) == str(theirs.value)
+
+
 def _divides_in_a_region(x, y):
   with jaxstreams.stream(1):
     z = x / y
