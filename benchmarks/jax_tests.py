@@ -19,11 +19,14 @@ ref given. Slow (api_test is some minutes a run): run on purpose, not by CI.
       [--ref jax-v0.10.2] [-n 2] [-k expr] [--files api_test debug_nans_test]
 
 The results go to ``benchmarks/results/jax_tests_<platform>_jax<version>.json``
-and ``.txt`` (``--quick``: debug_nans_test alone, ``*_quick.*``).
+and ``.txt`` (``--quick``: debug_nans_test alone, ``*_quick.*``); a run of
+some files (``--files``) keeps the other files' tallies from an earlier run
+of the same tests.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -116,6 +119,19 @@ def _run(src, name, swapped, args, env, scratch) -> dict[str, str]:
   return _outcomes(junit)
 
 
+def _earlier(path: pathlib.Path, ref: str, k: str | None) -> dict:
+  """The tallies of an earlier run of the same tests (``ref``, ``-k``) saved
+  at ``path``: a run of some files replaces those files' tallies and keeps
+  the others'."""
+  try:
+    earlier = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return {}
+  if earlier.get("tests") != ref or earlier.get("k") != k:
+    return {}
+  return earlier.get("files", {})
+
+
 def _count(outcomes: dict[str, str]) -> dict[str, int]:
   counts = {"passed": 0, "failed": 0, "skipped": 0}
   for outcome in outcomes.values():
@@ -188,6 +204,8 @@ def main(argv=None) -> int:
               "files": {}, "not_run": list(args.files)}
     name = (f"jax_tests_{result['machine']['platform']}_jax{jax.__version__}"
             + ("_quick" if args.quick else ""))
+    earlier = _earlier(pathlib.Path(args.out) / f"{name}.json", ref, args.k)
+    result["files"] = {f: t for f, t in earlier.items() if f not in args.files}
     for test_file in args.files:
       plain = _run(src, test_file, False, args, env, scratch)
       swapped = _run(src, test_file, True, args, env, scratch)

@@ -164,16 +164,26 @@ def test_jax_tests_tells_what_fails_only_when_swapped(tmp_path):
   env["PYTHONPATH"] = os.pathsep.join(
       p for p in (str(pathlib.Path(jaxstreams.__file__).parent.parent),
                   env.get("PYTHONPATH")) if p)
-  proc = subprocess.run(
-      [sys.executable, str(BENCHMARKS / "jax_tests.py"), "--jax-src",
-       str(tmp_path / "jax"), "--files", "api_test", "--out", str(tmp_path)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-  [saved] = tmp_path.glob(f"jax_tests_{jax.devices()[0].platform}_jax*.json")
-  result = json.loads(saved.read_text())
+
+  def run(test_file):
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "jax_tests.py"), "--jax-src",
+         str(tmp_path / "jax"), "--source", "made-up", "--files", test_file,
+         "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    [saved] = tmp_path.glob(f"jax_tests_{jax.devices()[0].platform}_jax*.json")
+    return json.loads(saved.read_text())
+
+  result = run("api_test")
   assert result["not_run"] == []
   tally = result["files"]["api_test"]
   assert tally["plain"] == {"passed": 2, "failed": 0, "skipped": 1}
   assert tally["swapped"] == {"passed": 1, "failed": 1, "skipped": 1}
   assert tally["fail_only_swapped"] == ["api_test::test_kind"]
   assert tally["fail_only_plain"] == []
+  # A run of another file keeps this one's tally.
+  (tests / "core_test.py").write_text("def test_nothing():\n  pass\n")
+  result = run("core_test")
+  assert result["files"]["api_test"] == tally
+  assert result["files"]["core_test"]["swapped"]["passed"] == 1
