@@ -701,7 +701,8 @@ class StreamJit(functools.partial):
 
   def _current_jit(self):
     """The ``jax.jit`` function a top-level call reaches now (before the
-    first call, the one a call without a GPU would)."""
+    first call, the nested one: the same function name and static
+    arguments)."""
     if self._streams is None:
       return self._for_streams(self._spec.streams_now())._current_jit()
     target = self._top_level_target()

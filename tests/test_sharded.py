@@ -321,3 +321,30 @@ def test_each_towers_gradients_are_reduced_apart_with_jax_jit_results():
   assert len(keys) == 5 and len(set(keys)) == 3, keys
   assert sorted(keys.count(k) for k in set(keys)) == [1, 2, 2], keys
   assert_equal_results(streamed(params, x, y), jax.jit(step)(params, x, y))
+
+
+def test_shardings_over_an_abstract_mesh_as_jax_jit_takes_them():
+  """``in_shardings`` over an abstract mesh (the devices come from
+  ``jax.set_mesh`` when traced): lower and trace take them as jax.jit does,
+  under one mesh and then another of the same shape."""
+  from jax.sharding import NamedSharding
+  devices = jax.devices()
+  mesh_a, mesh_b = (Mesh(np.array(devices[:2]), ("x",)),
+                    Mesh(np.array(devices[2:4]), ("x",)))
+  sharding = NamedSharding(mesh_a.abstract_mesh, P("x"))
+  x = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+  def double(x):
+    with jaxstreams.stream(1):
+      y = x * 2
+    return y
+
+  texts = {}
+  for name, make in (("jax.jit", jax.jit),
+                     ("jaxstreams.jit", lambda f, **kw: jaxstreams.jit(
+                         f, streams=2, **kw))):
+    f = make(double, in_shardings=sharding, out_shardings=sharding)
+    for mesh in (mesh_a, mesh_b):
+      with jax.set_mesh(mesh):
+        texts[name, mesh] = f.trace(x).lower().as_text()
+  assert texts["jaxstreams.jit", mesh_b] == texts["jax.jit", mesh_b]
