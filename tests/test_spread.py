@@ -212,3 +212,31 @@ def test_plan_shows_estimates_and_the_critical_path(tmp_path):
   assert {e["tid"] for e in spans} == set(plan.streams_used)
   for span, region in zip(spans, plan.regions):
     assert span["name"] == f"R{region.index}" and span["dur"] >= 0
+
+
+def _accumulates_into_a_ref(x, w1, w2):
+  """Two independent towers, one adding into a mutable array that the
+  result reads at the end: the write and the read have no data edge
+  between them, only program order."""
+  acc = jax.new_ref(jnp.zeros((x.shape[0], w1.shape[1]), x.dtype))
+  a = jnp.tanh(x @ w1) @ w1
+  acc[...] += a
+  b = jnp.tanh(x @ w2) @ w2
+  return jax.freeze(acc) * jnp.sum(b) + jnp.sum(jnp.cos(b))
+
+
+def test_spread_never_moves_a_mutable_arrays_reads_and_writes():
+  """Equations with effects (a ref's allocation, reads, writes, its freeze)
+  stay on the main stream in program order; spreading may not move them
+  (rule ``effects``), or a read could run before the write it must see."""
+  args = random_inputs((256, 512), (512, 512), (512, 512))
+  f = jaxstreams.jit(_accumulates_into_a_ref, streams=2, spread=True)
+  plan = f.plan(*args)
+  effectful = {"new_ref", "mutable_array", "swap", "get", "addupdate",
+               "freeze"}
+  moved = [(e.primitive, e.stream, e.rule) for e in plan.equations
+           if e.primitive in effectful and (e.stream, e.rule) != (0, "effects")]
+  assert not moved, str(plan)
+  assert any(e.primitive == "freeze" for e in plan.equations)
+  assert {e.stream for e in plan.equations} == {0, 1}   # the towers split
+  assert_equal_results(f(*args), jax.jit(_accumulates_into_a_ref)(*args))

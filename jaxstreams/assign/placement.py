@@ -26,9 +26,11 @@ Rules, in order (the first that applies wins):
    does not pay, they stay on the main stream and the plan says so.
 7. ``main``: everything else runs on stream 0.
 
-An equation with side effects (``jax.debug.print``, callbacks) always runs on
-the main stream, whatever was asked, so that effect ordering is XLA's usual
-one, and so does a collective (``psum``, ``all_gather``, ``ppermute``, ...,
+An equation with side effects (``jax.debug.print``, callbacks, a mutable
+array's allocation, reads, writes and freeze) always runs on the main
+stream, whatever was asked, and spreading never moves it (rule ``effects``):
+effects keep program order there, as under ``jax.jit`` (a read of a ref has
+no data edge to the write before it). So does a collective (``psum``, ``all_gather``, ``ppermute``, ...,
 or an equation with one in its body; rule ``collective``, which spreading
 never moves): XLA:GPU cannot compile one inside a stream call. The plan
 notes each such move.
@@ -124,6 +126,10 @@ def assign_streams(program: ExposedProgram, streams: int, streams_source: str,
           0, "effects", f"asked for stream {placement.stream} "
           f"({placement.rule}), but equations with side effects run on the "
           "main stream")
+    elif eqn.effects and placement.rule == "main":
+      # Nor may spreading move it: effects (a ref's reads and writes, a
+      # print) keep the main stream's program order.
+      placement = Placement(0, "effects", placement.note)
     placements.append(placement)
   return placements
 
