@@ -501,8 +501,13 @@ class StreamJit(functools.partial):
     with self._lock:
       if not isinstance(self.func, _first_call):   # settled by another thread
         return self._top_level_target()
-      if not self._on_gpu(args, kwargs):
-        target = self._cpu_jit()
+      if not _is_gpu(_platform(args, kwargs, self._spec.jit_kwargs)):
+        # One stream: the program of the way asked for (stream calls lower
+        # in place), without the GPU's compiler options, for every call,
+        # at top level or inside another trace.
+        name = self._spec.lowering()
+        target = self._jit(gpu.WAYS["inline" if name == gpu.DEFAULT else name],
+                           top_level=False)
         self._point_to(target)
         return target
       self._devices = _device_count(args, kwargs, self._spec.jit_kwargs)
@@ -512,20 +517,6 @@ class StreamJit(functools.partial):
                 else self._jit(self._nested_way(), top_level=False))
       self._point_to(top if top is nested else _switch(top, nested))
       return top
-
-  def _cpu_jit(self):
-    """The ``jax.jit`` function of every call once a top-level call on CPU
-    settled, at top level or inside another trace: the program of the way
-    asked for (stream calls lower in place), without the GPU's compiler
-    options (XLA:CPU has one stream)."""
-    name = self._spec.lowering()
-    return self._jit(gpu.WAYS["inline" if name == gpu.DEFAULT else name],
-                     top_level=False)
-
-  def _on_gpu(self, args, kwargs) -> bool:
-    """Whether a call with these arguments runs on a GPU (a GPU compile
-    target included)."""
-    return _is_gpu(_platform(args, kwargs, self._spec.jit_kwargs))
 
   def _nested_jit(self):
     """The ``jax.jit`` function of a call traced inside another jit before

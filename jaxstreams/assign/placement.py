@@ -30,10 +30,10 @@ An equation with side effects (``jax.debug.print``, callbacks, a mutable
 array's allocation, reads, writes and freeze) always runs on the main
 stream, whatever was asked, and spreading never moves it (rule ``effects``):
 effects keep program order there, as under ``jax.jit`` (a read of a ref has
-no data edge to the write before it). So does a collective (``psum``, ``all_gather``, ``ppermute``, ...,
-or an equation with one in its body; rule ``collective``, which spreading
-never moves): XLA:GPU cannot compile one inside a stream call. The plan
-notes each such move.
+no data edge to the write before it). So does a collective (``psum``,
+``all_gather``, ``ppermute``, ..., or an equation with one in its body;
+rule ``collective``, which spreading never moves): XLA:GPU cannot compile
+one inside a stream call. The plan notes each such move.
 """
 
 from __future__ import annotations

@@ -117,10 +117,11 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
     env[var] = value
   for var, value in zip(program.jaxpr.invars, args):
     env[var] = value
-  keys = combiner_keys(plan) if stream_calls else {}
+  waits = _collective_waits(plan) if stream_calls else {}
+  keys = combiner_keys(waits)
   order = _Sequencer.for_plan(plan, env, keys) if stream_calls else None
-  packings = (_packed_for_collectives(plan) if stream_calls and order is None
-              and _compat.XLA_SCHEDULES_STREAM_CALLS else {})
+  packings = (_packed_for_collectives(plan, waits) if stream_calls
+              and order is None and _compat.XLA_SCHEDULES_STREAM_CALLS else {})
 
   for index, stream in enumerate(graph.streams):
     if stream_calls and not _emitted(plan, index):
@@ -316,9 +317,10 @@ def overlappable_calls(plan: PartitionedProgram) -> frozenset[int]:
 COMBINER_KEY = "combiner_key"
 
 
-def combiner_keys(plan: PartitionedProgram) -> dict[int, str]:
+def combiner_keys(waits: dict[int, tuple[int, ...]]) -> dict[int, str]:
   """A combiner key for each main-stream collective that waits for a stream
-  call: the set of calls it waits for (``jaxstreams_after_R3_R5``).
+  call (``waits``: ``_collective_waits``): the set of calls it waits for
+  (``jaxstreams_after_R3_R5``).
 
   XLA:GPU's combiners merge independent collectives of one kind into one,
   and a merged collective waits for every input of them all. In a
@@ -331,7 +333,7 @@ def combiner_keys(plan: PartitionedProgram) -> dict[int, str]:
   collective primitives bound at this level are keyed (one inside a nested
   jit keeps what its own trace gave it)."""
   return {i: "jaxstreams_after_" + "_".join(f"R{r}" for r in waited)
-          for i, waited in _collective_waits(plan).items()}
+          for i, waited in waits.items()}
 
 
 def _collective_waits(plan: PartitionedProgram) -> dict[int, tuple[int, ...]]:
@@ -343,7 +345,9 @@ def _collective_waits(plan: PartitionedProgram) -> dict[int, tuple[int, ...]]:
           if mask and eqns[i].primitive.name in COLLECTIVES}
 
 
-def _packed_for_collectives(plan: PartitionedProgram) -> dict[int, "_Packing"]:
+def _packed_for_collectives(plan: PartitionedProgram,
+                            waits: dict[int, tuple[int, ...]]
+                            ) -> dict[int, "_Packing"]:
   """Per stream call that a collective waits for and that has several
   outputs: their packing into one buffer. For the XLA that schedules stream
   calls itself (jaxlib 0.12) and no sequence points (which pack on their
@@ -353,7 +357,7 @@ def _packed_for_collectives(plan: PartitionedProgram) -> dict[int, "_Packing"]:
   hides a collective: it leaves the collectives after every region, none
   beside one (a data-parallel step, checked in deviceless H100 compiles).
   A call with one result has no fragment."""
-  waited = {r for regions in _collective_waits(plan).values() for r in regions}
+  waited = {r for regions in waits.values() for r in regions}
   packings = {}
   for r in sorted(waited):
     outputs = plan.graph.outputs[r]
