@@ -29,6 +29,15 @@ except ImportError:   # jax 0.10
   from jax.experimental.shard_map import shard_map
 
 EXAMPLE = str(ROOT / "examples" / "sharded_training.py")
+
+
+def needs_devices(n):
+  """Skips a test whose mesh needs ``n`` of JAX's default devices: the four
+  CPU devices of conftest, where a GPU machine's one GPU is the default."""
+  return pytest.mark.skipif(
+      len(jax.devices()) < n,
+      reason=f"needs {n} devices of JAX's default backend; "
+             f"{jax.default_backend()} has {len(jax.devices())}")
 STEPS = "--steps=8"
 
 
@@ -161,6 +170,7 @@ def test_a_collective_in_a_stream_block_runs_on_the_main_stream():
                        jax.jit(f)(x))
 
 
+@needs_devices(2)
 def test_a_shard_map_over_some_mesh_axes_is_placed_whole_and_the_plan_says_so():
   """Over part of a mesh the body is not each device's whole program: XLA's
   partitioner still works on it and may put collectives into a region."""
@@ -323,6 +333,7 @@ def test_each_towers_gradients_are_reduced_apart_with_jax_jit_results():
   assert_equal_results(streamed(params, x, y), jax.jit(step)(params, x, y))
 
 
+@needs_devices(4)
 def test_shardings_over_an_abstract_mesh_as_jax_jit_takes_them():
   """``in_shardings`` over an abstract mesh (the devices come from
   ``jax.set_mesh`` when traced): lower and trace take them as jax.jit does,
