@@ -15,6 +15,7 @@ from jaxstreams.staging import _clock, _policy
 from jaxstreams.staging._transfer import Transfer
 
 NOT_READY = object()    # what get(wait=False) returns for an item not ready
+_SKIPPED = object()     # an item the iterable's exception skips
 
 # A worker waiting for a free slot polls (POLL_FIRST_S doubling up to
 # POLL_MAX_S, for POLL_FOR_S) before it parks, so the consumer of short
@@ -208,27 +209,10 @@ class Pipeline:
         number = self.next_out
         result = self.results.pop(number, None)
         if result is not None:
-          kind, value, produced, busy = result
-          self.next_out = number + 1
-          self.free_slots += 1
-          if (self.workers_parked and not self.inline
-              and len(self.results) <= self.refill_below):
-            self.work.notify_all()    # half empty: a worker refills it
-          if self.consumers_waiting:
-            self.cond.notify_all()
-          if kind is _VALUE:    # under the lock: deliveries in item order
-            deliver = self.transfer.deliver
-            out = value if deliver is None else deliver(value)
-            now = _clock.now()
-            made = busy is not None
-            if self.meter.count("inline" if made else "workers",
-                                now - entered, waited_s, produced, made, now,
-                                busy=busy or 0.0):
-              self.set_mode(self.meter.chooser.mode)
-            return out
-          if kind is _SKIP:
+          out = self._hand_out(number, result, entered, waited_s)
+          if out is _SKIPPED:
             continue
-          self._end(kind, value)
+          return out
         if self.stopped:
           raise StopIteration
         if not (self.inline and number == self.next_pull
@@ -257,14 +241,44 @@ class Pipeline:
       busy = _clock.busy(busy_start, produced) if busy_start else 0.0
       with self.lock:
         if not self.stopped:
+          # Handed out at once: no other consumer can take item ``number``
+          # (it is not in ``results``, and the next pull is past it).
           self.live_workers -= 1
           self.inline_thread = None
           if kind is _VALUE:
             self.placed += 1
-          self.results[number] = (kind, item, produced, busy)
-          continue
+          out = self._hand_out(number, (kind, item, produced, busy),
+                               entered, waited_s)
+          if out is _SKIPPED:
+            continue
+          return out
       self._leave(inline=True)    # closed meanwhile: nothing is handed out
       raise StopIteration
+
+  def _hand_out(self, number: int, result: tuple, entered: float,
+                waited_s: float) -> Any:
+    """(Under self.lock.) Item ``number``'s result, delivered in item order
+    and counted: its value, ``_SKIPPED``, or its end or exception raised."""
+    kind, value, produced, busy = result
+    self.next_out = number + 1
+    self.free_slots += 1
+    if (self.workers_parked and not self.inline
+        and len(self.results) <= self.refill_below):
+      self.work.notify_all()    # half empty: a worker refills it
+    if self.consumers_waiting:
+      self.cond.notify_all()
+    if kind is _SKIP:
+      return _SKIPPED
+    if kind is not _VALUE:
+      self._end(kind, value)
+    deliver = self.transfer.deliver
+    out = value if deliver is None else deliver(value)
+    now = _clock.now()
+    made = busy is not None
+    if self.meter.count("inline" if made else "workers", now - entered,
+                        waited_s, produced, made, now, busy=busy or 0.0):
+      self.set_mode(self.meter.chooser.mode)
+    return out
 
   def _wait_for(self, number: int, timeout: float | None) -> float:
     """Waits (under self.lock) until item ``number`` is in, is this
