@@ -109,12 +109,15 @@ def default_nested() -> Way:
 
 def candidates() -> tuple[Way, ...]:
   """The ways the first top-level calls on a GPU time, ``inline`` (the
-  program ``jax.jit`` builds) always among them. Stream calls under XLA's
-  defaults are left out before jax 0.12, where their graph is one chain."""
-  names = ["inline", "concurrent", "streams_concurrent"]
-  if _compat.XLA_SCHEDULES_STREAM_CALLS:
-    names.insert(2, "streams")
-  return tuple(WAYS[n] for n in names)
+  program ``jax.jit`` builds) always among them. Before jax 0.12, where the
+  graph of stream calls is one chain, only ``inline`` and ``concurrent``:
+  stream calls under XLA's defaults lose there, and with CONCURRENT graphs
+  they never ran faster than ``concurrent`` in steady state on an H100
+  (docs/xla.md), though a first call's timing picked them three times."""
+  if not _compat.XLA_SCHEDULES_STREAM_CALLS:
+    return (WAYS["inline"], WAYS["concurrent"])
+  return tuple(WAYS[n] for n in ("inline", "concurrent", "streams",
+                                 "streams_concurrent"))
 
 
 def why_default_nested() -> str:
