@@ -9,9 +9,12 @@
 # Steps: info probe build gputests tests sanitizer suite levers serve
 #        overhead sweep sweeplong prefetch demo
 #
-# One call runs at most 10 minutes and a session gets 30 in all, so a
-# session runs them in parts, for instance:
-#   info probe build gputests | levers | tests | serve sweep
+# One call runs at most 10 minutes and a session may get as little as 15
+# in all, machine starts included, so a session runs them in parts. On an
+# H100 "info probe build gputests tests levers overhead demo" took 5 minutes
+# (gputests 70 s, tests 90 s, levers 70 s); "prefetch sweep" then needs a
+# second call on the warm machine (sweep: about 2 minutes per 0.1 ms row at
+# the default rounds).
 # (levers: every GPU way of the suite's programs, the default's own choice
 # and kernel overlap from a profiler trace: benchmarks/gpu_levers.py).
 # (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 5,
