@@ -1112,8 +1112,8 @@ def _feed_busy(chooser, n, cycle_us, produce_us, busy_us):
                busy_us=busy_us)
 
 
-def test_chooser_on_shared_cores_counts_only_production_that_waits():
-  # XLA:CPU: production that keeps a core busy (copying a large item)
+def test_chooser_on_shared_cores_leaves_out_placing_that_needs_a_core():
+  # XLA:CPU: placing an item that keeps a core busy (copying a large item)
   # would compete with the step: however large a share, it stays inline,
   # without a trial, and says why.
   chooser = Chooser(ahead=2, shares_cores=True)
@@ -1121,11 +1121,12 @@ def test_chooser_on_shared_cores_counts_only_production_that_waits():
                     busy_us=395) == []
   assert chooser.mode == "inline" and not chooser.trials
   assert chooser.reason.startswith(
-      "producing an item mostly needs a core (5 us of 800 us, over 16 "
-      "items; counted: the time it waits, not the 395 us it needs a core, "
+      "placing each item mostly needs a core (5 us of 800 us, over 16 "
+      "items; not counted: the 395 us of placing it that needs a core, "
       "which the step needs too here)")
   assert meter_for(chooser).news == chooser.reason
-  # Production that waits (storage, a network) is hidden at once ...
+  # Production whose placing waits (or that the iterable makes) is hidden
+  # at once ...
   chooser = Chooser(ahead=2, shares_cores=True)
   assert _feed_busy(chooser, 4, cycle_us=1000, produce_us=600,
                     busy_us=20) == ["workers"]
@@ -1420,14 +1421,17 @@ def test_measured_moves_to_workers_where_production_dominates(monkeypatch,
 
 
 @pytest.mark.cpu_backend
-def test_measured_on_cpu_keeps_busy_production_inline(monkeypatch):
-  # The device computes on the host's cores here: a producer that needs a
-  # core is not moved to workers, one that waits (blocks) is. Needing a
-  # core: computing (the fake CPU clock advances with the wall clock), or
-  # waiting to be scheduled (neither running nor blocked).
+def test_measured_on_cpu_hides_the_source_but_not_busy_placing(monkeypatch):
+  # The device computes on the host's cores here. What the iterable does
+  # for an item (computing or waiting) is hidden by workers; placing an
+  # item that needs a core (a copy: computing, or waiting to be scheduled,
+  # neither running nor blocked) competes with the step and stays inline;
+  # placing that blocks is hidden.
   assert jax.default_backend() == "cpu"
-  for kind, way in (("computes", "inline"), ("preempted", "inline"),
-                    ("blocks", "workers")):
+  for where, kind, way in (("source", "computes", "workers"),
+                           ("placing", "computes", "inline"),
+                           ("placing", "preempted", "inline"),
+                           ("placing", "blocks", "workers")):
     clock, cpu = _FakeClock(), _FakeClock()
     blocked = itertools.count()
     switches = [0]
@@ -1435,13 +1439,24 @@ def test_measured_on_cpu_keeps_busy_production_inline(monkeypatch):
     monkeypatch.setattr(_clock, "cpu", cpu)
     monkeypatch.setattr(_clock, "switches", lambda: switches[0])
 
+    def work():
+      clock.advance(1000)
+      if kind == "computes":
+        cpu.advance(1000)
+      elif kind == "blocks":
+        switches[0] = next(blocked)
+
+    def place(item, sharding=None, wait=True, place=_transfer.place_on_device):
+      if where == "placing":
+        work()
+      return place(item, sharding, wait)
+
+    monkeypatch.setattr(_transfer, "place_on_device", place)
+
     def source():
       for i in range(120):
-        clock.advance(1000)
-        if kind == "computes":
-          cpu.advance(1000)
-        elif kind == "blocks":
-          switches[0] = next(blocked)
+        if where == "source":
+          work()
         yield np.full(2, i, np.float32)
 
     with warnings.catch_warnings(record=True) as caught:
@@ -1450,9 +1465,9 @@ def test_measured_on_cpu_keeps_busy_production_inline(monkeypatch):
         got = [int(item[0]) for item in it if clock.advance(100) is None]
         stats = it.stats()
     assert got == list(range(120))
-    assert stats["mode"] == way and not stats["trials"], (kind, stats)
+    assert stats["mode"] == way and not stats["trials"], (where, kind, stats)
     if way == "inline":
-      assert "mostly needs a core" in stats["mode_reason"]
+      assert "placing each item mostly needs a core" in stats["mode_reason"]
       assert it.threads == []
       # One warning; cycles of 1.1 ms are not short enough for the note
       # that even inline costs.

@@ -296,25 +296,23 @@ def test_measured_stages_where_reading_dominates_and_a_trial_confirms(clock):
 
 
 @pytest.mark.cpu_backend
-def test_measured_on_cpu_keeps_reading_that_needs_a_core_plain(clock,
+def test_measured_on_cpu_stages_reading_that_needs_a_core(clock,
                                                           monkeypatch):
-  # XLA:CPU: a read that never blocks (numpy work, a copy) needs a core the
-  # step needs too: however long, it does not make staging worth a trial.
+  # XLA:CPU: a read that never blocks (numpy work, the iterable's own
+  # computing) is hidden like one that waits: the reader thread runs it
+  # beside the step (on a 2-core machine staged 1.50x of the plain loop,
+  # benchmarks/README.md), and a trial confirms it.
   assert jax.default_backend() == "cpu"
   monkeypatch.setattr(_clock, "switches", lambda: 0)
-  params, data = _params(), _batches(120)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always", jaxstreams.PerformanceWarning)
+  params, data = _params(), _batches(420)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxstreams.PerformanceWarning)
     with jaxstreams.staged(step1, data=_source(clock, data, lambda i: 1000),
                            capacity=2) as runner:
       got = _loop(clock, runner, params, len(data))
       stats = runner.stats()
   assert_equal_results(got, [jax.jit(step1)(params, b) for b in data])
-  assert stats["mode"] == "plain" and stats["switches"] == 0, stats
-  assert not stats["trials"] and stats["fused"]["calls"] == 0
-  assert stats["mode_reason"].startswith("reading a batch mostly needs a core")
-  [warning] = caught
-  assert "mostly needs a core" in str(warning.message)
+  assert stats["mode"] == "fused" and stats["trials"][-1]["chose"] == "fused"
   assert jaxstreams_threads("jaxstreams-prefetch") == []
 
 

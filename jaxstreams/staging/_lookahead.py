@@ -57,8 +57,9 @@ class Pipeline:
     self.refill_below = (size - 1) // 2   # ready items under which to wake
     self.next_pull = 0          # number of the next item to pull
     self.next_out = 0           # number of the next item to deliver
-    # number: (kind, item or exception, seconds producing it, busy seconds
-    # of it when the consumer produced it inline, else None)
+    # number: (kind, item or exception, seconds producing it, seconds of
+    # placing it that needed a core when the consumer produced it inline,
+    # else None)
     self.results: dict[int, tuple[str, Any, float, float | None]] = {}
     self.source_done = False    # no more pulls: end, error or stop
     self.stopped = False
@@ -117,9 +118,11 @@ class Pipeline:
     if close_owned:           # close(timeout) gave up waiting for us
       self._close_owned()
 
-  def _produce(self, wait: bool) -> tuple[str, Any]:
+  def _produce(self, wait: bool,
+               time_busy: bool = False) -> tuple[str, Any, float]:
     """Pulls the next item, by whoever holds the right to pull (which it
-    hands back), and places it: (kind, item or exception)."""
+    hands back), and places it: (kind, item or exception, and with
+    ``time_busy`` the seconds of placing it that needed a core)."""
     try:
       kind, item = _VALUE, next(self.iterator)
     except StopIteration:
@@ -135,15 +138,19 @@ class Pipeline:
       if not self.inline and self.workers_parked:
         self.work.notify_all()    # (inline, the workers are parked)
       if kind is not _VALUE or self.stopped:
-        return kind, item
+        return kind, item, 0.0
     try:
-      return kind, self.transfer.place(ticket, item, wait)
+      if not time_busy:
+        return kind, self.transfer.place(ticket, item, wait), 0.0
+      start, began = _clock.reading(), _clock.now()
+      item = self.transfer.place(ticket, item, wait)
+      return kind, item, _clock.busy(start, _clock.now() - began)
     except BaseException as exc:  # noqa: BLE001
       kind = self._classify(exc)
       if kind in (_END, _ERROR):
         with self.lock:
           self.source_done = True
-      return kind, exc
+      return kind, exc, 0.0
 
   def _wait_for_work(self) -> None:
     """Waits (under self.lock) for a slot and the right to pull, parked
@@ -184,7 +191,7 @@ class Pipeline:
           self.max_in_flight = max(self.max_in_flight,
                                    self.next_pull - self.next_out)
         started = _clock.now()
-        kind, item = self._produce(wait=True)
+        kind, item, _ = self._produce(wait=True)
         produced = _clock.now() - started
         with self.lock:
           if self.stopped:
@@ -230,15 +237,13 @@ class Pipeline:
         self.max_in_flight = max(self.max_in_flight, 1)
       try:
         started = _clock.now()
-        busy_start = _clock.reading() if self.meter.time_busy else None
-        kind, item = self._produce(wait=False)
+        kind, item, busy = self._produce(False, self.meter.time_busy)
       except BaseException:     # interrupted between the lines above
         with self.lock:
           self.pulling = False
         self._leave(inline=True)
         raise
       produced = _clock.now() - started
-      busy = _clock.busy(busy_start, produced) if busy_start else 0.0
       with self.lock:
         if not self.stopped:
           # Handed out at once: no other consumer can take item ``number``

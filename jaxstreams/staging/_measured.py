@@ -143,7 +143,7 @@ class MeasuredRun:
                   started: float) -> Any:
     """The plain step on the first batch, then on the batches the reader
     holds, then on what this thread reads."""
-    read, busy, made = 0.0, 0.0, True
+    read, made = 0.0, True
     if self.first is not None:   # read before this call's clock started
       batch, self.first = self.first, None
       started, read = self.first_started, self.first_read
@@ -151,25 +151,22 @@ class MeasuredRun:
       batch, _ = next(self.reader)           # StopIteration: the end
       made = False     # read by the reader: not what reading here costs
     else:
-      busy_start = _clock.reading() if self.meter.time_busy else None
       batch = next(self.source)              # StopIteration: the end
       read = _clock.now() - started
-      busy = _clock.busy(busy_start, read) if busy_start else 0.0
     if type(batch) is DataError:
       raise batch.exc
     outs = self.plain(*with_data(other_args, batch, self.data_argnums)[0],
                       **kwargs)
-    self._count("plain", started, read, 0.0, made, busy=busy)
+    self._count("plain", started, read, 0.0, made)
     return outs
 
   def _count(self, way: str, started: float, read: float, wait: float,
-             made: bool, judged: bool = True, busy: float = 0.0) -> None:
-    """One call done: reading its batch took ``read`` (``busy`` of it
-    needed a core), it waited ``wait``; ``made``: it read the batch."""
+             made: bool, judged: bool = True) -> None:
+    """One call done: reading its batch took ``read``, it waited ``wait``;
+    ``made``: it read the batch."""
     self.calls += 1
     now = _clock.now()
-    if self.meter.count(way, now - started, wait, read, made, now, judged,
-                        busy):
+    if self.meter.count(way, now - started, wait, read, made, now, judged):
       self._go(self.meter.chooser.mode)
 
   def _go(self, way: str) -> None:

@@ -88,18 +88,19 @@ def for_staged(ahead: int, platform: str, stream: int) -> Chooser:
   trials verify it; a producer on its own GPU stream may hide device work,
   so there trials run even where reading is cheap."""
   return Chooser(ahead, STAGED_WORDS, verify=True,
-                 unseen_gain=platform != "cpu" and stream != 0,
-                 shares_cores=platform == "cpu")
+                 unseen_gain=platform != "cpu" and stream != 0)
 
 
 class Chooser:
   """The decision, from windows of items' *cycles* (one delivery to the
   next) and *production* times that the ``Meter`` sums; no clock, so tests
   drive it with made-up times. ``mode``: ``words.inline`` or
-  ``words.overlap`` (which holds ``ahead`` items). ``shares_cores``: only
-  production that waits counts; ``verify``: trials check overlap taken at
-  once; ``unseen_gain``: below ``unseen_cycle_s`` cheap production runs
-  trials."""
+  ``words.overlap`` (which holds ``ahead`` items). ``shares_cores``: the
+  part of placing items that needs a core does not count as production (a
+  copy in a worker competes with an XLA:CPU step for memory and cores; the
+  iterable's own work, waiting or computing, is hidden); ``verify``:
+  trials check overlap taken at once; ``unseen_gain``: below
+  ``unseen_cycle_s`` cheap production runs trials."""
 
   def __init__(self, ahead: int, words: Words, verify: bool = False,
                unseen_gain: bool = False, shares_cores: bool = False,
@@ -193,8 +194,9 @@ class Chooser:
       if (worth or unseen) and trial_due:
         return self._start_trial(share, unseen=not worth)
       if self.busy > self.produce:
-        cheap = (f"{words.work} mostly needs a core ({figures}): overlap "
-                 f"would compete with the step for it rather than hide it")
+        cheap = (f"placing each item mostly needs a core ({figures}): "
+                 f"overlap would compete with the step for it rather than "
+                 f"hide it")
       elif produce_us < TRY_US:
         cheap = (f"{words.work} takes {produce_us:.0f} us ({figures}), less "
                  f"than {words.cost} costs")
@@ -244,9 +246,8 @@ class Chooser:
     figures = (f"{self.produce * us:.0f} us of {self.cycle * us:.0f} us, "
                f"over {self.n} {self.words.unit}")
     if self.busy:
-      figures += (f"; counted: the time it waits, not the "
-                  f"{self.busy * us:.0f} us it needs a core, which the step "
-                  f"needs too here")
+      figures += (f"; not counted: the {self.busy * us:.0f} us of placing "
+                  f"it that needs a core, which the step needs too here")
     return figures
 
   def _switch(self, mode: str, reason: str) -> bool:
