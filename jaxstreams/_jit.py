@@ -543,7 +543,7 @@ class StreamJit(functools.partial):
                      "the top-level default (jaxstreams_autotune is off)")
     return _Choice(gpu.default_top_level(), "the top-level default; on a GPU "
                    "the first call times " + ", ".join(
-                       w.name for w in gpu.candidates()) + " and keeps the fastest",
+                       w.name for w in gpu.candidates()) + ", keeping the fastest",
                    timable=True)
 
   def _choose(self, args, kwargs) -> _Choice:
