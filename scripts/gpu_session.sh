@@ -13,11 +13,12 @@
 # in all, machine starts included, so a session runs them in parts. On an
 # H100 "info probe build gputests tests levers overhead demo" took 5 minutes
 # (gputests 70 s, tests 90 s, levers 70 s); "prefetch sweep" then needs a
-# second call on the warm machine (sweep: about 2 minutes per 0.1 ms row at
-# the default rounds).
+# second call on the warm machine (sweep: 5 rounds took about 2 minutes per
+# 0.1 ms row and ran out of time after two of the four rows; the default is
+# now 2 rounds, 6 under 1 ms).
 # (levers: every GPU way of the suite's programs, the default's own choice
 # and kernel overlap from a profiler trace: benchmarks/gpu_levers.py).
-# (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 5,
+# (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 2,
 # three times that under 1 ms; sweeplong: 1 to 10 ms, LONG_ROUNDS, default 3)
 #
 # Each step writes its log to $LOGS/<step>.txt (default benchmarks/results/gpu)
@@ -135,7 +136,7 @@ for s in "${steps[@]}"; do
     serve)     run_step serve 200 "$py" benchmarks/serve.py --quiet --out "$logs" ;;
     overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --out "$logs" ;;
     sweep)     run_step sweep 420 "$py" benchmarks/prefetch_sweep.py --quiet \
-                 --step-ms 0.1,0.3 --rounds "${SWEEP_ROUNDS:-5}" --out "$logs" ;;
+                 --step-ms 0.1,0.3 --rounds "${SWEEP_ROUNDS:-2}" --out "$logs" ;;
     sweeplong) run_step sweeplong 540 "$py" benchmarks/prefetch_sweep.py \
                  --quiet --step-ms 1,3,10 --rounds "${LONG_ROUNDS:-3}" \
                  --out "$logs" ;;
