@@ -112,8 +112,8 @@ def candidates() -> tuple[Way, ...]:
   program ``jax.jit`` builds) always among them. Before jax 0.12, where the
   graph of stream calls is one chain, only ``inline`` and ``concurrent``:
   stream calls under XLA's defaults lose there, and with CONCURRENT graphs
-  they never ran faster than ``concurrent`` in steady state on an H100
-  (docs/xla.md), though a first call's timing picked them three times."""
+  they never ran faster than ``concurrent`` in steady state on an H100,
+  though a first call's timing could pick them (docs/xla.md)."""
   if not _compat.XLA_SCHEDULES_STREAM_CALLS:
     return (WAYS["inline"], WAYS["concurrent"])
   return tuple(WAYS[n] for n in ("inline", "concurrent", "streams",
