@@ -77,10 +77,10 @@ def stream_calls():
   jaxstreams.config.reset("jaxstreams_gpu_lowering")
 
 
-@pytest.fixture(params=["fused", "threads", "plain", "switching"])
+@pytest.fixture(params=["fused", "plain", "switching"])
 def staged_mode(request, monkeypatch):
   """The ``mode=`` to pass to ``jaxstreams.staged`` for one way of running:
-  staged (fused, or threads), plain, and ``mode="measured"`` with its chooser
+  staged (fused), plain, and ``mode="measured"`` with its chooser
   replaced by one that switches between plain and fused every two calls,
   so that every promise is checked across switches."""
   if request.param == "switching":

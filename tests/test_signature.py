@@ -94,7 +94,7 @@ SHARDED_PROGRAM = """
       return jaxstreams.stage(f(batch)) * scale
 
     batches = [whole, split, whole, split]
-    for mode in ("fused", "threads"):
+    for mode in ("fused", "plain"):
       runner = jaxstreams.staged(step, iter(batches), mode=mode)
       for batch in batches:
         out = runner(np.float32(2))

@@ -6,8 +6,7 @@ worker thread outlives the runner.
 
 Every way is checked: ``mode="fused"`` (one jaxstreams.jit program per call
 runs the consumer of batch k and the producer stages of the following
-batches, ``A0; A1 B0; A2 B1 C0; ...``), ``mode="threads"`` (a
-worker thread and a program per producer stage), ``mode="plain"`` (the
+batches, ``A0; A1 B0; A2 B1 C0; ...``), ``mode="plain"`` (the
 plain step on batches read in the caller's thread) and ``mode="measured"``
 (the default) with its chooser replaced by one that switches between plain
 and fused every few calls, so that every promise is checked across
@@ -149,12 +148,7 @@ def test_lookahead_bounded_by_capacity_per_stage(mode):
     for _ in range(30):
       runner(params)
       calls[0] += 1
-  if mode == "threads":
-    # The reader and 3 producer stages, `capacity` finished items each and
-    # one in hand between stages; +1 for the item the consumer counts after
-    # the call returns.
-    assert max(ahead) <= 4 * (capacity + 1) + 1
-  elif mode == "plain":
+  if mode == "plain":
     assert max(ahead) == 1      # each call reads its own batch, as a loop
   else:
     # At most K + 1 = 4 batches in the pipeline (the one consumed and one
@@ -261,7 +255,7 @@ def test_smart_stages_the_data_only_subgraph():
   assert "stage 0 (producer)" in str(plan) and "smart" in str(plan)
 
   want = [jax.jit(step)(params, b) for b in data]
-  for mode in ("fused", "threads", "plain"):
+  for mode in ("fused", "plain"):
     with jaxstreams.staged(step, data=data, smart=True, capacity=2,
                            mode=mode) as runner:
       _assert_same(_run(runner, params), want)
@@ -282,7 +276,7 @@ def test_smart_widens_beyond_stage_calls():
   assert "sin" in {e.primitive for e in smart.producers[0].equations}
   want = [jax.jit(step)(params, b) for b in data]
   for is_smart in (False, True):
-    for mode in ("fused", "threads", "plain"):
+    for mode in ("fused", "plain"):
       with jaxstreams.staged(step, data=data, smart=is_smart,
                              mode=mode) as runner:
         _assert_same(_run(runner, params), want)
@@ -353,7 +347,7 @@ def test_data_exception_raised_at_its_batch(mode):
     runner(params)
 
 
-@pytest.mark.parametrize("mode", ["fused", "threads", "plain"])
+@pytest.mark.parametrize("mode", ["fused", "plain"])
 def test_other_argument_shape_change_is_an_error_while_staging(mode):
   params, data = _params(), _batches(3)
   with jaxstreams.staged(step1, data=data, mode=mode) as runner:
@@ -375,8 +369,7 @@ def test_stream_option_keeps_results(stream, mode):
     _assert_same(_run(runner, params), want)
 
 
-@pytest.mark.parametrize("mode, workers", [("fused", 1), ("threads", 4),
-                                           ("plain", 0)])
+@pytest.mark.parametrize("mode, workers", [("fused", 1), ("plain", 0)])
 def test_abandoned_runner_stops_its_workers(mode, workers):
   def forever():
     b = _batches(1)[0]
@@ -385,8 +378,7 @@ def test_abandoned_runner_stops_its_workers(mode, workers):
 
   runner = jaxstreams.staged(step3, data=forever(), capacity=1, mode=mode)
   runner(_params())
-  # Fused: the reader only. Threads: the reader and one per producer stage.
-  # Plain: none.
+  # Fused: the reader only. Plain: none.
   assert len(jaxstreams_threads("jaxstreams-prefetch")) == workers
   del runner
   gc.collect()
@@ -414,10 +406,10 @@ def test_abandoned_runner_stops_its_workers(mode, workers):
     (dict(data_argnum=0), TypeError, "unexpected keyword argument "
      "'data_argnum'"),
     (dict(smart=1), TypeError, "smart must be True or False"),
-    (dict(mode="thread"), ValueError, r"mode must be one of \('measured', "
-     r"'fused', 'plain', 'threads'\), got 'thread'"),
+    (dict(mode="threads"), ValueError, r"mode must be one of \('measured', "
+     r"'fused', 'plain'\), got 'threads'"),
     (dict(mode="auto"), ValueError, r"mode must be one of \('measured', "
-     r"'fused', 'plain', 'threads'\), got 'auto'"),
+     r"'fused', 'plain'\), got 'auto'"),
     (dict(mode=None), ValueError, "mode must be one of"),
 ])
 def test_argument_errors(kwargs, error, match):
@@ -649,12 +641,14 @@ def test_producer_stage_failure_raised_at_its_batch(mode, k):
     runner(params)
 
 
-def test_step_program_needs_a_runner_with_a_fused_way_that_ran():
-  runner = jaxstreams.staged(step1, data=_batches(2), mode="threads")
-  runner(_params())
-  with pytest.raises(RuntimeError, match="needs a runner in mode 'measured', "
-                     "'fused' or 'plain' that has run a call"):
+def test_step_program_needs_a_runner_that_ran():
+  runner = jaxstreams.staged(step1, data=_batches(2), mode="plain")
+  with pytest.raises(RuntimeError, match="needs a runner that has run a call"):
     runner.step_program()
+  assert runner.schedule == [] and runner.programs_run == 0
+  runner(_params())
+  program, args = runner.step_program()
+  assert callable(program) and args
   assert runner.schedule == [] and runner.programs_run == 0
 
 

@@ -109,7 +109,7 @@ def test_smart_leaves_constant_only_equations_to_their_readers():
   assert f"[{iota[0]:3d}] iota" in str(plan)
 
   want = [jax.jit(const_step)(params, b) for b in data]
-  for mode in ("fused", "threads"):
+  for mode in ("fused", "plain"):
     for capacity in (1, 3):
       with jaxstreams.staged(const_step, data=data, smart=True, mode=mode,
                              capacity=capacity) as runner:
@@ -146,7 +146,7 @@ def test_constants_feeding_stage_calls(smart):
   assert plan.consumer.inputs == 2
 
   want = [jax.jit(marker_step)(params, b) for b in data]
-  for mode in ("fused", "threads"):
+  for mode in ("fused", "plain"):
     with jaxstreams.staged(marker_step, data=data, smart=smart,
                            mode=mode) as runner:
       assert_equal_results(_run_all(runner, params), want)
@@ -206,10 +206,10 @@ def test_fused_donates_staged_values_never_the_batch():
     np.asarray(b["x"])      # still readable
 
 
-def test_threads_mode_donates_nothing():
+def test_plain_mode_donates_nothing():
   params, data = _params(), _batches(4)
   want = [jax.jit(two_stage)(params, b) for b in data]
-  with jaxstreams.staged(two_stage, data=data, mode="threads") as runner:
+  with jaxstreams.staged(two_stage, data=data, mode="plain") as runner:
     assert_equal_results(_run_all(runner, params), want)
   assert not any(x.is_deleted() for b in data for x in _leaves(b))
 

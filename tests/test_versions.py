@@ -139,7 +139,7 @@ def test_closure_in_served_function():
     assert_equal_results(server(x), jax.jit(f)(x))
 
 
-@pytest.mark.parametrize("mode", ["fused", "threads"])
+@pytest.mark.parametrize("mode", ["fused", "plain"])
 @pytest.mark.parametrize("smart", [False, True])
 def test_staged_step_closing_over_arrays(constants, mode, smart):
   w, b = constants

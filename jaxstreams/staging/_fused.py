@@ -117,15 +117,6 @@ def _fused_program(cache: dict, consumer: Split | None,
   return program
 
 
-def part_program(cache: dict, split: Split, part: int, stream: int,
-                 streams: int) -> Callable:
-  """The fused program that runs only ``split``'s part ``part``."""
-  k = len(split.bodies) - 1
-  return _fused_program(
-      cache, split if part == k else None,
-      tuple(split if j == part else None for j in range(k)), stream, streams)
-
-
 def producer_stream(first: Split, stream: int | None,
                     streams_now: Callable[[], int]) -> tuple[int, int]:
   """The producer's stream (unless given, the first the step does not use)

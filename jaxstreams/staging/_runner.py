@@ -1,6 +1,6 @@
 """``staged(step, data=...)``: software pipelining of a step (TensorFlow's
 staging areas, DeepRec's SmartStage): the arguments, the run
-(``_measured`` or ``_threads``) and the one warning.
+(``_measured``) and the one warning.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from jaxstreams.staging._analysis import FUNC, Split, StagedPlan, build_split
 from jaxstreams.staging._measured import MeasuredRun
 from jaxstreams.staging._fused import FusedRun
 from jaxstreams.staging._splits import Splits
-from jaxstreams.staging._threads import ThreadRun
 
-MODES = ("measured", "fused", "plain", "threads")
+MODES = ("measured", "fused", "plain")
 
 
 class StagedRunner:
@@ -43,20 +42,15 @@ class StagedRunner:
     self.smart = smart
     self.mode = mode
     self._splits = Splits(fun, self._name, data_argnums, smart)
-    self._run: MeasuredRun | ThreadRun | None = None
+    self._run: MeasuredRun | None = None
     self._done = False
 
   def _start(self, other_args: tuple, kwargs: dict) -> None:
     """The first call reads the first batch and splits the step with it."""
     data, self._data = self._data, None     # the run owns the iterable now
-    other = (other_args, kwargs)
-    if self.mode == "threads":
-      self._run = ThreadRun(self._splits, data, self.capacity, self.stream,
-                            self._streams_now, other)
-    else:
-      self._run = MeasuredRun(self._splits, data, self.mode, self.capacity,
-                              self.stream, self._streams_now, self._plain,
-                              self.data_argnums, other)
+    self._run = MeasuredRun(self._splits, data, self.mode, self.capacity,
+                            self.stream, self._streams_now, self._plain,
+                            self.data_argnums, (other_args, kwargs))
     self.stream, self.streams = self._run.stream, self._run.streams
 
   def __call__(self, *other_args, **kwargs):
@@ -88,7 +82,7 @@ class StagedRunner:
 
   @property
   def _fused(self) -> FusedRun | None:
-    return getattr(self._run, "fused", None)
+    return None if self._run is None else self._run.fused
 
   @property
   def schedule(self) -> list[str]:
@@ -98,11 +92,10 @@ class StagedRunner:
 
   def step_program(self) -> tuple[Callable, list]:
     """The steady-state fused program for the latest batch and its
-    arguments as ``jax.ShapeDtypeStruct``s, to inspect; not ``"threads"``."""
+    arguments as ``jax.ShapeDtypeStruct``s, to inspect."""
     if self._fused is None:
-      raise RuntimeError(f"{FUNC}: step_program() needs a runner in mode "
-                         "'measured', 'fused' or 'plain' that has run a "
-                         "call")
+      raise RuntimeError(f"{FUNC}: step_program() needs a runner that has "
+                         "run a call")
     return self._fused.step_program(self._run.last_split)
 
   @property
@@ -111,8 +104,8 @@ class StagedRunner:
     return self._fused.programs if self._fused is not None else 0
 
   def stats(self) -> dict[str, Any]:
-    """How the runner runs and why: ``mode`` (``"fused"``, ``"plain"`` or
-    ``"threads"``) and ``mode_reason``; ``calls``; ``switches`` and
+    """How the runner runs and why: ``mode`` (``"fused"`` or ``"plain"``)
+    and ``mode_reason``; ``calls``; ``switches`` and
     ``trials`` (``mode="measured"``); per way ``calls``, ``waited`` (calls
     that waited for the reader) and per call ``read_us``, ``wait_us``,
     ``call_us`` (its other time) and ``cycle_us``."""
@@ -233,9 +226,6 @@ def staged(step: Callable, data: Iterable[Any], *,
   order, errors and ``close()`` hold either way. One
   ``jaxstreams.PerformanceWarning`` the first time it steps aside.
   ``mode="plain"``: always the plain step (the first call still splits).
-  ``mode="threads"``: each producer stage a program of its own, run by a
-  worker thread ``capacity`` items ahead (on a GPU this hides only host
-  work and copies).
 
   ``step`` is a plain function, a ``jaxstreams.jit`` function (its consumer
   keeps its stream plan) or a ``jax.jit`` one. Its other arguments must
