@@ -30,7 +30,7 @@ import jaxstreams
 from jaxstreams.staging import staged_plan
 from programs import assert_equal_results, wait_until
 
-analysis_module = importlib.import_module("jaxstreams.staging._analysis")
+analysis_module = importlib.import_module("jaxstreams.partition.stages")
 
 B = 8
 CONST = np.linspace(0.0, 1.0, 6, dtype=np.float32)   # closed over by the step

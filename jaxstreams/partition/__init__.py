@@ -1,8 +1,9 @@
 """Stage 3 of the pipeline: regions, their dependencies, and the plan.
 
 ``PartitionedProgram`` is what lowering emits; ``StreamPlan``, made from it
-by ``report``, is what users read. ``cut`` (what a part of a jaxpr reads,
-makes and runs) serves partition, staging and serving alike.
+by ``report``, is what users read. ``stages`` cuts a step into ``staged``'s
+producer stages and consumer (its ``StagedPlan``). ``cut`` (what a part of
+a jaxpr reads, makes and runs) serves partition, staging and serving alike.
 """
 
 from jaxstreams.partition.cut import Part, cut, part_function, part_jaxpr

@@ -14,7 +14,7 @@ from jax import tree_util
 
 from jaxstreams import config
 from jaxstreams._jit import jit as streams_jit
-from jaxstreams.staging._analysis import FUNC, Split
+from jaxstreams.partition.stages import FUNC, Split
 from jaxstreams.staging._splits import Splits
 from jaxstreams.staging import _clock
 from jaxstreams.staging._lookahead import NOT_READY

@@ -13,7 +13,7 @@ import jax
 from jax import tree_util
 
 from jaxstreams.staging import _clock, _policy
-from jaxstreams.staging._analysis import Split, with_data
+from jaxstreams.partition.stages import Split, with_data
 from jaxstreams.staging._fused import DataError, FusedRun, producer_stream
 from jaxstreams.staging._prefetcher import Prefetcher
 from jaxstreams.staging._splits import Splits

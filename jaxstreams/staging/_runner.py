@@ -15,7 +15,7 @@ import jax
 from jaxstreams import _checks
 from jaxstreams._jit import jit as streams_jit, spec_of
 from jaxstreams._performance import PerformanceWarning
-from jaxstreams.staging._analysis import FUNC, Split, StagedPlan, build_split
+from jaxstreams.partition.stages import FUNC, Split, StagedPlan, build_split
 from jaxstreams.staging._measured import MeasuredRun
 from jaxstreams.staging._fused import FusedRun
 from jaxstreams.staging._splits import Splits

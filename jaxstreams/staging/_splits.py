@@ -13,7 +13,7 @@ from typing import Any, Callable
 from jax import tree_util
 
 from jaxstreams._signature import signature
-from jaxstreams.staging._analysis import FUNC, Split, build_split
+from jaxstreams.partition.stages import FUNC, Split, build_split
 
 _BY_FUNCTION: "weakref.WeakKeyDictionary[Any, dict]" = \
     weakref.WeakKeyDictionary()

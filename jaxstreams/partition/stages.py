@@ -1,7 +1,8 @@
-"""The split analysis: which part of a step each equation runs in. The
-data's leaves and constants are level 0, an equation is at its inputs'
-highest level, a ``stage()`` marker adds one; equations that read another
-argument or have effects, and what depends on them, are the consumer's.
+"""A step cut into ``staged``'s parts (producer stages, then the consumer):
+which part each equation runs in. The data's leaves and constants are
+level 0, an equation is at its inputs' highest level, a ``stage()`` marker
+(``tag.boundary``) adds one; equations that read another argument or have
+effects, and what depends on them, are the consumer's.
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ import collections
 import dataclasses
 from typing import Any, Callable
 
-import jax
 import jax.extend.core as jcore
 from jax import tree_util
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxstreams import _compat
 from jaxstreams._trace import trace
 from jaxstreams.partition.cut import cut, part_function
+from jaxstreams.tag.boundary import is_marker
 from jaxstreams.tag.read import any_equation, stream_ids
 
 FUNC = "jaxstreams.staged"
@@ -25,27 +25,6 @@ FUNC = "jaxstreams.staged"
 # Primitives that can fail while a program runs (XLA's own do not raise).
 _MAY_RAISE = frozenset({"pure_callback", "io_callback", "debug_callback",
                         "debug_print", "ffi_call"})
-
-
-# ``stage(x)`` is one ``checkpoint_name`` identity per leaf with this name,
-# which JAX differentiates, batches and lowers, and XLA removes.
-STAGE_NAME = "jaxstreams_stage"
-
-
-def stage(x: Any) -> Any:
-  """Marks a stage boundary: what computes ``x`` (a pytree of arrays) from
-  the step's data argument is the producer, which ``jaxstreams.staged``
-  runs ahead on later batches. Returns ``x`` unchanged; outside a staged
-  step it is an identity."""
-  leaves = tree_util.tree_leaves(x)
-  if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-    return x
-  return tree_util.tree_map(lambda leaf: checkpoint_name(leaf, STAGE_NAME), x)
-
-
-def is_marker(eqn) -> bool:
-  """Whether ``eqn`` is one of ``stage()``'s identity equations."""
-  return eqn.primitive.name == "name" and eqn.params.get("name") == STAGE_NAME
 
 
 # ``StagedPlan``: how ``staged`` split a step, for people to read.
