@@ -12,7 +12,11 @@ time. Three ways of serving, measured in the same run:
   caller's thread, on XLA:CPU (one stream) and, since grouped requests
   measured slower on an H100, on a GPU too;
 * ``grouped`` (for reference): the same server forced to ``mode="grouped"``
-  (``--no-grouped`` leaves it out).
+  (``--no-grouped`` leaves it out);
+* ``jax.jit'`` (the noise floor): the baseline again, a second client
+  function calling the same ``jax.jit`` function. Its ratio to ``jax.jit``
+  would be 1.00x on a quiet machine; how far it strays says how far any
+  ratio of the run can be trusted (``--no-control`` leaves it out).
 
 Method (benchmarks/_common.py): for each thread count, ``--rounds`` rounds;
 a round runs each way for ``--seconds``, in alternating order. Reported per
@@ -50,6 +54,7 @@ import jaxstreams  # noqa: E402
 import _common  # noqa: E402
 
 GOAL = 0.95     # serve's throughput over jax.jit's, at every thread count
+CONTROL = "jax.jit'"
 
 
 def make_mlp(features=64, width=256, depth=3, classes=16, seed=0):
@@ -120,6 +125,8 @@ def main():
   parser.add_argument("--threads", default="1,4,16,64")
   parser.add_argument("--no-grouped", action="store_true",
                       help="leave out the grouped reference")
+  parser.add_argument("--no-control", action="store_true",
+                      help="leave out jax.jit', the baseline run again")
   args = parser.parse_args()
   thread_counts = [int(t) for t in args.threads.split(",")]
   if args.quick:
@@ -133,8 +140,13 @@ def main():
   def call_jit(x):
     return jitted(x).block_until_ready()
 
+  def call_jit_again(x):
+    return jitted(x).block_until_ready()
+
   server = jaxstreams.serve(mlp, groups=args.groups, queue_size=4096)
   ways = {"jax.jit": call_jit, "serve": server}
+  if not args.no_control:
+    ways[CONTROL] = call_jit_again
   grouped = None
   if not args.no_grouped:
     grouped = jaxstreams.serve(mlp, groups=args.groups, queue_size=4096,
@@ -189,6 +201,9 @@ def main():
         row[name]["paired_ratio_to_jit"] = _common.paired(
             rates[name], rates["jax.jit"])
     row["serve_meets_goal"] = row["serve"]["paired_ratio_to_jit"] >= GOAL
+    if CONTROL in row:
+      # Where the baseline itself strays from 1.00x, so may serve.
+      row["noise_floor"] = abs(row[CONTROL]["paired_ratio_to_jit"] - 1.0)
     rows[str(threads)] = row
     for name in ways:
       r = row[name]
@@ -208,6 +223,9 @@ def main():
       "serve_mode_reason": serve_stats.mode_reason,
       "seconds_per_sample": args.seconds, "rounds": args.rounds,
       "goal_serve_over_jit": GOAL, "results_by_threads": rows,
+      "control": (None if args.no_control else
+                  f"{CONTROL}: the jax.jit baseline run again; its ratio "
+                  f"to jax.jit is the run's noise"),
       "note": ("paired_ratio_to_jit: median over rounds of the way's "
                "throughput over jax.jit's in the same round; noisy unless "
                "the machine was quiet (see quiet_machine and the load "
