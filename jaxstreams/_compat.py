@@ -350,7 +350,7 @@ def bind_shard_map(eqn, body: Callable[..., Sequence[Any]],
 
 
 # ---------------------------------------------------------------------------
-# Region-call rules for jaxstreams.jit as a drop-in for jax.jit (issue 16).
+# Region-call rules for jaxstreams.jit as a drop-in for jax.jit.
 # Installed by the first emission of a region (``install_region_rules``), not
 # at import: importing jaxstreams changes nothing in jax.
 
@@ -516,7 +516,7 @@ def _install_region_partial_eval() -> None:
   ``xla_metadata_call`` no rule for that step, so a region call with any
   unknown input is staged whole and its primal outputs count as linear:
   a later product of two primals then fails to transpose (``AssertionError:
-  (ValAccum, ValAccum)``), the crash of issue 16. This rule splits the
+  (ValAccum, ValAccum)``) under ``jax.checkpoint``. This rule splits the
   region into a known region call and an unknown one, both on the region's
   stream, as jax does for its own call primitives (an ``order_barrier`` into
   two barriers). Calls that are not jaxstreams' keep jax's behaviour.

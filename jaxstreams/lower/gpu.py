@@ -19,24 +19,22 @@ towers) and one H100 run (jax 0.11.2):
 
 * XLA launches a step as CUDA graphs. In jaxlib 0.10 and 0.11 its default
   graph builder chains every command after the previous one: stream calls
-  are one sequence there (graph parallelism 1.00 in every program tried),
-  and they cost fusions across region boundaries. From jaxlib 0.12 the
-  graph forks at each stream call and joins at its first reader
-  (parallelism 1.23-1.75, up to two regions in flight unless raised).
+  are one sequence there, and they cost fusions across region
+  boundaries. From jaxlib 0.12 the graph forks at each stream call and
+  joins at its first reader (up to two regions in flight unless raised).
 * ``CONCURRENT`` (``xla_gpu_command_buffer_scheduling_mode``) draws the
-  graph's edges from data on every version (parallelism 2.1-3.1 for
-  ``jax.jit``'s program, 1.75-5.0 for stream calls). It measured the
-  fastest on the H100: ``jax.jit``'s program with it 1.05x-2.24x of
-  ``jax.jit``, stream calls with it 0.86x-2.32x, stream calls alone
-  0.78x-1.04x. jax takes compiler options only where the executable is
-  compiled: a call at top level, not a function traced inside another jit.
+  graph's edges from data on every version, for ``jax.jit``'s program and
+  for stream calls alike, and measured the fastest on the H100 (the
+  figures: docs/xla.md). jax takes compiler options only where the
+  executable is compiled: a call at top level, not a function traced
+  inside another jit.
 * So, by default: at top level, ``concurrent``; inside another trace,
   ``streams`` from jax 0.12 (parallel branches under XLA's defaults) and
   ``inline`` before (a chain that costs fusions buys nothing; taking the
   regions out of the graph with a custom call that XLA cannot capture
   runs them on their streams, but launches their kernels one by one,
-  which measured 0.35x-0.86x of ``jax.jit`` on the H100 with command
-  buffers off). On a GPU, the first top-level calls time the
+  which measured slower than ``jax.jit`` on the H100 with command buffers
+  off). On a GPU, the first top-level calls time the
   ``candidates`` and keep the fastest (``jaxstreams.lower.autotune``).
 
 On CPU every way is the program ``jax.jit`` builds: XLA:CPU has one stream
