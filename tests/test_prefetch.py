@@ -344,6 +344,64 @@ def test_abandoned_iterator_stops_when_collected(way):
   assert wait_until(lambda: len(jaxstreams_threads("jaxstreams-prefetch")) == before, 10.0)
 
 
+def test_prefetcher_over_a_prefetcher_keeps_order_and_closes_both(way):
+  """The outer iterator owns the inner one: items come through both in
+  order, and closing the outer (even with its worker waiting on the inner)
+  stops the inner's workers and runs the source's finally."""
+  finished = threading.Event()
+
+  def forever():
+    try:
+      i = 0
+      while True:
+        yield np.int32(i)
+        i += 1
+    finally:
+      finished.set()
+
+  inner = jaxstreams.prefetch(forever(), size=2, num_threads=2, mode=way)
+  outer = jaxstreams.prefetch(inner, size=3, mode=way)
+  assert [int(next(outer)) for _ in range(6)] == list(range(6))
+  assert outer.close(timeout=10) is True
+  assert not any(t.is_alive() for t in inner.threads + outer.threads)
+  assert finished.is_set()
+  with pytest.raises(StopIteration):
+    next(inner)
+
+
+def test_closing_the_outer_prefetcher_wakes_its_worker_waiting_on_the_inner():
+  """The outer's worker waits inside the inner iterator for an item the
+  source does not give: closing the outer stops the inner, so that worker
+  returns at once; close(timeout) then waits for the inner's worker, stuck
+  in the source, gives up after its timeout, and the inner's worker ends
+  (closing the source) once the source returns."""
+  entered, release, finished = (threading.Event(), threading.Event(),
+                                threading.Event())
+
+  def two_then_stuck():
+    try:
+      yield np.int32(0)
+      yield np.int32(1)
+      entered.set()
+      release.wait(30)
+      yield np.int32(2)
+    finally:
+      finished.set()
+
+  inner = jaxstreams.prefetch(two_then_stuck(), size=1, mode="workers")
+  outer = jaxstreams.prefetch(inner, size=2, mode="workers")
+  assert [int(next(outer)) for _ in range(2)] == [0, 1]
+  assert entered.wait(10)     # the outer's worker now waits on the inner
+  t0 = time.monotonic()
+  assert outer.close(timeout=0.5) is False
+  assert time.monotonic() - t0 < 5
+  assert not any(t.is_alive() for t in outer.threads)
+  assert inner.threads[0].is_alive() and not finished.is_set()
+  release.set()
+  assert wait_until(lambda: not any(t.is_alive() for t in inner.threads))
+  assert wait_until(finished.is_set)
+
+
 def test_sharding_is_honoured():
   devices = jax.devices()
   batches = [np.arange(8, dtype=np.float32) + i for i in range(3)]

@@ -42,6 +42,9 @@ class Pipeline:
     # once no worker can be inside the iterable.
     self.upstream = upstream
     self.owned = owned
+    # Stopped by the pipeline that reads this one, which then closes it:
+    # its consumer (that pipeline's worker) must not wait to close it.
+    self.owner_stopped = False
     self.transfer = make_transfer(size)
     self.num_threads = num_threads
     self.closed_types = closed
@@ -116,7 +119,7 @@ class Pipeline:
       self.cond.notify_all()      # stop() may wait for the last one
     self._release_if_idle()
     if close_owned:           # close(timeout) gave up waiting for us
-      self._close_owned()
+      self._close_owned(wait=False)
 
   def _produce(self, wait: bool,
                time_busy: bool = False) -> tuple[str, Any, float]:
@@ -350,6 +353,7 @@ class Pipeline:
       self._halt()
     self.transfer.stop()        # wakes a worker waiting in a stage put
     if self.upstream is not None:
+      self.upstream.owner_stopped = True
       self.upstream.stop(join=False)
     if not join:
       self._release_if_idle()   # or the last worker does, when it returns
@@ -365,17 +369,26 @@ class Pipeline:
         self.close_owned_on_exit = True   # the last one out closes them
         return False
     self._release_if_idle()
-    self._close_owned()
-    return True
+    return self._close_owned(deadline)
 
-  def _close_owned(self) -> None:
-    """Closes what the pipeline owns (an upstream prefetcher, a generator
-    whose finally blocks run now), once no worker can be inside it."""
+  def _close_owned(self, deadline: float | None = None,
+                   wait: bool = True) -> bool:
+    """Closes what the pipeline owns, once no worker can be inside it: an
+    upstream prefetcher (waited for until ``deadline``, if ``wait``; else
+    its own last worker finishes closing it) or a generator (its finally
+    blocks run now). Returns whether all of it has ended."""
+    if self.upstream is not None:
+      if not wait:
+        deadline = time.monotonic()
+      remaining = (None if deadline is None
+                   else max(0.0, deadline - time.monotonic()))
+      return self.upstream.stop(join=True, timeout=remaining)
     if self.owned is not None:
       try:
         self.owned.close()
       except Exception:  # noqa: BLE001 - closing is best effort
         pass
+    return True
 
   def _release_if_idle(self) -> None:
     """Frees the transfer's resources once stopped and idle; once."""

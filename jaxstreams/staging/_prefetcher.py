@@ -93,7 +93,9 @@ class Prefetcher:
     except TimeoutError:
       raise             # the item may still come: stay usable
     except BaseException:
-      if not self._closed:   # after close(timeout) gave up: do not wait now
+      # After close(timeout) gave up, or when the prefetcher reading this
+      # one stopped it (and closes it), do not wait now.
+      if not (self._closed or pipeline.owner_stopped):
         self.close()    # the end, or item k's exception: nothing follows
       raise
     if pipeline.meter.news is not None:
