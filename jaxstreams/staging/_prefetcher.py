@@ -151,7 +151,8 @@ class Prefetcher:
     """Stops the workers and waits up to ``timeout`` seconds (None: as long
     as it takes) for them to exit; returns whether they have. A worker
     blocked inside the iterable's ``__next__`` delivers nothing and then
-    closes what the iterator owns. Idempotent."""
+    closes what the iterator owns. A prefetcher given as the iterable is
+    closed with it, within the same timeout. Idempotent."""
     timeout = _checks.timeout(timeout, name="timeout", context="Prefetcher.close")
     self._closed = True
     self._finalizer.detach()
