@@ -215,19 +215,20 @@ def test_timeout_names_what_was_waited_for():
     assert int(next(it)) == 1   # still usable after a timeout
 
 
+def _counting(finished: threading.Event):
+  """0, 1, 2, ... without end; ``finished`` is set when it is closed."""
+  try:
+    i = 0
+    while True:
+      yield np.int32(i)
+      i += 1
+  finally:
+    finished.set()
+
+
 def test_close_stops_infinite_source_and_runs_generator_finally(way):
   finished = threading.Event()
-
-  def forever():
-    try:
-      i = 0
-      while True:
-        yield np.int32(i)
-        i += 1
-    finally:
-      finished.set()
-
-  it = jaxstreams.prefetch(forever(), size=2, num_threads=3, mode=way)
+  it = jaxstreams.prefetch(_counting(finished), size=2, num_threads=3, mode=way)
   assert [int(next(it)) for _ in range(5)] == [0, 1, 2, 3, 4]
   assert len(it.threads) == (0 if way == "inline" else 3)
   it.close()
@@ -349,17 +350,7 @@ def test_prefetcher_over_a_prefetcher_keeps_order_and_closes_both(way):
   order, and closing the outer (even with its worker waiting on the inner)
   stops the inner's workers and runs the source's finally."""
   finished = threading.Event()
-
-  def forever():
-    try:
-      i = 0
-      while True:
-        yield np.int32(i)
-        i += 1
-    finally:
-      finished.set()
-
-  inner = jaxstreams.prefetch(forever(), size=2, num_threads=2, mode=way)
+  inner = jaxstreams.prefetch(_counting(finished), size=2, num_threads=2, mode=way)
   outer = jaxstreams.prefetch(inner, size=3, mode=way)
   assert [int(next(outer)) for _ in range(6)] == list(range(6))
   assert outer.close(timeout=10) is True

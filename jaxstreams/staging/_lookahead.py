@@ -38,8 +38,8 @@ class Pipeline:
                description: str, name: str, mode: str, reason: str,
                upstream: Pipeline | None = None, owned: Any = None):
     self.iterator = iterator
-    # An upstream prefetcher's pipeline (stopped first), and what is closed
-    # once no worker can be inside the iterable.
+    # An upstream prefetcher's pipeline (stopped first, then closed), and a
+    # generator closed once no worker can be inside it.
     self.upstream = upstream
     self.owned = owned
     # Stopped by the pipeline that reads this one, which then closes it:

@@ -71,9 +71,10 @@ class Prefetcher:
           f"only a wait for a worker can time out")
     self._closed = False
     self._warn = warn     # staged's pipelines do not warn
+    # A prefetcher given as the iterable is stopped and closed with this
+    # one; a generator is closed; a file the caller opened is the caller's.
     upstream = iterator._pipeline if isinstance(iterator, Prefetcher) else None
-    owned = (iterator if isinstance(iterator, (Prefetcher, types.GeneratorType))
-             else None)    # a file the caller opened is the caller's to close
+    owned = iterator if isinstance(iterator, types.GeneratorType) else None
     self._pipeline = Pipeline(
         iterator, transfer, size, num_threads, closed_exception_types,
         ignored_exception_types, _describe(iterable),
