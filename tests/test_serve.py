@@ -474,10 +474,106 @@ def test_argument_errors():
 
 # ---------------------------------------------------------------------------
 # Direct mode: where stream groups cannot pay, a request runs as a plain
-# thread would run it.
+# thread would run it. Its request object has two implementations, C and
+# Python (serving/_direct.py): the tests of direct mode run with each.
+
+def _native_direct_call():
+  from jaxstreams.runtime import _loader
+  from jaxstreams.serving import _direct
+  return _direct.native(_loader.search_dirs())
+
+
+@pytest.fixture(params=["native", "python"])
+def direct_call(request, monkeypatch):
+  """Servers made in the test use this implementation of DirectCall."""
+  from jaxstreams.serving import _direct, _server
+  if request.param == "native":
+    kind = _native_direct_call()
+    if kind is None:
+      pytest.skip("the C DirectCall is not built (test_native_direct_call_"
+                  "is_built_with_the_runtime says whether it should be)")
+  else:
+    kind = _direct.PyDirectCall
+  monkeypatch.setattr(_server, "_direct_call_type", lambda: kind)
+  return kind
+
+
+def test_native_direct_call_is_built_with_the_runtime():
+  """Wherever the native CPU runtime was built, serve's C request was built
+  beside it (a build without Python.h is the only way to lack it)."""
+  from jaxstreams.runtime import _loader
+  from jaxstreams.serving import _server
+  dirs = _loader.search_dirs()
+  if not any((d / "libjaxstreams_cpu.so").is_file() for d in dirs):
+    pytest.skip(f"no native runtime build in {dirs}")
+  native = _native_direct_call()
+  assert native is not None, f"_serve_direct.abi3.so missing from {dirs}"
+  assert _server._direct_call_type() is native
+  assert native.__module__ == "jaxstreams.serving._serve_direct"
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_direct_call_counts_and_admits(kind):
+  """The request object alone: admission by admit_limit, the slow way when
+  it is reached, exact counts from many threads, errors counted and raised,
+  wake() called while must_wake is set, a pytree output waited for."""
+  from jaxstreams.serving import _direct, _server
+  cls = _native_direct_call() if kind == "native" else _direct.PyDirectCall
+  if cls is None:
+    pytest.skip("the C DirectCall is not built")
+  calls = {"slow": 0, "wake": 0}
+
+  def fn(x):
+    if x is None:
+      raise ValueError("no None")
+    return {"y": x * 2}
+
+  def slow():
+    calls["slow"] += 1
+    if not direct.take(2):
+      raise RuntimeError("full")
+
+  def wake():
+    calls["wake"] += 1
+
+  jitted = jax.jit(lambda x: fn(x))
+  direct = cls(jitted, _server._ARRAY_TYPE, jax.block_until_ready, slow, wake)
+  assert (direct.running, direct.finished, direct.failed) == (0, 0, 0)
+  np.testing.assert_array_equal(direct(jnp.ones(2))["y"], [2.0, 2.0])
+  direct.admit_limit = 0                     # every request goes the slow way
+  np.testing.assert_array_equal(direct(x=jnp.ones(2))["y"], [2.0, 2.0])
+  assert calls["slow"] == 1
+  assert direct.take(1) and not direct.take(1)   # one token out, limit 1
+  direct.release()
+  direct.must_wake = True
+  with pytest.raises(ValueError, match="no None"):
+    direct(None)                             # raised while jax.jit traces
+  assert calls["wake"] == 1
+  assert (direct.running, direct.finished, direct.failed) == (0, 3, 1)
+
+  direct.admit_limit = _direct.MAX_SSIZE
+  direct.must_wake = False
+  plain = cls(jax.jit(lambda x: x + 1.0), _server._ARRAY_TYPE,
+              jax.block_until_ready, slow, wake)
+  errors = []
+
+  def client():
+    for _ in range(200):
+      try:
+        plain(jnp.ones(()))
+      except Exception as e:  # noqa: BLE001
+        errors.append(e)
+
+  threads = [threading.Thread(target=client) for _ in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(TIMEOUT)
+  assert not errors
+  assert (plain.running, plain.finished, plain.failed) == (0, 1600, 0)
 
 @pytest.mark.cpu_backend
-def test_by_platform_on_cpu_runs_each_request_in_its_callers_thread():
+def test_by_platform_on_cpu_runs_each_request_in_its_callers_thread(direct_call):
   traced_in = []
 
   def f(x):
@@ -497,7 +593,7 @@ def test_by_platform_on_cpu_runs_each_request_in_its_callers_thread():
   assert stats.batches == 0 and stats.programs_traced == 0
 
 
-def test_direct_mode_keeps_serves_promises():
+def test_direct_mode_keeps_serves_promises(direct_call):
   def f(x, *, shift):
     if x.shape == (7,):
       raise ValueError("no sevens")
@@ -527,7 +623,7 @@ def test_direct_mode_keeps_serves_promises():
     server(jnp.ones(2), shift=1)
 
 
-def test_direct_mode_back_pressure_and_close_drains():
+def test_direct_mode_back_pressure_and_close_drains(direct_call):
   gate = threading.Event()
   entered = threading.Event()
 
@@ -559,7 +655,7 @@ def test_direct_mode_back_pressure_and_close_drains():
     server.submit(jnp.ones(2))
 
 
-def test_direct_mode_counts_exactly_under_many_threads():
+def test_direct_mode_counts_exactly_under_many_threads(direct_call):
   """The direct path takes no lock for a request admitted at once: its
   counts must still be exact with many callers at once."""
   def f(x):
@@ -589,7 +685,7 @@ def test_direct_mode_counts_exactly_under_many_threads():
   assert stats.direct == 640
 
 
-def test_direct_mode_waits_for_room_and_never_runs_more_than_queue_size():
+def test_direct_mode_waits_for_room_and_never_runs_more_than_queue_size(direct_call):
   lock = threading.Lock()
   now, most = [0], [0]
 
@@ -621,7 +717,7 @@ def test_direct_mode_waits_for_room_and_never_runs_more_than_queue_size():
   assert (stats.requests, stats.completed, stats.failed) == (80, 80, 0)
 
 
-def test_direct_mode_wait_for_room_times_out_or_ends_with_close():
+def test_direct_mode_wait_for_room_times_out_or_ends_with_close(direct_call):
   gate, entered = threading.Event(), threading.Event()
 
   def hold(v):
@@ -655,30 +751,7 @@ def test_direct_mode_wait_for_room_times_out_or_ends_with_close():
   assert (stats.requests, stats.completed, stats.failed) == (1, 1, 0)
 
 
-def test_tally_counts_every_add_from_many_threads():
-  from jaxstreams.serving._server import _Tally
-  tally = _Tally()
-  reads = []
-
-  def add():
-    for _ in range(10_000):
-      tally.add()
-
-  threads = [threading.Thread(target=add) for _ in range(8)]
-  for t in threads:
-    t.start()
-  lock = threading.Lock()
-  while any(t.is_alive() for t in threads):
-    with lock:
-      reads.append(tally.read())
-  for t in threads:
-    t.join()
-  with lock:
-    assert tally.read() == 80_000
-  assert reads == sorted(reads)
-
-
-def test_by_platform_runs_direct_on_a_gpu_too(monkeypatch):
+def test_by_platform_runs_direct_on_a_gpu_too(monkeypatch, direct_call):
   from jaxstreams.serving import _server
   monkeypatch.setattr(_server, "_platform", lambda: "gpu")
   with jaxstreams.serve(mlp, groups=2) as server:

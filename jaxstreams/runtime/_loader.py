@@ -1,9 +1,11 @@
 """Finds the native runtime libraries, loads them with ctypes and registers
 their XLA FFI handlers, once per process.
 
-The libraries are plain C-ABI shared objects (no Python extension module), so
-one build works with every Python version; they are registered with
-``jax.ffi.register_ffi_target`` from ``jax.ffi.pycapsule`` pointers.
+The libraries are plain C-ABI shared objects (they do not link against
+Python), so one build works with every Python version; they are registered
+with ``jax.ffi.register_ffi_target`` from ``jax.ffi.pycapsule`` pointers. The
+one extension module built with them (serve's direct-mode request) is found
+in the same directories (`search_dirs`) and loaded by jaxstreams/serving/_direct.py.
 
 Nothing here runs at import: `load` runs on the first use of something that
 needs a library (`require`, called by the runtime functions and by the

@@ -3,7 +3,9 @@
 Two ways to run a request, chosen by ``mode`` (see ``serve``):
 
 * *direct*: the caller's own thread calls ``jax.jit(f)``, exactly what a
-  plain thread would do: no hand-off, no batching program.
+  plain thread would do: no hand-off, no batching program. The request is
+  a ``DirectCall`` object (_direct.py; in C where it was built) that
+  counts it and admits it without a lock.
   ``mode="by_platform"`` picks it, from the platform and ``groups`` alone
   (nothing is measured), where stream groups cannot pay: a platform that
   runs one stream (XLA:CPU), ``groups=1``, and every GPU measured so far (an
@@ -57,7 +59,6 @@ import functools
 import itertools
 import numbers
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -69,6 +70,8 @@ from jax import tree_util
 from jax.interpreters import mlir
 
 from jaxstreams import _checks, _compat, _workers
+from jaxstreams.runtime import _loader
+from jaxstreams.serving import _direct
 from jaxstreams._jit import jit as _streams_jit, spec_of
 from jaxstreams._signature import signature as _leaf_signatures, traced_signature
 from jaxstreams._trace import trace
@@ -236,31 +239,6 @@ def _resolve_mode(mode: str, groups: int) -> tuple[str, str]:
 # ---------------------------------------------------------------------------
 # The server's state, shared by the server object and its threads.
 
-class _Tally:
-  """A count that many threads add to without a lock: ``next()`` on an
-  ``itertools.count`` is one C call, atomic under the GIL, where ``+= 1``
-  on an attribute is three steps another thread can come between. Reading
-  it takes a number too, so reads are counted and taken off; ``read()``
-  must be called under a lock (its own count is not atomic).
-
-  A hot path adds with ``next(tally.count)``: the builtin ``next`` is
-  called by vectorcall, where ``count.__next__`` (a method-wrapper) or
-  ``functools.partial(next, count)`` costs more per call (callgrind: about
-  250 instructions more on CPython 3.11, 60 on 3.12)."""
-
-  def __init__(self):
-    self.count = itertools.count()
-    self._reads = 0
-
-  def add(self) -> None:
-    next(self.count)
-
-  def read(self) -> int:
-    value = next(self.count) - self._reads
-    self._reads += 1
-    return value
-
-
 _MAX_IN_FLIGHT = 2      # batches dispatched and not yet handed back
 _server_ids = itertools.count(1)
 THREAD_PREFIX = "jaxstreams-serve"
@@ -288,22 +266,19 @@ class _Core:
     self.pending: collections.deque[_Request] = collections.deque()
     self.in_flight = 0           # grouped: batches (and lone requests) running
     self.space_waiters = 0       # callers blocked in _wait_for_space
-    # Direct mode takes no lock on the way of a request admitted at once:
-    # one token per request running (deque.append / pop are atomic under
-    # the GIL) and a tally of those finished; the lock only on the way of a
-    # refusal, a wait for room, a failure or a close.
-    self.running: collections.deque = collections.deque()
-    self.limit = sys.maxsize if queue_size is None else queue_size
-    # What the lock-free way reads, one attribute each: the most requests
-    # it admits (-1 once closing, so every request takes the locked way and
-    # is refused there), and whether a request that ends must wake a
-    # caller waiting for room or a close() waiting for the running ones.
-    self.admit_limit = self.limit
-    self.wake_on_finish = False
-    self.finished = _Tally()
-    self.finished_count = self.finished.count    # next() it: one more done
+    # Direct mode: a request admitted at once takes no lock; the DirectCall
+    # object (_direct.py) counts it. The lock only on the way of a refusal,
+    # a wait for room, or a close.
+    self.limit = _direct.MAX_SSIZE if queue_size is None else queue_size
     self.direct = self.mode == "direct"
-    self.direct_failed = 0       # under self.lock
+    self.direct_call = _direct_call_type()(
+        self.jitted, _ARRAY_TYPE, jax.block_until_ready, self._admit_slowly,
+        self._wake)
+    # The most requests admitted without the lock (-1 once closing, so that
+    # every request takes the locked way and is refused there), and whether
+    # a request that ends must wake a caller waiting for room or a close()
+    # waiting for the running ones.
+    self.direct_call.admit_limit = self.limit
     self.closing = False
     self.workers = _workers.Workers(name)
     self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -348,7 +323,7 @@ class _Core:
           "queue_size or block=True.")
     deadline = None if self.block is True else time.monotonic() + self.block
     self.space_waiters += 1
-    self.wake_on_finish = True
+    self.direct_call.must_wake = True
     try:
       while full() and not self.closing:
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -359,7 +334,7 @@ class _Core:
         self.space.wait(remaining)
     finally:
       self.space_waiters -= 1
-      self.wake_on_finish = self.space_waiters > 0 or self.closing
+      self.direct_call.must_wake = self.space_waiters > 0 or self.closing
     self._check_open()
 
   def _full_what(self, verb: str) -> str:
@@ -374,69 +349,28 @@ class _Core:
             "waiting)")
 
   # -- direct mode: the caller's thread runs jax.jit(f) --------------------
-
-  def call_direct(self, *args, **kwargs):
-    """A request in direct mode (``server(...)`` is this call): ``jax.jit(f)``
-    in the caller's thread, waited for, so that a run-time error reaches
-    this caller as it would a plain caller reading the result. No lock for
-    a request admitted at once (see ``__init__``): with many threads a
-    request costs the time it holds the GIL (about 5 us for jax.jit's
-    dispatch), and every step here is a share of that."""
-    running = self.running
-    running.append(None)
-    if len(running) > self.admit_limit:
-      running.pop()
-      self._admit_slowly()        # refused, or waits for room
-    try:
-      # Forwarding an empty **kwargs builds and merges a dict on the way.
-      out = self.jitted(*args, **kwargs) if kwargs else self.jitted(*args)
-      if type(out) is _ARRAY_TYPE:
-        out.block_until_ready()   # one array: no tree walk
-      else:
-        jax.block_until_ready(out)
-    except BaseException:
-      self._direct_failure()
-      raise
-    finally:
-      running.pop()
-      next(self.finished_count)
-      if self.wake_on_finish:
-        self._wake()
-    return out
+  # A call is self.direct_call (see _direct.py); these are its slow ways.
 
   def _admit_slowly(self) -> None:
     """A direct request that found the server closing or full: refuse it,
     or wait for room as ``block`` says; on return it holds its token."""
     with self.lock:
       self._check_open()
-      taken = self._take_token()
+      taken = self.direct_call.take(self.limit)
       if taken:
         return
 
       def full() -> bool:
         nonlocal taken
-        taken = self._take_token()
+        taken = self.direct_call.take(self.limit)
         return not taken
 
       try:
         self._wait_for_space(full)
       except BaseException:
         if taken:               # room came, and so did a close
-          self.running.pop()
+          self.direct_call.release()
         raise
-
-  def _take_token(self) -> bool:
-    """Takes a direct request's token if there is room (under self.lock;
-    requests on the lock-free way take theirs alongside)."""
-    self.running.append(None)
-    if len(self.running) <= self.limit:
-      return True
-    self.running.pop()
-    return False
-
-  def _direct_failure(self) -> None:
-    with self.lock:
-      self.direct_failed += 1
 
   def _wake(self) -> None:
     """A direct request ended while callers wait for room or close() waits
@@ -450,21 +384,19 @@ class _Core:
     # settled on return and holds jax.jit's (asynchronously computed)
     # result or the caller's own error.
     args, kwargs = payload
-    running = self.running
-    running.append(None)
-    if len(running) > self.admit_limit:
-      running.pop()
+    direct = self.direct_call
+    if not direct.take(direct.admit_limit):
       self._admit_slowly()
     future: concurrent.futures.Future = concurrent.futures.Future()
+    ok = False
     try:
       future.set_result(self.jitted(*args, **kwargs))
+      ok = True
     except Exception as e:  # noqa: BLE001 -- this caller's own error
-      self._direct_failure()
       future.set_exception(e)
     finally:
-      running.pop()
-      next(self.finished_count)
-      if self.wake_on_finish:
+      direct.finish(ok)
+      if direct.must_wake:
         self._wake()
     return future
 
@@ -473,8 +405,8 @@ class _Core:
   def close(self, join: bool, timeout: float | None) -> bool:
     with self.lock:
       self.closing = True
-      self.admit_limit = -1
-      self.wake_on_finish = True
+      self.direct_call.admit_limit = -1
+      self.direct_call.must_wake = True
       self.work.notify_all()
       self.space.notify_all()
     if not join:
@@ -482,7 +414,7 @@ class _Core:
     deadline = None if timeout is None else time.monotonic() + timeout
     if self.mode == "direct":
       with self.lock:   # drain: wait for the requests running in callers
-        while self.running:
+        while self.direct_call.running:
           remaining = None if deadline is None else deadline - time.monotonic()
           if remaining is not None and remaining <= 0:
             return False
@@ -688,12 +620,12 @@ class _Core:
   def stats(self) -> ServeStats:
     with self.lock, self.cache_lock:
       c = self.counts
-      finished = self.finished.read()
-      direct = finished + len(self.running)     # direct mode's requests
+      d = self.direct_call
+      direct = d.finished + d.running            # direct mode's requests
       return ServeStats(
           requests=c["requests"] + (direct if self.mode == "direct" else 0),
-          completed=c["completed"] + finished - self.direct_failed,
-          failed=c["failed"] + self.direct_failed,
+          completed=c["completed"] + d.finished - d.failed,
+          failed=c["failed"] + d.failed,
           batches=c["batches"], batch_sizes=dict(sorted(self.batch_sizes.items())),
           signatures_traced=c["signatures_traced"],
           programs_traced=c["programs_traced"],
@@ -705,6 +637,13 @@ class _Core:
 
 
 _ARRAY_TYPE = _compat.ARRAY_TYPE
+
+
+@functools.cache
+def _direct_call_type() -> type:
+  """The C ``DirectCall`` where it was built with the native runtime, else
+  the Python one (see _direct.py)."""
+  return _direct.native(_loader.search_dirs()) or _direct.PyDirectCall
 
 
 def _signature_of_traced(request) -> tuple:
@@ -732,16 +671,18 @@ class Server(functools.partial):
   finished, new ones raise ``ServerClosedError``, and the worker threads
   end. The threads also end when the server is garbage-collected.
 
-  A call is the core's ``call_direct`` or ``call_grouped``, as chosen by
-  the mode, made by ``functools.partial`` in C (as a ``jaxstreams.jit``
-  function's is): from CPython 3.12 that is a vectorcall, about 500
-  instructions a request less than a ``__call__`` method forwarding
-  ``*args, **kwargs`` (callgrind); on 3.11 the two cost the same.
+  A call is the core's ``DirectCall`` object (direct mode) or
+  ``call_grouped``, made by ``functools.partial`` in C (as a
+  ``jaxstreams.jit`` function's is) rather than by a ``__call__`` method
+  forwarding ``*args, **kwargs``, which would add a Python frame to each
+  request.
   """
 
   def __new__(cls, core: _Core):
-    call = _Core.call_direct if core.direct else _Core.call_grouped
-    self = super().__new__(cls, call, core)
+    if core.direct:
+      self = super().__new__(cls, core.direct_call)
+    else:
+      self = super().__new__(cls, _Core.call_grouped, core)
     self._core = core
     self._finalizer = weakref.finalize(self, core.close, False, None)
     functools.update_wrapper(self, core.fun, updated=())

@@ -1,0 +1,119 @@
+"""A request of a direct-mode server: ``jax.jit(f)`` called and waited for
+in the caller's thread, with the server's admission and counts.
+
+``DirectCall`` is that request as an object the server calls; the server
+keeps its lock, its conditions and its policy (``_server._Core``) and hands
+this object two callbacks for the rare ways:
+
+* ``admit_slowly()``: a request that finds ``admit_limit`` requests running
+  (the server's ``queue_size``, or -1 once it is closing) goes the server's
+  locked way, which refuses it or waits for room, and returns holding a
+  token (``take``).
+* ``wake()``: called after a request ends while ``must_wake`` is set (a
+  caller waits for room, or ``close()`` for the running requests).
+
+``running``, ``finished`` and ``failed`` are the counts the server's
+``stats()`` and ``close()`` read.
+
+There are two implementations of this one object. ``_serve_direct`` in C
+(ffi/python/serve_direct.cc, built and installed with the native runtime) is
+the one that runs: after each execution the interpreter's code and data have
+left the CPU caches, so every Python step between a caller and ``jax.jit``
+costs several times what it costs in a loop, and in Python this bookkeeping
+cost a batch-1 request a measurable share of its time on CPU (see
+benchmarks/README.md). ``PyDirectCall`` below does the same in Python,
+slower: where the C module is not built (a source checkout run without a
+build) or cannot load (a free-threaded CPython), and in the tests, which
+check both.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+from typing import Callable
+
+MODULE = "_serve_direct"
+MAX_SSIZE = 2**63 - 1     # the C type's limits are Py_ssize_t: no bound
+
+
+class PyDirectCall:
+  """The Python implementation of ``DirectCall`` (see the module docstring).
+
+  Its counts change under a lock of its own (``+=`` on an attribute is not
+  atomic); ``admit_slowly`` runs under the server's lock and takes this one
+  inside it, never the other way round."""
+
+  def __init__(self, jitted: Callable, array_type: type,
+               block_tree: Callable, admit_slowly: Callable[[], None],
+               wake: Callable[[], None]):
+    self.jitted = jitted
+    self.array_type = array_type
+    self.block_tree = block_tree
+    self.admit_slowly = admit_slowly
+    self.wake = wake
+    self.running = self.finished = self.failed = 0
+    self.admit_limit = MAX_SSIZE
+    self.must_wake = False
+    self._lock = threading.Lock()
+
+  def take(self, limit: int) -> bool:
+    with self._lock:
+      if self.running >= limit:
+        return False
+      self.running += 1
+      return True
+
+  def release(self) -> None:
+    with self._lock:
+      self.running -= 1
+
+  def finish(self, ok: bool) -> None:
+    with self._lock:
+      self.running -= 1
+      self.finished += 1
+      self.failed += not ok
+
+  def __call__(self, *args, **kwargs):
+    if not self.take(self.admit_limit):
+      self.admit_slowly()
+    ok = False
+    try:
+      out = self.jitted(*args, **kwargs)
+      if type(out) is self.array_type:
+        out.block_until_ready()
+      else:
+        self.block_tree(out)
+      ok = True
+    finally:
+      self.finish(ok)
+      if self.must_wake:
+        self.wake()
+    return out
+
+
+def native(search_dirs: list) -> type | None:
+  """The C ``DirectCall`` from the first of ``search_dirs`` holding a build
+  of it (loaded once per process), or None where there is none or it does
+  not load."""
+  name = f"jaxstreams.serving.{MODULE}"
+  if name in sys.modules:
+    return sys.modules[name].DirectCall
+  for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+    if "abi3" not in suffix:
+      continue
+    for directory in search_dirs:
+      path = directory / (MODULE + suffix)
+      if not path.is_file():
+        continue
+      spec = importlib.util.spec_from_file_location(name, path)
+      try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+      except ImportError:
+        return None
+      sys.modules[name] = module
+      return module.DirectCall
+  return None
