@@ -530,7 +530,7 @@ def test_direct_call_counts_and_admits(kind):
 
   def slow():
     calls["slow"] += 1
-    if not direct.take(2):
+    if not direct._take(2):
       raise RuntimeError("full")
 
   def wake():
@@ -538,21 +538,21 @@ def test_direct_call_counts_and_admits(kind):
 
   jitted = jax.jit(lambda x: fn(x))
   direct = cls(jitted, _server._ARRAY_TYPE, jax.block_until_ready, slow, wake)
-  assert (direct.running, direct.finished, direct.failed) == (0, 0, 0)
+  assert (direct._running, direct._finished, direct._failed) == (0, 0, 0)
   np.testing.assert_array_equal(direct(jnp.ones(2))["y"], [2.0, 2.0])
-  direct.admit_limit = 0                     # every request goes the slow way
+  direct._admit_limit = 0                     # every request goes the slow way
   np.testing.assert_array_equal(direct(x=jnp.ones(2))["y"], [2.0, 2.0])
   assert calls["slow"] == 1
-  assert direct.take(1) and not direct.take(1)   # one token out, limit 1
-  direct.release()
-  direct.must_wake = True
+  assert direct._take(1) and not direct._take(1)   # one token out, limit 1
+  direct._release()
+  direct._must_wake = True
   with pytest.raises(ValueError, match="no None"):
     direct(None)                             # raised while jax.jit traces
   assert calls["wake"] == 1
-  assert (direct.running, direct.finished, direct.failed) == (0, 3, 1)
+  assert (direct._running, direct._finished, direct._failed) == (0, 3, 1)
 
-  direct.admit_limit = _direct.MAX_SSIZE
-  direct.must_wake = False
+  direct._admit_limit = _direct.MAX_SSIZE
+  direct._must_wake = False
   plain = cls(jax.jit(lambda x: x + 1.0), _server._ARRAY_TYPE,
               jax.block_until_ready, slow, wake)
   errors = []
@@ -570,7 +570,7 @@ def test_direct_call_counts_and_admits(kind):
   for t in threads:
     t.join(TIMEOUT)
   assert not errors
-  assert (plain.running, plain.finished, plain.failed) == (0, 1600, 0)
+  assert (plain._running, plain._finished, plain._failed) == (0, 1600, 0)
 
 @pytest.mark.cpu_backend
 def test_by_platform_on_cpu_runs_each_request_in_its_callers_thread(direct_call):

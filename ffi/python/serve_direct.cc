@@ -182,21 +182,21 @@ PyObject* DirectCallFinish(PyObject* obj, PyObject* ok_arg) {
 }
 
 PyMethodDef kMethods[] = {
-    {"take", DirectCallTake, METH_O,
-     "take(limit) -> bool: a token if fewer than limit are running."},
-    {"release", DirectCallRelease, METH_NOARGS,
-     "release(): gives back a token of a request that did not run."},
-    {"finish", DirectCallFinish, METH_O,
-     "finish(ok): gives back a token of a request that ran; counts it."},
+    {"_take", DirectCallTake, METH_O,
+     "_take(limit) -> bool: a token if fewer than limit are running."},
+    {"_release", DirectCallRelease, METH_NOARGS,
+     "_release(): gives back a token of a request that did not run."},
+    {"_finish", DirectCallFinish, METH_O,
+     "_finish(ok): gives back a token of a request that ran; counts it."},
     {nullptr, nullptr, 0, nullptr},
 };
 
 PyMemberDef kMembers[] = {
-    {"running", T_PYSSIZET, offsetof(DirectCall, running), READONLY, nullptr},
-    {"finished", T_PYSSIZET, offsetof(DirectCall, finished), READONLY, nullptr},
-    {"failed", T_PYSSIZET, offsetof(DirectCall, failed), READONLY, nullptr},
-    {"admit_limit", T_PYSSIZET, offsetof(DirectCall, admit_limit), 0, nullptr},
-    {"must_wake", T_BOOL, offsetof(DirectCall, must_wake), 0, nullptr},
+    {"_running", T_PYSSIZET, offsetof(DirectCall, running), READONLY, nullptr},
+    {"_finished", T_PYSSIZET, offsetof(DirectCall, finished), READONLY, nullptr},
+    {"_failed", T_PYSSIZET, offsetof(DirectCall, failed), READONLY, nullptr},
+    {"_admit_limit", T_PYSSIZET, offsetof(DirectCall, admit_limit), 0, nullptr},
+    {"_must_wake", T_BOOL, offsetof(DirectCall, must_wake), 0, nullptr},
     {nullptr, 0, 0, 0, nullptr},
 };
 
@@ -220,7 +220,7 @@ PyType_Spec kSpec = {
     "jaxstreams.serving._serve_direct.DirectCall",
     sizeof(DirectCall),
     0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
     kSlots,
 };
 

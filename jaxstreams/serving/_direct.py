@@ -1,19 +1,22 @@
 """A request of a direct-mode server: ``jax.jit(f)`` called and waited for
 in the caller's thread, with the server's admission and counts.
 
-``DirectCall`` is that request as an object the server calls; the server
-keeps its lock, its conditions and its policy (``_server._Core``) and hands
-this object two callbacks for the rare ways:
+``DirectCall`` is that request as an object: a direct-mode server is one
+(``_server._make_server``), so that calling the server is the request, with
+no Python frame on the way. The server's core keeps its lock, its
+conditions and its policy and hands this object two callbacks for the rare
+ways:
 
-* ``admit_slowly()``: a request that finds ``admit_limit`` requests running
-  (the server's ``queue_size``, or -1 once it is closing) goes the server's
-  locked way, which refuses it or waits for room, and returns holding a
-  token (``take``).
-* ``wake()``: called after a request ends while ``must_wake`` is set (a
+* ``admit_slowly()``: a request that finds ``_admit_limit`` requests
+  running (the server's ``queue_size``, or -1 once it is closing) goes the
+  core's locked way, which refuses it or waits for room, and returns
+  holding a token (``_take``).
+* ``wake()``: called after a request ends while ``_must_wake`` is set (a
   caller waits for room, or ``close()`` for the running requests).
 
-``running``, ``finished`` and ``failed`` are the counts the server's
-``stats()`` and ``close()`` read.
+``_running``, ``_finished`` and ``_failed`` are the counts the core's
+``stats()`` and ``close()`` read. Every name is private: they are
+attributes of the server object.
 
 There are two implementations of this one object. ``_serve_direct`` in C
 (ffi/python/serve_direct.cc, built and installed with the native runtime) is
@@ -49,48 +52,48 @@ class PyDirectCall:
   def __init__(self, jitted: Callable, array_type: type,
                block_tree: Callable, admit_slowly: Callable[[], None],
                wake: Callable[[], None]):
-    self.jitted = jitted
-    self.array_type = array_type
-    self.block_tree = block_tree
-    self.admit_slowly = admit_slowly
-    self.wake = wake
-    self.running = self.finished = self.failed = 0
-    self.admit_limit = MAX_SSIZE
-    self.must_wake = False
+    self._jitted = jitted
+    self._array_type = array_type
+    self._block_tree = block_tree
+    self._admit_slowly = admit_slowly
+    self._wake = wake
+    self._running = self._finished = self._failed = 0
+    self._admit_limit = MAX_SSIZE
+    self._must_wake = False
     self._lock = threading.Lock()
 
-  def take(self, limit: int) -> bool:
+  def _take(self, limit: int) -> bool:
     with self._lock:
-      if self.running >= limit:
+      if self._running >= limit:
         return False
-      self.running += 1
+      self._running += 1
       return True
 
-  def release(self) -> None:
+  def _release(self) -> None:
     with self._lock:
-      self.running -= 1
+      self._running -= 1
 
-  def finish(self, ok: bool) -> None:
+  def _finish(self, ok: bool) -> None:
     with self._lock:
-      self.running -= 1
-      self.finished += 1
-      self.failed += not ok
+      self._running -= 1
+      self._finished += 1
+      self._failed += not ok
 
   def __call__(self, *args, **kwargs):
-    if not self.take(self.admit_limit):
-      self.admit_slowly()
+    if not self._take(self._admit_limit):
+      self._admit_slowly()
     ok = False
     try:
-      out = self.jitted(*args, **kwargs)
-      if type(out) is self.array_type:
+      out = self._jitted(*args, **kwargs)
+      if type(out) is self._array_type:
         out.block_until_ready()
       else:
-        self.block_tree(out)
+        self._block_tree(out)
       ok = True
     finally:
-      self.finish(ok)
-      if self.must_wake:
-        self.wake()
+      self._finish(ok)
+      if self._must_wake:
+        self._wake()
     return out
 
 

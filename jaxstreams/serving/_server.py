@@ -271,14 +271,12 @@ class _Core:
     # a wait for room, or a close.
     self.limit = _direct.MAX_SSIZE if queue_size is None else queue_size
     self.direct = self.mode == "direct"
-    self.direct_call = _direct_call_type()(
-        self.jitted, _ARRAY_TYPE, jax.block_until_ready, self._admit_slowly,
-        self._wake)
-    # The most requests admitted without the lock (-1 once closing, so that
-    # every request takes the locked way and is refused there), and whether
-    # a request that ends must wake a caller waiting for room or a close()
-    # waiting for the running ones.
-    self.direct_call.admit_limit = self.limit
+    # Direct mode's server object, a DirectCall (set by _make_server). Its
+    # admit_limit: the most requests admitted without the lock (-1 once
+    # closing, so that every request takes the locked way and is refused
+    # there); its must_wake: whether a request that ends must wake a caller
+    # waiting for room or a close() waiting for the running ones.
+    self.direct_call = None
     self.closing = False
     self.workers = _workers.Workers(name)
     self.done: queue.SimpleQueue = queue.SimpleQueue()
@@ -323,7 +321,7 @@ class _Core:
           "queue_size or block=True.")
     deadline = None if self.block is True else time.monotonic() + self.block
     self.space_waiters += 1
-    self.direct_call.must_wake = True
+    self._set_must_wake(True)
     try:
       while full() and not self.closing:
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -334,8 +332,12 @@ class _Core:
         self.space.wait(remaining)
     finally:
       self.space_waiters -= 1
-      self.direct_call.must_wake = self.space_waiters > 0 or self.closing
+      self._set_must_wake(self.space_waiters > 0 or self.closing)
     self._check_open()
+
+  def _set_must_wake(self, value: bool) -> None:
+    if self.direct_call is not None:
+      self.direct_call._must_wake = value
 
   def _full_what(self, verb: str) -> str:
     """What is full, truthfully per mode: in direct mode no request waits in
@@ -349,27 +351,28 @@ class _Core:
             "waiting)")
 
   # -- direct mode: the caller's thread runs jax.jit(f) --------------------
-  # A call is self.direct_call (see _direct.py); these are its slow ways.
+  # A call is the server object, a DirectCall (see _direct.py); these are
+  # its slow ways and submit().
 
   def _admit_slowly(self) -> None:
     """A direct request that found the server closing or full: refuse it,
     or wait for room as ``block`` says; on return it holds its token."""
     with self.lock:
       self._check_open()
-      taken = self.direct_call.take(self.limit)
+      taken = self.direct_call._take(self.limit)
       if taken:
         return
 
       def full() -> bool:
         nonlocal taken
-        taken = self.direct_call.take(self.limit)
+        taken = self.direct_call._take(self.limit)
         return not taken
 
       try:
         self._wait_for_space(full)
       except BaseException:
         if taken:               # room came, and so did a close
-          self.direct_call.release()
+          self.direct_call._release()
         raise
 
   def _wake(self) -> None:
@@ -385,7 +388,7 @@ class _Core:
     # result or the caller's own error.
     args, kwargs = payload
     direct = self.direct_call
-    if not direct.take(direct.admit_limit):
+    if not direct._take(direct._admit_limit):
       self._admit_slowly()
     future: concurrent.futures.Future = concurrent.futures.Future()
     ok = False
@@ -395,8 +398,8 @@ class _Core:
     except Exception as e:  # noqa: BLE001 -- this caller's own error
       future.set_exception(e)
     finally:
-      direct.finish(ok)
-      if direct.must_wake:
+      direct._finish(ok)
+      if direct._must_wake:
         self._wake()
     return future
 
@@ -405,8 +408,9 @@ class _Core:
   def close(self, join: bool, timeout: float | None) -> bool:
     with self.lock:
       self.closing = True
-      self.direct_call.admit_limit = -1
-      self.direct_call.must_wake = True
+      if self.direct_call is not None:
+        self.direct_call._admit_limit = -1
+      self._set_must_wake(True)
       self.work.notify_all()
       self.space.notify_all()
     if not join:
@@ -414,7 +418,7 @@ class _Core:
     deadline = None if timeout is None else time.monotonic() + timeout
     if self.mode == "direct":
       with self.lock:   # drain: wait for the requests running in callers
-        while self.direct_call.running:
+        while self.direct_call._running:
           remaining = None if deadline is None else deadline - time.monotonic()
           if remaining is not None and remaining <= 0:
             return False
@@ -621,11 +625,13 @@ class _Core:
     with self.lock, self.cache_lock:
       c = self.counts
       d = self.direct_call
-      direct = d.finished + d.running            # direct mode's requests
+      finished, failed, running = ((d._finished, d._failed, d._running)
+                                   if d is not None else (0, 0, 0))
+      direct = finished + running                # direct mode's requests
       return ServeStats(
-          requests=c["requests"] + (direct if self.mode == "direct" else 0),
-          completed=c["completed"] + d.finished - d.failed,
-          failed=c["failed"] + d.failed,
+          requests=c["requests"] + direct,
+          completed=c["completed"] + finished - failed,
+          failed=c["failed"] + failed,
           batches=c["batches"], batch_sizes=dict(sorted(self.batch_sizes.items())),
           signatures_traced=c["signatures_traced"],
           programs_traced=c["programs_traced"],
@@ -633,7 +639,7 @@ class _Core:
           program_evictions=self.programs.evictions,
           fallbacks=c["fallbacks"], mode=self.mode,
           mode_reason=self.mode_reason,
-          direct=direct if self.mode == "direct" else 0)
+          direct=direct)
 
 
 _ARRAY_TYPE = _compat.ARRAY_TYPE
@@ -660,7 +666,7 @@ def _name(fun) -> str:
 # ---------------------------------------------------------------------------
 # The public object.
 
-class Server(functools.partial):
+class Server:
   """A thread-safe callable serving ``f``; made by ``jaxstreams.serve``.
 
   ``server(*args, **kwargs)`` waits for and returns ``f(*args, **kwargs)``,
@@ -671,22 +677,11 @@ class Server(functools.partial):
   finished, new ones raise ``ServerClosedError``, and the worker threads
   end. The threads also end when the server is garbage-collected.
 
-  A call is the core's ``DirectCall`` object (direct mode) or
-  ``call_grouped``, made by ``functools.partial`` in C (as a
-  ``jaxstreams.jit`` function's is) rather than by a ``__call__`` method
-  forwarding ``*args, **kwargs``, which would add a Python frame to each
-  request.
+  No ``__call__`` here, and no Python frame on the way of a request: a
+  direct-mode server is also a ``DirectCall`` (_direct.py), whose call is
+  the request; a grouped one is a ``functools.partial`` of
+  ``call_grouped`` (see ``_make_server``).
   """
-
-  def __new__(cls, core: _Core):
-    if core.direct:
-      self = super().__new__(cls, core.direct_call)
-    else:
-      self = super().__new__(cls, _Core.call_grouped, core)
-    self._core = core
-    self._finalizer = weakref.finalize(self, core.close, False, None)
-    functools.update_wrapper(self, core.fun, updated=())
-    return self
 
   def submit(self, *args, **kwargs) -> concurrent.futures.Future:
     """Queue ``f(*args, **kwargs)``; the future holds its result or error.
@@ -749,6 +744,35 @@ class Server(functools.partial):
     state = "closed" if self.closed else "open"
     return (f"<jaxstreams.serve {_name(self._core.fun)}: groups="
             f"{self._core.groups}, mode={self._core.mode}, {state}>")
+
+
+class _GroupedServer(Server, functools.partial):
+  __slots__ = ()
+
+
+@functools.cache
+def _direct_server_type(direct_call: type) -> type:
+  return type("_DirectServer", (Server, direct_call),
+              {"__module__": __name__, "__slots__": ()})
+
+
+def _make_server(core: _Core) -> Server:
+  """The server object. In direct mode it is the DirectCall itself (a
+  request is one C call, see _direct.py); it and the core refer to each
+  other, and with no thread to stop it needs no finalizer. A grouped
+  server's finalizer closes its core, whose threads then end."""
+  if core.direct:
+    self = _direct_server_type(_direct_call_type())(
+        core.jitted, _ARRAY_TYPE, jax.block_until_ready, core._admit_slowly,
+        core._wake)
+    self._admit_limit = core.limit
+    core.direct_call = self
+  else:
+    self = _GroupedServer(_Core.call_grouped, core)
+    weakref.finalize(self, core.close, False, None)
+  self._core = core
+  functools.update_wrapper(self, core.fun, updated=())
+  return self
 
 
 def _unwrap(fun: Callable) -> Callable:
@@ -845,4 +869,4 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
   name = f"{THREAD_PREFIX}-{next(_server_ids)}"
   core = _Core(_unwrap(fun), groups, max_batch_wait_ms / 1000.0, queue_size,
                block, max_programs, name, mode)
-  return Server(core)
+  return _make_server(core)
