@@ -1,7 +1,9 @@
 // jaxstreams.serve's request in direct mode: `jax.jit(f)` called and waited
 // for in the caller's thread, with the server's admission and counts.
 //
-// The same object is written in Python in jaxstreams/serving/_direct.py (used
+// A direct-mode server is an instance of this type (a Python subclass that
+// adds the server's methods), so a call of the server is the call below. The
+// same object is written in Python in jaxstreams/serving/_direct.py (used
 // where this module is not built); that file says what each part is for.
 // This one exists for speed: after each execution the interpreter's code and
 // data are out of the CPU caches, so every Python step a server adds between a
@@ -64,6 +66,10 @@ PyObject* Wake(DirectCall* self, PyObject* out) {
 
 PyObject* DirectCallCall(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<DirectCall*>(obj);
+  if (self->jitted == nullptr) {  // made by __new__ alone
+    PyErr_SetString(PyExc_TypeError, "DirectCall: not initialized");
+    return nullptr;
+  }
   if (self->running < self->admit_limit) {
     ++self->running;
   } else {

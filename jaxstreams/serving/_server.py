@@ -272,10 +272,10 @@ class _Core:
     self.limit = _direct.MAX_SSIZE if queue_size is None else queue_size
     self.direct = self.mode == "direct"
     # Direct mode's server object, a DirectCall (set by _make_server). Its
-    # admit_limit: the most requests admitted without the lock (-1 once
+    # _admit_limit: the most requests admitted without the lock (-1 once
     # closing, so that every request takes the locked way and is refused
-    # there); its must_wake: whether a request that ends must wake a caller
-    # waiting for room or a close() waiting for the running ones.
+    # there); its _must_wake: whether a request that ends must wake a
+    # caller waiting for room or a close() waiting for the running ones.
     self.direct_call = None
     self.closing = False
     self.workers = _workers.Workers(name)
