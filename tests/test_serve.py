@@ -501,11 +501,15 @@ def direct_call(request, monkeypatch):
 def test_native_direct_call_is_built_with_the_runtime():
   """Wherever the native CPU runtime was built, serve's C request was built
   beside it (a build without Python.h is the only way to lack it)."""
+  import sysconfig
   from jaxstreams.runtime import _loader
   from jaxstreams.serving import _server
   dirs = _loader.search_dirs()
   if not any((d / "libjaxstreams_cpu.so").is_file() for d in dirs):
     pytest.skip(f"no native runtime build in {dirs}")
+  if not (pathlib.Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+    pytest.skip("this Python has no Python.h: a build here cannot make the "
+                "module, and serve runs its Python implementation")
   native = _native_direct_call()
   assert native is not None, f"_serve_direct.abi3.so missing from {dirs}"
   assert _server._direct_call_type() is native
