@@ -554,9 +554,12 @@ def test_direct_call_counts_and_admits(kind):
     direct(None)                             # raised while jax.jit traces
   assert calls["wake"] == 1
   assert (direct._running, direct._finished, direct._failed) == (0, 3, 1)
+  assert direct._take(5) and direct._take(5)     # two running elsewhere
+  with pytest.raises(RuntimeError, match="full"):
+    direct(jnp.ones(2))                      # refused: no token, no count
+  assert (direct._running, direct._finished, direct._failed) == (2, 3, 1)
+  assert calls["wake"] == 1                  # a refusal ends nothing
 
-  direct._admit_limit = _direct.MAX_SSIZE
-  direct._must_wake = False
   plain = cls(jax.jit(lambda x: x + 1.0), _server._ARRAY_TYPE,
               jax.block_until_ready, slow, wake)
   errors = []
@@ -575,6 +578,7 @@ def test_direct_call_counts_and_admits(kind):
     t.join(TIMEOUT)
   assert not errors
   assert (plain._running, plain._finished, plain._failed) == (0, 1600, 0)
+
 
 @pytest.mark.cpu_backend
 def test_by_platform_on_cpu_runs_each_request_in_its_callers_thread(direct_call):
