@@ -39,6 +39,28 @@ PATHS = ["device_put", "stage_area"]
 WAYS = ["workers", "inline", "switching"]
 
 
+class StuckSource:
+  """A generator source that yields ``before``, then waits inside its
+  ``__next__`` (``entered`` set) until ``release`` is set, then yields
+  ``after``; ``finished`` is set when it is closed or ends."""
+
+  def __init__(self, before, after):
+    self.entered, self.release, self.finished = (
+        threading.Event(), threading.Event(), threading.Event())
+    self.generator = self._run(before, after)
+
+  def _run(self, before, after):
+    try:
+      for v in before:
+        yield np.int32(v)
+      self.entered.set()
+      self.release.wait(30)
+      for v in after:
+        yield np.int32(v)
+    finally:
+      self.finished.set()
+
+
 @pytest.fixture(params=WAYS)
 def way(request, monkeypatch):
   """The ``mode=`` to pass for one way of producing items."""
@@ -243,19 +265,9 @@ def test_close_with_timeout_gives_up_on_a_blocked_source_and_cleans_up_later():
   """close(timeout) returns False while a worker is stuck in the iterable's
   __next__; when that call returns, the worker delivers nothing, exits and
   closes the generator (its finally runs), with no thread left behind."""
-  entered, release, finished = threading.Event(), threading.Event(), threading.Event()
-
-  def blocked_after_one():
-    try:
-      yield np.int32(0)
-      entered.set()
-      release.wait()
-      yield np.int32(1)
-      yield np.int32(2)
-    finally:
-      finished.set()
-
-  it = jaxstreams.prefetch(blocked_after_one(), size=2, mode="workers")
+  source = StuckSource(before=[0], after=[1, 2])
+  entered, release, finished = source.entered, source.release, source.finished
+  it = jaxstreams.prefetch(source.generator, size=2, mode="workers")
   assert int(next(it)) == 0
   assert entered.wait(10)
   t0 = time.monotonic()
@@ -276,18 +288,9 @@ def test_close_from_another_thread_while_the_consumer_produces_inline():
   """Inline, the consumer's own thread is inside the iterable: close(timeout)
   from elsewhere returns False; when the iterable returns, that next()
   hands out nothing (StopIteration) and closes the generator."""
-  entered, release, finished = threading.Event(), threading.Event(), threading.Event()
-
-  def blocked_after_one():
-    try:
-      yield np.int32(0)
-      entered.set()
-      release.wait(10)
-      yield np.int32(1)
-    finally:
-      finished.set()
-
-  it = jaxstreams.prefetch(blocked_after_one(), mode="inline")
+  source = StuckSource(before=[0], after=[1])
+  entered, release, finished = source.entered, source.release, source.finished
+  it = jaxstreams.prefetch(source.generator, mode="inline")
   assert int(next(it)) == 0
   outcome = []
 
@@ -366,20 +369,9 @@ def test_closing_the_outer_prefetcher_wakes_its_worker_waiting_on_the_inner():
   returns at once; close(timeout) then waits for the inner's worker, stuck
   in the source, gives up after its timeout, and the inner's worker ends
   (closing the source) once the source returns."""
-  entered, release, finished = (threading.Event(), threading.Event(),
-                                threading.Event())
-
-  def two_then_stuck():
-    try:
-      yield np.int32(0)
-      yield np.int32(1)
-      entered.set()
-      release.wait(30)
-      yield np.int32(2)
-    finally:
-      finished.set()
-
-  inner = jaxstreams.prefetch(two_then_stuck(), size=1, mode="workers")
+  source = StuckSource(before=[0, 1], after=[2])
+  entered, release, finished = source.entered, source.release, source.finished
+  inner = jaxstreams.prefetch(source.generator, size=1, mode="workers")
   outer = jaxstreams.prefetch(inner, size=2, mode="workers")
   assert [int(next(outer)) for _ in range(2)] == [0, 1]
   assert entered.wait(10)     # the outer's worker now waits on the inner
