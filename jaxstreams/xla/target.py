@@ -63,6 +63,8 @@ gpu_device_info {{
   }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
+  driver_version: "13.0.0"
+  runtime_version: "13.0.0"
 }}
 platform_name: "CUDA"
 dnn_version_info {{
