@@ -543,24 +543,31 @@ class StreamJit(functools.partial):
                      "the top-level default (jaxstreams_autotune is off)")
     return _Choice(gpu.default_top_level(), "the top-level default; on a GPU "
                    "the first call times " + ", ".join(
-                       w.name for w in gpu.candidates()) + ", keeping the fastest",
-                   timable=True)
+                       w.name for w in gpu.candidates(plan())) +
+                   ", keeping the fastest", timable=True)
 
   def _choose(self, args, kwargs) -> _Choice:
     """The way top-level calls run on this GPU: the static choice, or for
     the default way with several streams, the fastest timed."""
-    choice = self._static_choice(lambda: self._spec.plan(*args, **kwargs))
+    plans = []
+
+    def plan() -> StreamPlan:
+      if not plans:
+        plans.append(self._spec.plan(*args, **kwargs))
+      return plans[0]
+
+    choice = self._static_choice(plan)
     if not choice.timable:
       return choice
     try:
-      return self._autotune(args, kwargs)
+      return self._autotune(args, kwargs, plan())
     except Exception as error:  # noqa: BLE001 - timing must never fail a call
       return _Choice(gpu.default_top_level(), "not timed, the top-level "
                      f"default: timing failed ({type(error).__name__}: "
                      f"{str(error)[:200]})")
 
-  def _autotune(self, args, kwargs) -> _Choice:
-    ways = gpu.candidates()
+  def _autotune(self, args, kwargs, plan: StreamPlan) -> _Choice:
+    ways = gpu.candidates(plan)
     inline = self._jit(gpu.WAYS["inline"], top_level=True, donate=False)
     traced = inline.trace(*args, **kwargs)
     if traced.jaxpr.effects:

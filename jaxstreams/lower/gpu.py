@@ -105,9 +105,10 @@ def default_nested() -> Way:
   return WAYS["streams" if _compat.XLA_SCHEDULES_STREAM_CALLS else "inline"]
 
 
-def candidates() -> tuple[Way, ...]:
-  """The ways the first top-level calls on a GPU time, ``inline`` (the
-  program ``jax.jit`` builds) always among them. Before jax 0.12, where the
+def candidates(plan=None) -> tuple[Way, ...]:
+  """The ways the first top-level calls on a GPU time for ``plan`` (the
+  function's ``StreamPlan``), ``inline`` (the program ``jax.jit`` builds)
+  always among them. Before jax 0.12, where the
   graph of stream calls is one chain, only ``inline`` and ``concurrent``:
   stream calls under XLA's defaults lose there, and with CONCURRENT graphs
   they never ran faster than ``concurrent`` in steady state on an H100,

@@ -52,6 +52,10 @@ class Region:
   equations: tuple[int, ...]
   inputs: tuple[str, ...]
   outputs: tuple[str, ...]
+  # Every primitive the region binds, inside loop bodies, branches and
+  # nested jits too: what decides how XLA:GPU can run it (a loop runs
+  # outside XLA's CUDA graphs, for one).
+  holds: frozenset[str] = frozenset()
 
   @property
   def is_call(self) -> bool:
@@ -281,7 +285,8 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
           zip(jaxpr.eqns, partitioned.placements, partitioned.costs)))
   regions = tuple(
       Region(i, graph.streams[i], tuple(graph.members[i]),
-             named(graph.inputs[i]), named(graph.outputs[i]))
+             named(graph.inputs[i]), named(graph.outputs[i]),
+             _primitives(partitioned.region_equations(i)))
       for i in range(len(graph.streams)))
   kept = (transitive_reduction(len(regions), graph.edges)
           if partitioned.reduce_stream_wait else set(graph.edges))
@@ -295,6 +300,18 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
       edges=tuple(sorted(graph.edges)), schedule=partitioned.schedule,
       summary=partitioned.summary,
       bodies={i: report(body) for i, body in partitioned.bodies.items()})
+
+
+def _primitives(eqns) -> frozenset[str]:
+  """The names of the primitives ``eqns`` bind, sub-jaxprs included."""
+  found: set[str] = set()
+  todo = list(eqns)
+  while todo:
+    eqn = todo.pop()
+    found.add(eqn.primitive.name)
+    for sub in _compat.sub_jaxprs(eqn):
+      todo.extend(getattr(sub, "jaxpr", sub).eqns)
+  return frozenset(found)
 
 
 def _value_names(jaxpr) -> dict[Any, str]:
