@@ -19,6 +19,7 @@ from jaxstreams import config
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.assign import RulesFileError, StreamIdError
 from jaxstreams._jit import StreamJit, jit, plan
+from jaxstreams.lower.limits import LoweringError
 from jaxstreams.partition import Dependency, PlannedEquation, Region, StreamPlan
 from jaxstreams.serving import QueueFullError, Server, ServerClosedError, serve
 from jaxstreams.runtime.profile import profile
@@ -29,7 +30,8 @@ from jaxstreams.xla import (GpuTargetError, GraphLogError, HloParseError,
 
 __version__ = "0.1.0"
 
-__all__ = ["Dependency", "PlannedEquation", "Region", "RulesFileError",
+__all__ = ["Dependency", "LoweringError", "PlannedEquation", "Region",
+           "RulesFileError",
            "StreamIdError",
            "StreamJit", "StreamPlan", "colocate_with", "config", "jit", "plan",
            "profile", "stream"]

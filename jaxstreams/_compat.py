@@ -105,6 +105,15 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 XLA_SCHEDULES_STREAM_CALLS = _version_tuple(jaxlib.__version__) >= (0, 12)
 
 
+def jaxlib_version() -> tuple[int, ...]:
+  """The installed jaxlib's (major, minor): what XLA can compile depends on it."""
+  return _version_tuple(jaxlib.__version__)
+
+
+def jaxlib_text() -> str:
+  return jaxlib.__version__
+
+
 def order_barrier(values: Sequence[Any]) -> list[Any]:
   """``values`` through one optimization barrier in the GPU program: XLA
   computes every value before any result is read. On CPU the call lowers to
@@ -296,6 +305,18 @@ def nested_jaxpr(params: dict):
   if isinstance(jaxpr, jcore.Jaxpr):
     return jcore.ClosedJaxpr(jaxpr, ())
   return jaxpr
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+  """How many of a ``scan`` equation's operands are loop constants and how
+  many its carry (the rest are the scanned slices): jax 0.10 names the
+  counts ``num_consts`` and ``num_carry``; from 0.11 ``ft_in`` is a flat
+  tree of the operands whose ``unpack()`` gives those three groups."""
+  if "num_consts" in params:
+    return int(params["num_consts"]), int(params["num_carry"])
+  groups = params["ft_in"]
+  consts, carry, _ = groups.unpack() if hasattr(groups, "unpack") else groups
+  return len(consts), len(carry)
 
 
 # ---------------------------------------------------------------------------
@@ -492,15 +513,108 @@ def hide_package_frames() -> None:
 
 def install_region_rules() -> None:
   """Install, once, what jaxstreams' region calls need from jax: the CPU
-  inline lowering and a partial-evaluation rule that splits a region's
+  inline lowering, the GPU lowering that gives XLA calls it compiles, and
+  a partial-evaluation rule that splits a region's
   primal work from its linear work (``jax.checkpoint`` needs it). Calls that
   are not jaxstreams regions keep jax's own rules."""
   global _region_rules_installed
   if _region_rules_installed:
     return
   _install_cpu_inline_lowering()
+  _install_gpu_region_lowering()
   _install_region_partial_eval()
   _region_rules_installed = True
+
+
+# From jaxlib 0.12 XLA compiles an annotated call on its "parallel"
+# execution thread, where it neither sanitizes constants' names nor runs the
+# passes that remove optimization barriers: a constant inside a stream call
+# crashes its compiler (a segmentation fault, or ptxas rejecting the name).
+CALLS_RUN_ON_PARALLEL_THREAD = _version_tuple(jaxlib.__version__) >= (0, 12)
+# Marks a region call already lowered through the rule below.
+_PREPARED_ATTRIBUTE = "jaxstreams_prepared"
+
+
+def _install_gpu_region_lowering() -> None:
+  """Lower jaxstreams' region calls for CUDA as XLA compiles them.
+
+  * A result that is one of the call's operands, passed through (jax's
+    differentiation makes such results), is taken from the operand
+    instead: XLA 0.10 can fuse the copy it makes of such a result into a
+    cycle ("A cycle is detected while visiting instruction").
+  * From jaxlib 0.12, what the call computes from constants and literals
+    alone (values jax's differentiation makes, a user's constants) is
+    computed before it and passed in, and every operand passes an
+    optimization barrier, so that XLA neither folds a constant into the
+    call nor copies a constant operand into it. Constants that stay inside
+    are literals of elementwise work, which XLA fuses into kernels.
+
+  The call itself is lowered by jax's rule.
+  """
+  primitive = _region_primitive()
+  from jax._src.interpreters import mlir as mlir_internal  # the default rule
+  entry = mlir_internal._lowerings[primitive]
+  default_rule = getattr(entry, "rule", entry)
+
+  def gpu_rule(ctx, *args, jaxpr, **params):
+    metadata = _metadata_of(params)
+    if REGION_ATTRIBUTE not in metadata or _PREPARED_ATTRIBUTE in metadata:
+      return default_rule(ctx, *args, jaxpr=jaxpr, **params)
+    run = _prepared_call(jaxpr, {**metadata, _PREPARED_ATTRIBUTE: "1"})
+    return jax.interpreters.mlir.lower_fun(run, multiple_results=True)(
+        ctx, *args)
+
+  for platform in ("cuda", "rocm"):
+    jax.interpreters.mlir.register_lowering(primitive, gpu_rule,
+                                            platform=platform)
+
+
+def _prepared_call(closed, metadata: dict) -> Callable[..., list]:
+  """A function of the call's operands running ``closed`` as a region call
+  (attributes ``metadata``), its forwarded results taken from the operands
+  and, from jaxlib 0.12, its constant work outside and its operands behind
+  one optimization barrier."""
+  jaxpr = closed.jaxpr
+  # Values computed before the call: its constants, and from jaxlib 0.12
+  # what it makes from constants and literals alone.
+  outside = set(jaxpr.constvars)
+  hoisted, kept = [], []
+  for eqn in jaxpr.eqns:
+    if (CALLS_RUN_ON_PARALLEL_THREAD and not eqn.effects
+        and not sub_jaxprs(eqn) and all(
+            isinstance(v, jcore.Literal) or v in outside for v in eqn.invars)):
+      outside.update(eqn.outvars)
+      hoisted.append(eqn)
+    else:
+      kept.append(eqn)
+  operand_of = {v: k for k, v in enumerate(jaxpr.invars)}
+  passed = list(dict.fromkeys(   # computed before, read inside
+      v for eqn in kept for v in eqn.invars
+      if not isinstance(v, jcore.Literal) and v in outside))
+  returned = [v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)
+              and v in outside]   # computed before, a result
+  before = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(make_jaxpr(
+      jaxpr.constvars, [*passed, *returned], hoisted), ()))
+  results_inside = [v for v in jaxpr.outvars
+                    if not isinstance(v, jcore.Literal) and v not in outside
+                    and v not in operand_of]
+  call = _xla_metadata_call(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(
+      make_jaxpr([*passed, *jaxpr.invars], results_inside, kept), ())),
+      **metadata)
+
+  def run(*args):
+    made = before(*closed.consts)
+    env = dict(zip([*passed, *returned], made))
+    operands = [*made[:len(passed)], *args]
+    if CALLS_RUN_ON_PARALLEL_THREAD and operands:
+      operands = jax.lax.optimization_barrier(operands)
+    env.update(zip(results_inside,
+                   call(*operands) if results_inside else ()))
+    return [v.val if isinstance(v, jcore.Literal)
+            else env[v] if v in env else args[operand_of[v]]
+            for v in jaxpr.outvars]
+  return run
+
 
 
 def _region_primitive():

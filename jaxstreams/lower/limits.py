@@ -1,0 +1,94 @@
+"""What XLA:GPU cannot compile inside a stream call, jaxlib by jaxlib.
+
+A region becomes a stream call only where the installed XLA compiles it.
+Found by compiling programs of every shape for an H100 without one
+(``tests/compile_matrix.py``, on every supported jax); docs/xla.md names the
+constructs for upstream reports:
+
+* jaxlib 0.12: a constant inside a stream call crashes XLA's compiler (a
+  segmentation fault while it emits the program, or ptxas rejecting the
+  constant's unsanitized name): XLA compiles the call on its "parallel"
+  execution thread, where it leaves constant names as they are. Every loop
+  has one (its counter starts at a constant). Constants jaxstreams passes
+  into a call go through an optimization barrier, so XLA cannot copy them
+  in; constants XLA makes inside the call cannot be kept out.
+* jaxlib 0.11: a loop that slices its stacked operands by its counter (a
+  ``lax.scan`` over layers) fails to compile inside a stream call ("No
+  ExecutionStreamId found" for the asynchronous copy XLA makes of each
+  slice).
+* jaxlib 0.12: an optimization barrier inside a stream call fails to
+  compile ("Unsupported instruction opcode: opt-barrier"); ``jax.checkpoint``
+  puts its recomputation behind barriers unless ``prevent_cse=False``.
+* Collectives compile nowhere inside a stream call (lowering keeps them on
+  the main stream; not handled here).
+
+Loops are not lost to this: independent ones run as one loop with each body
+on its stream (``jaxstreams.lower.loops``), which every jaxlib compiles.
+"""
+
+from __future__ import annotations
+
+from jaxstreams import _compat
+from jaxstreams.tag.read import any_equation
+
+LOOPS = frozenset({"while", "scan"})
+# jax.checkpoint's primitive: with prevent_cse (its default) XLA gets its
+# recomputation behind optimization barriers.
+REMAT = "remat2"
+BARRIER = "optimization_barrier"
+_JAXLIB = _compat.jaxlib_version()
+
+
+class LoweringError(ValueError):
+  """A ``gpu_lowering`` asked for that XLA:GPU cannot compile for a region
+  of this program with the installed jaxlib (found before compiling: XLA
+  would crash or fail there)."""
+
+
+def region_hazard(held: frozenset[str]) -> str | None:
+  """Why the installed XLA cannot compile a region that binds the
+  primitives ``held`` (``Region.holds``) as one stream call, or None."""
+  return _hazard(bool(held & LOOPS), bool(held & {BARRIER, REMAT}))
+
+
+def body_hazard(eqns) -> str | None:
+  """Why the installed XLA cannot compile a loop's body ``eqns`` as one
+  stream call per step, or None. Its top-level ``jax.checkpoint`` equations
+  are emitted without their barriers (``without_cse_barriers``)."""
+  kept = without_cse_barriers(eqns)
+  return _hazard(any_equation(kept, lambda eqn: eqn.primitive.name in LOOPS),
+                 any_equation(kept, _is_barrier))
+
+
+def _hazard(loop: bool, barrier: bool) -> str | None:
+  jaxlib = _compat.jaxlib_text()
+  if loop and _JAXLIB >= (0, 12):
+    return (f"it holds a loop, whose counter is a constant, and XLA of "
+            f"jaxlib {jaxlib} crashes compiling a constant inside a stream "
+            "call")
+  if loop and _JAXLIB >= (0, 11):
+    return (f"it holds a loop, and XLA of jaxlib {jaxlib} fails to compile "
+            "the asynchronous slices of a loop's operands inside a stream "
+            "call")
+  if barrier and _JAXLIB >= (0, 12):
+    return (f"it holds jax.checkpoint or an optimization barrier, and XLA "
+            f"of jaxlib {jaxlib} cannot compile an optimization barrier "
+            "inside a stream call ('Unsupported instruction opcode: "
+            "opt-barrier')")
+  return None
+
+
+def _is_barrier(eqn) -> bool:
+  return eqn.primitive.name == BARRIER or (
+      eqn.primitive.name == REMAT and eqn.params.get("prevent_cse", False))
+
+
+def without_cse_barriers(eqns) -> list:
+  """``eqns`` with each top-level ``jax.checkpoint`` equation's
+  ``prevent_cse`` off. Inside a loop's body that changes nothing that runs:
+  XLA cannot merge a step's recomputation with work of another step, which
+  is why jax's own documentation calls ``prevent_cse=False`` safe under
+  ``lax.scan``; and it keeps the barriers out of a stream call."""
+  return [eqn.replace(params={**eqn.params, "prevent_cse": False})
+          if eqn.primitive.name == REMAT and eqn.params.get("prevent_cse")
+          else eqn for eqn in eqns]
