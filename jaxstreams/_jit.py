@@ -35,6 +35,7 @@ from jax import tree_util
 from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams._trace import trace
 from jaxstreams.lower import autotune, emit, gpu
+from jaxstreams.lower.emit import FUSING_PROGRAMS
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
 
@@ -134,8 +135,10 @@ class _Staged:
   handed to users hold the function strongly."""
 
   def __init__(self, fun: Callable, streams: int, spread: bool | None,
-               source: str, program: str, shared: bool, plans: "_Plans"):
+               source: str, program: str, shared: bool, plans: "_Plans",
+               strict: bool = False):
     self.plans = plans   # shared with the function's other programs
+    self.strict = strict   # a way asked for: refuse regions XLA cannot compile
     if shared:
       self._fun_ref = weakref.ref(fun)
     else:   # held by its jit object only: no cycle, hold the function
@@ -174,7 +177,7 @@ class _Staged:
     plan, out_tree, dynamic = make_plan(fun, self.streams, self.spread,
                                         self.source, args, kwargs, self.plans)
     outs = emit(plan, dynamic, profile=profiling_now(),
-                gpu_lowering=self.program)
+                gpu_lowering=self.program, strict=self.strict)
     return tree_util.tree_unflatten(out_tree, outs)
 
 
@@ -237,7 +240,7 @@ class _Plans:
         self._plans.popitem(last=False)
 
 
-# function -> {(streams, spread, source, program): _Staged,
+# function -> {(streams, spread, source, program, strict): _Staged,
 #              (streams, spread, source): _Plans}, the function held weakly.
 _STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
 _STAGED_LOCK = threading.Lock()
@@ -256,18 +259,21 @@ def _shared(fun: Callable) -> dict | None:
 
 
 def _staged_for(fun: Callable, streams: int, spread: bool | None,
-                source: str, program: str, plans: _Plans) -> _Staged:
+                source: str, program: str, plans: _Plans,
+                strict: bool = False) -> _Staged:
   """The shared staged function of ``fun`` for ``program``, with the
   function's shared ``plans``; a function that cannot share one gets its
-  own."""
+  own. ``strict``: the way was asked for, and a region XLA cannot compile
+  that way is an error rather than emitted in place."""
   args = (streams, spread, source, program)
   with _STAGED_LOCK:
     by_key = _shared(fun)
     if by_key is None:
-      return _Staged(fun, *args, shared=False, plans=plans)
-    staged = by_key.get(args)
+      return _Staged(fun, *args, shared=False, plans=plans, strict=strict)
+    staged = by_key.get((*args, strict))
     if staged is None:
-      staged = by_key[args] = _Staged(fun, *args, shared=True, plans=plans)
+      staged = by_key[(*args, strict)] = _Staged(
+          fun, *args, shared=True, plans=plans, strict=strict)
     return staged
 
 
@@ -342,7 +348,8 @@ class _Spec:
     shard_map bodies; see ``jaxstreams.lower.emit``), with the way's
     ``compiler_options`` under the user's own."""
     staged = _staged_for(self.fun, streams, self.spread, self.source,
-                         program, self.plans(streams))
+                         program, self.plans(streams),
+                         strict=self.lowering() != gpu.DEFAULT)
     kwargs = dict(self.jit_kwargs)
     options = {**(compiler_options or {}), **(kwargs.get("compiler_options") or {})}
     if options:
@@ -463,10 +470,13 @@ class StreamJit(functools.partial):
       _BY_OPTION.add(self)
     return child
 
-  def _jit(self, way: gpu.Way, *, top_level: bool, donate: bool = True):
-    options = way.compiler_options(self._streams) if top_level else {}
+  def _jit(self, way: gpu.Way, *, top_level: bool, donate: bool = True,
+           plan: StreamPlan | None = None):
+    """The ``jax.jit`` function of ``way`` (top level: with its compiler
+    options for ``plan``; inside another trace: its nested program)."""
+    options = way.compiler_options(self._streams, plan) if top_level else {}
     program = way.program if top_level else way.nested.program
-    if program == "streams" and self._spans_devices(top_level):
+    if program in FUSING_PROGRAMS and self._spans_devices(top_level):
       program = "bodies"
     key = (program, tuple(sorted(options.items())), donate)
     jitted = self._jits.get(key)
@@ -512,7 +522,8 @@ class StreamJit(functools.partial):
         return target
       self._devices = _device_count(args, kwargs, self._spec.jit_kwargs)
       self._choice = self._choose(args, kwargs)
-      top = self._jit(self._choice.way, top_level=True)
+      top = self._jit(self._choice.way, top_level=True,
+                      plan=self._options_plan(self._choice.way, args, kwargs))
       nested = (top if self._choice.single_stream
                 else self._jit(self._nested_way(), top_level=False))
       self._point_to(top if top is nested else _switch(top, nested))
@@ -539,9 +550,9 @@ class StreamJit(functools.partial):
     if plan().is_single_stream:
       return _Choice(gpu.WAYS["inline"], _ONE_STREAM, single_stream=True)
     if not config.read("jaxstreams_autotune"):
-      return _Choice(gpu.default_top_level(),
+      return _Choice(gpu.default_top_level(plan()),
                      "the top-level default (jaxstreams_autotune is off)")
-    return _Choice(gpu.default_top_level(), "the top-level default; on a GPU "
+    return _Choice(gpu.default_top_level(plan()), "the top-level default; on a GPU "
                    "the first call times " + ", ".join(
                        w.name for w in gpu.candidates(plan())) +
                    ", keeping the fastest", timable=True)
@@ -562,7 +573,7 @@ class StreamJit(functools.partial):
     try:
       return self._autotune(args, kwargs, plan())
     except Exception as error:  # noqa: BLE001 - timing must never fail a call
-      return _Choice(gpu.default_top_level(), "not timed, the top-level "
+      return _Choice(gpu.default_top_level(plan()), "not timed, the top-level "
                      f"default: timing failed ({type(error).__name__}: "
                      f"{str(error)[:200]})")
 
@@ -571,7 +582,7 @@ class StreamJit(functools.partial):
     inline = self._jit(gpu.WAYS["inline"], top_level=True, donate=False)
     traced = inline.trace(*args, **kwargs)
     if traced.jaxpr.effects:
-      return _Choice(gpu.default_top_level(), "not timed: the program has side "
+      return _Choice(gpu.default_top_level(plan), "not timed: the program has side "
                      "effects, which running it again would repeat")
     lowered = {"inline": traced.lower()}
     device = _first_device(args, kwargs)
@@ -585,8 +596,8 @@ class StreamJit(functools.partial):
     for way in ways:
       try:
         if way.name not in lowered:
-          lowered[way.name] = self._jit(way, top_level=True, donate=False).trace(
-              *args, **kwargs).lower()
+          lowered[way.name] = self._jit(way, top_level=True, donate=False,
+                                        plan=plan).trace(*args, **kwargs).lower()
         compiled = lowered[way.name].compile()
       except Exception as error:  # noqa: BLE001 - a way XLA cannot compile
         if way.name == "inline":
@@ -612,7 +623,13 @@ class StreamJit(functools.partial):
         lambda: self._spec.plan(*args, **kwargs))
     if self._choice is None:
       self._devices = _device_count(args, kwargs, self._spec.jit_kwargs)
-    return self._jit(choice.way, top_level=True)
+    return self._jit(choice.way, top_level=True,
+                     plan=self._options_plan(choice.way, args, kwargs))
+
+  def _options_plan(self, way: gpu.Way, args, kwargs) -> StreamPlan | None:
+    """The plan a top-level way's compiler options follow (only ways with
+    CONCURRENT graphs read it); made from the call that settles."""
+    return self._spec.plan(*args, **kwargs) if way.concurrent else None
 
   # -- jax.jit's interface -----------------------------------------------------
 
@@ -657,12 +674,13 @@ class StreamJit(functools.partial):
     why = choice.reason
     if choice.decision is not None:
       why += ": " + choice.decision.describe()
-    nested_why = (gpu.why_default_nested()
+    nested_why = (gpu.why_default_nested(found)
                   if self._spec.lowering() == gpu.DEFAULT else
                   f"inside another jit: {self._nested_way().name!r} (no "
                   "compiler options reach a function traced there)")
     return {"gpu_lowering": choice.way.name,
-            "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}"}
+            "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}",
+            "in_place": gpu.in_place(found)}
 
   def clear_cache(self) -> None:
     for jitted in list(self._jits.values()):

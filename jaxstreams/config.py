@@ -102,13 +102,18 @@ def _gpu_lowering_value(value: str) -> str | None:
 GPU_LOWERING = _define(Option(
     "jaxstreams_gpu_lowering", str, "default",
     "How a plan that uses several streams runs on a GPU (jaxstreams.lower.gpu). "
-    "'default': at top level 'concurrent', or the fastest way timed at the "
-    "first call (jaxstreams_autotune); inside another jit 'streams' from jax "
-    "0.12, 'inline' before. 'inline': the program jax.jit builds. "
+    "'default': at top level 'concurrent' ('loops_concurrent' where the plan "
+    "has independent loops on different streams), or the fastest way timed "
+    "at the first call (jaxstreams_autotune); inside another jit 'streams' "
+    "from jax 0.12, 'loops' before. 'inline': the program jax.jit builds. "
     "'concurrent': that program with XLA's CONCURRENT CUDA-graph scheduling "
-    "(a top-level compiler option). 'streams': each off-main region a call "
-    "on its own CUDA stream. 'streams_concurrent': stream calls with "
-    "CONCURRENT graphs. Read when a jaxstreams.jit function is made (with "
+    "(a top-level compiler option). 'loops': jax.jit's program with "
+    "independent loops run as one loop, each body on its own CUDA stream; "
+    "'loops_concurrent': that with CONCURRENT graphs. 'streams': each "
+    "off-main region a call on its own CUDA stream, loops as in 'loops'. "
+    "'streams_concurrent': stream calls with CONCURRENT graphs. A way asked "
+    "for that XLA cannot compile for a region raises "
+    "jaxstreams.LoweringError. Read when a jaxstreams.jit function is made (with "
     "streams=None: at its first call with each stream count); "
     "jaxstreams.jit(gpu_lowering=...) chooses for one function. Changes "
     "nothing on CPU, which runs one stream.",
@@ -119,7 +124,8 @@ AUTOTUNE = _define(Option(
     "With gpu_lowering 'default', the first top-level call of a "
     "jaxstreams.jit function on a GPU times the candidate ways on inputs of "
     "their own and keeps the fastest (jaxstreams.lower.autotune); the "
-    "decision is cached on disk. Off: the top-level default, 'concurrent'."))
+    "decision is cached on disk. Off: the top-level default ('concurrent', "
+    "or 'loops_concurrent' where the plan has independent loops)."))
 
 AUTOTUNE_CACHE = _define(Option(
     "jaxstreams_autotune_cache", str, "",

@@ -102,15 +102,16 @@ def test_the_keyword_chooses_for_one_function(args):
   assert jaxstreams.plan(f, gpu_lowering="inline")(*args).gpu_lowering == "inline"
   assert jaxstreams.plan(f, streams=4)(*args).gpu_lowering == "streams"
   with pytest.raises(ValueError, match=r"jaxstreams.jit: gpu_lowering must be one "
-                     r"of 'default', 'inline', 'concurrent', 'streams', "
-                     r"'streams_concurrent' or None .* got 'fast'"):
+                     r"of 'default', 'inline', 'concurrent', 'loops', "
+                     r"'loops_concurrent', 'streams', 'streams_concurrent' or "
+                     r"None .* got 'fast'"):
     jaxstreams.jit(two_towers, streams=3, gpu_lowering="fast")
 
 
 def test_a_bad_value_names_the_choices():
   with pytest.raises(ValueError, match=r"jaxstreams_gpu_lowering .* must be one "
-                     r"of default, inline, concurrent, streams, "
-                     r"streams_concurrent, got 'fast'"):
+                     r"of default, inline, concurrent, loops, loops_concurrent, "
+                     r"streams, streams_concurrent, got 'fast'"):
     jaxstreams.config.update("jaxstreams_gpu_lowering", "fast")
 
 

@@ -70,13 +70,23 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxstreams import _compat, config
 from jaxstreams.assign.cost import COLLECTIVES
+from jaxstreams.lower.limits import LoweringError, region_hazard
+from jaxstreams.lower.loops import emit_group
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
+from jaxstreams.tag.read import primitives
 
 # The name scope around each region's equations. XLA keeps it in each
 # instruction's op_name, so a kernel of a region emitted in place (no call
 # of its own) is still traced back to its plan region (jaxstreams.xla_graphs).
 REGION_SCOPE = "jaxstreams_region_{index}"
+
+# The programs that run a group of independent loops as one loop with each
+# body on its stream: stream calls, and jax.jit's program with loops fused
+# ("loops_graphed": for CONCURRENT graphs, which draw a step's bodies apart
+# in one graph; "loops": for XLA's default graphs, which before jaxlib 0.12
+# chain a step's bodies, so they are kept out of graphs there).
+FUSING_PROGRAMS = ("streams", "loops", "loops_graphed")
 
 
 def xla_stream(plan: PartitionedProgram, stream: int) -> int:
@@ -96,11 +106,16 @@ def region_function(plan: PartitionedProgram, index: int):
 
 
 def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False,
-         gpu_lowering: str = "inline") -> list[Any]:
+         gpu_lowering: str = "inline", strict: bool = False) -> list[Any]:
   """Evaluate ``plan``'s program on flat ``args`` (the traced function's
   flattened dynamic arguments), emitting the regions as planned: in place
-  (``gpu_lowering="inline"``) or as stream calls (``"streams"``, and always
-  with ``profile``, which wraps each region in timing markers)."""
+  (``gpu_lowering="inline"``), with independent loops run as one
+  (``"loops"``) or as stream calls (``"streams"``, and always with
+  ``profile``, which wraps each region in timing markers).
+
+  A region that the installed XLA cannot compile as a stream call
+  (``jaxstreams.lower.limits``) is emitted in place; with ``strict`` (a way
+  the user asked for) it is a ``LoweringError`` instead."""
   program = plan.program
   graph = plan.graph
   # Profiled, regions are calls too, except where calls cannot compile (the
@@ -117,21 +132,41 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
     env[var] = value
   for var, value in zip(program.jaxpr.invars, args):
     env[var] = value
+  # Independent loops on different streams run as one loop, each body on
+  # its stream (lower/loops.py), in every program but jax.jit's own.
+  loop_groups = ({group[0]: group for group in graph.loops}
+                 if gpu_lowering in FUSING_PROGRAMS else {})
+  grouped = {r for group in loop_groups.values() for r in group}
+  aside = (_in_place(plan, grouped, gpu_lowering,
+                     strict and gpu_lowering == "streams")
+           if stream_calls else {})
   waits = _collective_waits(plan) if stream_calls else {}
   keys = combiner_keys(waits)
-  order = _Sequencer.for_plan(plan, env, keys) if stream_calls else None
+  order = (_Sequencer.for_plan(plan, env, keys)
+           if stream_calls and not loop_groups and not aside else None)
   packings = (_packed_for_collectives(plan, waits) if stream_calls
               and order is None and _compat.XLA_SCHEDULES_STREAM_CALLS else {})
 
   for index, stream in enumerate(graph.streams):
+    if index in loop_groups:
+      env.update(emit_group(
+          plan, loop_groups[index], env.__getitem__,
+          lambda region: xla_stream(plan, graph.streams[region]),
+          lambda region: jax.named_scope(REGION_SCOPE.format(index=region)),
+          out_of_graphs=(gpu_lowering == "loops"
+                         and not _compat.XLA_SCHEDULES_STREAM_CALLS)))
+      continue
+    if index in grouped:
+      continue   # emitted with its group
     if stream_calls and not _emitted(plan, index):
       # Nothing reads it: jax drops it when lowering. In place it is
       # emitted all the same, so the traced program is the one jax.jit
       # traces (a tracer leaked into it fails the call, as under jax.jit).
       continue
     with jax.named_scope(REGION_SCOPE.format(index=index)):
-      _emit_region(plan, index, env, order, profile, stream_calls, body_calls,
-                   keys, packings.get(index))
+      _emit_region(plan, index, env, order, profile,
+                   stream_calls and index not in aside, body_calls, keys,
+                   packings.get(index))
   if profile:
     from jaxstreams.runtime import profile as profiling
     profiling.completion_token()
@@ -139,6 +174,28 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
   return [v.val if isinstance(v, jcore.Literal)
           else (order.read(v) if order else env[v])
           for v in program.jaxpr.outvars]
+
+
+def _in_place(plan: PartitionedProgram, grouped, way: str,
+              strict: bool) -> dict[int, str]:
+  """The off-main regions (not run as one loop) that the installed XLA
+  cannot compile as stream calls, and why; with ``strict``, a
+  ``LoweringError`` naming the first."""
+  found = {}
+  for index, stream in enumerate(plan.graph.streams):
+    if stream == 0 or index in grouped:
+      continue
+    why = region_hazard(primitives(plan.region_equations(index)))
+    if why is None:
+      continue
+    if strict:
+      raise LoweringError(
+          f"{plan.function_name}: gpu_lowering={way!r} cannot run region "
+          f"R{index} (stream {stream}) as a stream call: {why}. Leave "
+          "gpu_lowering at its default (such a region then runs in place, "
+          "independent loops side by side), or use 'loops' or 'inline'.")
+    found[index] = why
+  return found
 
 
 def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,

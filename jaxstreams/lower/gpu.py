@@ -7,9 +7,13 @@ way                  program                        compiler options (top level)
 ==================== ============================== ============================
 ``inline``           the one ``jax.jit`` builds     none
 ``concurrent``       the one ``jax.jit`` builds     CONCURRENT graphs
+``loops``            ``jax.jit``'s, with independent none
+                     loops run as one, each body on
+                     its stream
+``loops_concurrent`` the same                       CONCURRENT graphs
 ``streams``          each off-main region a call    none (jax >= 0.12: XLA's
-                     on its CUDA stream              limit of regions in flight
-                                                     raised to the plan's streams)
+                     on its CUDA stream, loops as    limit of regions in flight
+                     in ``loops``                    raised to the plan's streams)
 ``streams_concurrent`` stream calls                 CONCURRENT graphs
 ==================== ============================== ============================
 
@@ -28,9 +32,16 @@ towers) and one H100 run (jax 0.11.2):
   figures: docs/xla.md). jax takes compiler options only where the
   executable is compiled: a call at top level, not a function traced
   inside another jit.
-* So, by default: at top level, ``concurrent``; inside another trace,
+* XLA runs a loop outside its CUDA graphs, kernel by kernel on the loop's
+  stream: two towers of ``lax.scan`` run one after the other in ``jax.jit``'s
+  program, CONCURRENT or not. Where the plan has independent loops on
+  different streams, ``loops`` runs them as one loop whose step runs each
+  body on its stream (``jaxstreams.lower.loops``; a plan without such loops
+  gets ``jax.jit``'s program from it).
+* So, by default: at top level, ``concurrent`` (``loops_concurrent`` where
+  the plan has loops to run side by side); inside another trace,
   ``streams`` from jax 0.12 (parallel branches under XLA's defaults) and
-  ``inline`` before (a chain that costs fusions buys nothing; taking the
+  ``loops`` before (a chain that costs fusions buys nothing; taking the
   regions out of the graph with a custom call that XLA cannot capture
   runs them on their streams, but launches their kernels one by one,
   which measured slower than ``jax.jit`` on the H100 with command buffers
@@ -46,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxstreams import _compat
+from jaxstreams.lower import limits
 
 CONCURRENT_GRAPHS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # XLA's own limit of stream regions in flight (2 by default), read from
@@ -54,6 +66,27 @@ _IN_FLIGHT_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
 _XLA_DEFAULT_IN_FLIGHT = 2
 
 DEFAULT = "default"
+
+# The command types XLA puts into CUDA graphs (its default list, read from
+# XLA's command-buffer log of each jaxlib; tests/test_gpu_view.py checks it
+# on every CI run). Setting the option replaces the list, so a type is
+# added by giving the default list and it.
+COMMAND_BUFFER_TYPES = "xla_gpu_enable_command_buffer"
+_DEFAULT_COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL",
+                                 "CUDNN", "CONDITIONAL", "DYNAMIC_SLICE_FUSION")
+CONVOLUTIONS = frozenset({"conv_general_dilated"})
+
+
+def xla_command_buffer_types() -> tuple[str, ...]:
+  """The installed XLA's default command-buffer types."""
+  if _compat.jaxlib_version() >= (0, 12):
+    return (*_DEFAULT_COMMAND_BUFFER_TYPES, "COLLECTIVES_KERNEL")
+  return _DEFAULT_COMMAND_BUFFER_TYPES
+
+
+def holds_convolutions(plan) -> bool:
+  """Whether a region of ``plan`` (a ``StreamPlan``) has a convolution."""
+  return plan is not None and any(r.holds & CONVOLUTIONS for r in plan.regions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +98,17 @@ class Way:
   nested_name: str      # the way used inside another trace
   summary: str
 
-  def compiler_options(self, streams: int) -> dict[str, str]:
-    """The compiler options of a top-level call of a plan with ``streams``."""
+  def compiler_options(self, streams: int, plan=None) -> dict[str, str]:
+    """The compiler options of a top-level call of a plan with ``streams``
+    (``plan``: its ``StreamPlan``, where known). With CONCURRENT graphs, a
+    plan whose regions hold convolutions gets them into the graphs too
+    (``CONVOLUTION`` is no default command-buffer type: without it an
+    Inception-style step has no graph at all, its kernels launched one by
+    one on one stream)."""
     options = dict(CONCURRENT_GRAPHS) if self.concurrent else {}
+    if self.concurrent and holds_convolutions(plan):
+      options[COMMAND_BUFFER_TYPES] = ",".join(
+          (*xla_command_buffer_types(), "CONVOLUTION"))
     if (self.program == "streams" and _compat.XLA_SCHEDULES_STREAM_CALLS
         and streams - 1 > _XLA_DEFAULT_IN_FLIGHT):
       options[_IN_FLIGHT_LIMIT] = str(streams - 1)
@@ -84,6 +125,13 @@ WAYS = {way.name: way for way in (
     Way("concurrent", "inline", True, "inline",
         "the program jax.jit builds, its CUDA graphs' edges drawn from data "
         "(XLA's CONCURRENT mode)"),
+    Way("loops", "loops", False, "loops",
+        "the program jax.jit builds, independent loops run as one loop with "
+        "each body on its own CUDA stream"),
+    Way("loops_concurrent", "loops_graphed", True, "loops",
+        "the program jax.jit builds, independent loops run as one loop with "
+        "each body on its own CUDA stream, CUDA graphs' edges drawn from data "
+        "(XLA's CONCURRENT mode)"),
     Way("streams", "streams", False, "streams",
         "each off-main region a call on its own CUDA stream"),
     Way("streams_concurrent", "streams", True, "streams",
@@ -94,35 +142,66 @@ WAYS = {way.name: way for way in (
 NAMES = (DEFAULT, *WAYS)
 
 
-def default_top_level() -> Way:
-  """The way a top-level call runs when nothing was timed."""
-  return WAYS["concurrent"]
+def has_loop_groups(plan) -> bool:
+  """Whether ``plan`` (a ``StreamPlan``) has independent loops that the
+  ``loops`` program runs as one."""
+  return plan is not None and bool(plan.loops)
+
+
+def in_place(plan) -> dict[int, str]:
+  """The off-main regions of ``plan`` (a ``StreamPlan``) that the installed
+  XLA cannot compile as stream calls (``jaxstreams.lower.limits``), and why;
+  the loops of a group run as one loop instead."""
+  grouped = {r for group in plan.loops for r in group.regions}
+  found = {}
+  for region in plan.regions:
+    if region.is_call and region.index not in grouped:
+      why = limits.region_hazard(region.holds)
+      if why is not None:
+        found[region.index] = why
+  return found
+
+
+def default_top_level(plan=None) -> Way:
+  """The way a top-level call of ``plan`` runs when nothing was timed."""
+  return WAYS["loops_concurrent" if has_loop_groups(plan) else "concurrent"]
 
 
 def default_nested() -> Way:
   """The way a function traced inside another jit runs (no compiler options
-  reach it there)."""
-  return WAYS["streams" if _compat.XLA_SCHEDULES_STREAM_CALLS else "inline"]
+  reach it there; decided before any plan is made, so each program makes
+  its own per-plan choices: ``loops`` and ``streams`` run independent loops
+  as one, and a plan without them gets jax.jit's program from ``loops``)."""
+  return WAYS["streams" if _compat.XLA_SCHEDULES_STREAM_CALLS else "loops"]
 
 
 def candidates(plan=None) -> tuple[Way, ...]:
   """The ways the first top-level calls on a GPU time for ``plan`` (the
   function's ``StreamPlan``), ``inline`` (the program ``jax.jit`` builds)
-  always among them. Before jax 0.12, where the
-  graph of stream calls is one chain, only ``inline`` and ``concurrent``:
-  stream calls under XLA's defaults lose there, and with CONCURRENT graphs
-  they never ran faster than ``concurrent`` in steady state on an H100,
-  though a first call's timing could pick them (docs/xla.md)."""
-  if not _compat.XLA_SCHEDULES_STREAM_CALLS:
-    return (WAYS["inline"], WAYS["concurrent"])
-  return tuple(WAYS[n] for n in ("inline", "concurrent", "streams",
-                                 "streams_concurrent"))
+  always among them, ``loops_concurrent`` where the plan has loops to run
+  side by side. Before jax 0.12, where the graph of stream calls is one
+  chain, no stream calls: under XLA's defaults they lose there, and with
+  CONCURRENT graphs they never ran faster than ``concurrent`` in steady
+  state on an H100, though a first call's timing could pick them
+  (docs/xla.md)."""
+  names = ["inline", "concurrent"]
+  if has_loop_groups(plan):
+    names.append("loops_concurrent")
+  if _compat.XLA_SCHEDULES_STREAM_CALLS:
+    names += ["streams", "streams_concurrent"]
+  return tuple(WAYS[n] for n in names)
 
 
-def why_default_nested() -> str:
+def why_default_nested(plan=None) -> str:
+  """What the default runs inside another jit for ``plan``, and why."""
   if _compat.XLA_SCHEDULES_STREAM_CALLS:
     return ("inside another jit: 'streams' (this XLA forks its CUDA graph at "
             "each stream call)")
-  return ("inside another jit: 'inline' (this XLA chains stream calls into "
-          "one sequence in its CUDA graph, and no compiler option reaches a "
-          "function traced inside another jit)")
+  chained = ("this XLA chains stream calls into one sequence in its CUDA "
+             "graph, and no compiler option reaches a function traced inside "
+             "another jit")
+  if has_loop_groups(plan):
+    return (f"inside another jit: 'loops' ({chained}; independent loops run "
+            "as one loop with each body on its stream, the rest as jax.jit "
+            "builds it)")
+  return f"inside another jit: 'inline' ({chained})"

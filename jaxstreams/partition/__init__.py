@@ -8,11 +8,11 @@ a jaxpr reads, makes and runs) serves partition, staging and serving alike.
 
 from jaxstreams.partition.cut import Part, cut, part_function, part_jaxpr
 from jaxstreams.partition.partitioned import PartitionedProgram
-from jaxstreams.partition.plan import (Dependency, PlannedEquation, Region,
-                                       StreamPlan, report)
+from jaxstreams.partition.plan import (Dependency, LoopGroup, PlannedEquation,
+                                       Region, StreamPlan, report)
 from jaxstreams.partition.regions import RegionGraph, partition
 from jaxstreams.partition.schedule import Schedule, estimate
 
-__all__ = ["Dependency", "Part", "PartitionedProgram", "PlannedEquation",
+__all__ = ["Dependency", "LoopGroup", "Part", "PartitionedProgram", "PlannedEquation",
            "Region", "RegionGraph", "Schedule", "StreamPlan", "cut",
            "estimate", "part_function", "part_jaxpr", "partition", "report"]

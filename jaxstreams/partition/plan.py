@@ -22,6 +22,7 @@ from jaxstreams.assign import equation_name
 from jaxstreams.partition.partitioned import PartitionedProgram
 from jaxstreams.partition.regions import transitive_reduction
 from jaxstreams.partition.schedule import Schedule
+from jaxstreams.tag.read import primitives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,16 @@ class Region:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoopGroup:
+  """Regions, one scan each (same length and direction, each on its own
+  stream, none depending on another), that can run as one loop whose steps
+  run every body on its region's stream."""
+  regions: tuple[int, ...]
+  steps: int
+  reverse: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Dependency:
   """Region ``consumer`` reads ``values`` made by region ``producer`` on
   another stream; XLA orders the two with an event."""
@@ -91,6 +102,12 @@ class StreamPlan:
   # The plans of shard_map bodies with regions of their own, by the index of
   # their shard_map equation (rule "inside"); each device runs its body.
   bodies: dict[int, "StreamPlan"] = dataclasses.field(default_factory=dict)
+  # Groups of regions, each one loop, that can run as one loop with each
+  # body on its stream (the "loops" and "streams" ways do).
+  loops: tuple[LoopGroup, ...] = ()
+  # Off-main regions that the installed XLA cannot compile as stream calls,
+  # and why: ways with stream calls run them in place (set with the way).
+  in_place: dict[int, str] = dataclasses.field(default_factory=dict)
 
   @property
   def notes(self) -> tuple[str, ...]:
@@ -117,6 +134,27 @@ class StreamPlan:
     shard_map bodies included."""
     return (all(not r.is_call for r in self.regions)
             and all(b.is_single_stream for b in self.bodies.values()))
+
+  @property
+  def _fuses_loops(self) -> bool:
+    return self.gpu_lowering.startswith(("loops", "streams"))
+
+  def _lowered_as(self, region: Region) -> str:
+    """How a GPU runs ``region`` under this plan's way."""
+    if self._fuses_loops:
+      for group in self.loops:
+        if region.index in group.regions:
+          others = "+".join(f"R{r}" for r in group.regions if r != region.index)
+          where = (f"on stream {region.stream}" if region.is_call
+                   else "in place (main)")
+          return f"loop body {where}, one loop with {others}"
+    if not region.is_call:
+      return "inline (main)"
+    if self.gpu_lowering.startswith("streams"):
+      if region.index in self.in_place:
+        return "inline (see below)"
+      return f"call on stream {region.stream}"
+    return "inline"
 
   def region_of(self, equation: int) -> Region:
     return self.regions[self.equations[equation].region]
@@ -157,11 +195,24 @@ class StreamPlan:
     lines.append("")
     lines += _table(
         ["region", "stream", "lowered as", "equations", "inputs", "outputs"],
-        [[f"R{r.index}", str(r.stream),
-          (f"call on stream {r.stream}" if self.gpu_lowering.startswith("streams")
-           else "inline") if r.is_call else "inline (main)",
+        [[f"R{r.index}", str(r.stream), self._lowered_as(r),
           str(len(r.equations)), _names(r.inputs), _names(r.outputs)]
          for r in self.regions])
+    if self.loops:
+      together = self._fuses_loops
+      lines += ["", "independent loops" + (
+          " run as one loop, each body on its region's stream:" if together
+          else " that 'loops' and 'streams' run as one loop:")]
+      for group in self.loops:
+        lines.append("  " + "+".join(f"R{r}" for r in group.regions) + (
+            f": {group.steps} steps" + (" (reversed)" if group.reverse else "")
+            + ", bodies on streams "
+            + ", ".join(str(self.regions[r].stream) for r in group.regions)))
+    shown = {r: why for r, why in self.in_place.items()
+             if self.gpu_lowering.startswith("streams")}
+    if shown:
+      lines += ["", "regions run in place instead of as stream calls:"]
+      lines += [f"  R{r}: {why}" for r, why in sorted(shown.items())]
     if self.dependencies:
       lines += ["", "cross-stream dependencies:"]
       for d in self.dependencies:
@@ -286,7 +337,7 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
   regions = tuple(
       Region(i, graph.streams[i], tuple(graph.members[i]),
              named(graph.inputs[i]), named(graph.outputs[i]),
-             _primitives(partitioned.region_equations(i)))
+             primitives(partitioned.region_equations(i)))
       for i in range(len(graph.streams)))
   kept = (transitive_reduction(len(regions), graph.edges)
           if partitioned.reduce_stream_wait else set(graph.edges))
@@ -299,19 +350,15 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
       equations=equations, regions=regions, dependencies=dependencies,
       edges=tuple(sorted(graph.edges)), schedule=partitioned.schedule,
       summary=partitioned.summary,
-      bodies={i: report(body) for i, body in partitioned.bodies.items()})
+      bodies={i: report(body) for i, body in partitioned.bodies.items()},
+      loops=tuple(_loop_group(partitioned, g) for g in graph.loops))
 
 
-def _primitives(eqns) -> frozenset[str]:
-  """The names of the primitives ``eqns`` bind, sub-jaxprs included."""
-  found: set[str] = set()
-  todo = list(eqns)
-  while todo:
-    eqn = todo.pop()
-    found.add(eqn.primitive.name)
-    for sub in _compat.sub_jaxprs(eqn):
-      todo.extend(getattr(sub, "jaxpr", sub).eqns)
-  return frozenset(found)
+def _loop_group(partitioned: PartitionedProgram, regions) -> LoopGroup:
+  (index,) = partitioned.graph.members[regions[0]]
+  params = partitioned.program.jaxpr.eqns[index].params
+  return LoopGroup(tuple(regions), int(params["length"]),
+                   bool(params["reverse"]))
 
 
 def _value_names(jaxpr) -> dict[Any, str]:

@@ -10,6 +10,11 @@ block one call, and merges independent equations of a stream as well.
 Each region carries the set of regions it transitively depends on, as a
 bitmask, so the cycle test is a few integer operations per input. What each
 region reads and makes comes from ``cut``, as for staging's parts.
+
+Independent scans on different streams that can run as one loop
+(``partition.loops``) each get a region of their own, and the regions of
+one such group are adjacent in the order, so that lowering can emit them
+together.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import heapq
 from typing import Any, Sequence
 
 from jaxstreams.partition.cut import cut
+from jaxstreams.partition.loops import find_groups
 from jaxstreams.tag.read import ExposedProgram
 
 
@@ -34,28 +40,37 @@ class RegionGraph:
   outputs: list[list[Any]]               # vars each region makes for others
   edges: dict[tuple[int, int], list[Any]]  # (producer, consumer) -> vars
   region_of: list[int]                   # region of each equation
+  # Groups of adjacent regions, each one scan, that can run as one loop.
+  loops: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
 
 def partition(program: ExposedProgram, eqn_streams: Sequence[int]
               ) -> RegionGraph:
   """Regions of ``program`` (an ``ExposedProgram``) for equation ``i`` on
   stream ``eqn_streams[i]``."""
-  region_of: list[int] = []
+  loop_groups = find_groups(program.jaxpr.eqns, program.sources, eqn_streams)
+  visit, loop_groups = _visiting_order(program.sources, loop_groups)
+  last_of_group = {group[-1]: group for group in loop_groups}
+  alone = {i for group in loop_groups for i in group}
+  region_of: list[int] = [-1] * len(program.sources)
   region_stream: list[int] = []
   region_eqns: list[list[int]] = []
   by_stream: dict[int, list[int]] = {}
   # Per region: bitmask of the regions it depends on, transitively. A region
   # runs as one call, so depending on any of its equations means depending on
-  # everything the whole region waits for.
+  # everything the whole region waits for; a grouped scan runs with its
+  # group, so depending on it means depending on everything they wait for.
   ancestors: list[int] = []
 
-  for index, sources in enumerate(program.sources):
+  for index in visit:
     stream = eqn_streams[index]
-    pred_regions = {region_of[p] for p in sources}
+    pred_regions = {region_of[p] for p in program.sources[index]}
     chosen = None
     # Only the newest few regions of the stream are candidates: that finds
     # the merges blocks and independent work need, and keeps planning linear.
-    for region in reversed(by_stream.get(stream, ())[-CANDIDATES:]):
+    # A grouped scan is a region of its own, which nothing else joins.
+    for region in (() if index in alone else
+                   reversed(by_stream.get(stream, ())[-CANDIDATES:])):
       bit = 1 << region
       if all(r == region or not ancestors[r] & bit for r in pred_regions):
         chosen = region
@@ -65,18 +80,68 @@ def partition(program: ExposedProgram, eqn_streams: Sequence[int]
       region_stream.append(stream)
       region_eqns.append([])
       ancestors.append(0)
-      by_stream.setdefault(stream, []).append(chosen)
-    region_of.append(chosen)
+      if index not in alone:
+        by_stream.setdefault(stream, []).append(chosen)
+    region_of[index] = chosen
     region_eqns[chosen].append(index)
     _add_ancestors(ancestors, chosen, pred_regions,
                    new=len(region_eqns[chosen]) == 1)
+    if index in last_of_group:
+      members = [region_of[i] for i in last_of_group[index]]
+      shared = 0
+      for r in members:
+        shared |= ancestors[r] | (1 << r)
+      for r in members:
+        ancestors[r] = shared & ~(1 << r)
 
-  order = _topological_order(len(region_stream), program, region_of)
+  groups = [tuple(region_of[i] for i in group) for group in loop_groups]
+  order, groups = _topological_order(len(region_stream), program, region_of,
+                                     groups)
   rank = {old: new for new, old in enumerate(order)}
   region_of = [rank[r] for r in region_of]
-  return _describe(program, region_of,
-                   [region_stream[old] for old in order],
-                   [region_eqns[old] for old in order])
+  graph = _describe(program, region_of,
+                    [region_stream[old] for old in order],
+                    [region_eqns[old] for old in order])
+  graph.loops = [tuple(sorted(rank[r] for r in group)) for group in groups]
+  return graph
+
+
+def _visiting_order(sources, groups) -> tuple[list[int], list[tuple[int, ...]]]:
+  """The equations in an order that respects their data (Kahn's algorithm,
+  program order among the ready ones) with each group's scans next to each
+  other, and the groups kept: a group whose scans cannot sit together (one
+  feeds work that a scan of another group needs, and the other way round)
+  is dropped. Without groups, program order."""
+  count = len(sources)
+  groups = list(groups)
+  if not groups:
+    return list(range(count)), groups
+  while True:
+    leader = list(range(count))
+    for group in groups:
+      for i in group:
+        leader[i] = group[0]
+    members = {group[0]: group for group in groups}
+    indegree = [0] * count
+    users: list[list[int]] = [[] for _ in range(count)]
+    for i, srcs in enumerate(sources):
+      for p in set(leader[j] for j in srcs):
+        if p != leader[i]:
+          users[p].append(leader[i])
+          indegree[leader[i]] += 1
+    ready = [i for i in range(count) if leader[i] == i and indegree[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+      node = heapq.heappop(ready)
+      order.extend(members.get(node, (node,)))
+      for user in users[node]:
+        indegree[user] -= 1
+        if indegree[user] == 0:
+          heapq.heappush(ready, user)
+    if len(order) == count:
+      return order, groups
+    groups.pop()
 
 
 def _add_ancestors(ancestors: list[int], region: int, pred_regions,
@@ -100,31 +165,58 @@ def _add_ancestors(ancestors: list[int], region: int, pred_regions,
       ancestors[other] = mask | added
 
 
-def _topological_order(count, program, region_of) -> list[int]:
+def _topological_order(count, program, region_of, groups=()
+                       ) -> tuple[list[int], list[tuple[int, ...]]]:
   """Regions sorted so each comes after those it reads from (Kahn's
-  algorithm, ties broken by creation order)."""
+  algorithm, ties broken by creation order), the regions of each of
+  ``groups`` next to each other; and the groups kept. A group that would
+  close a cycle once its regions sit together (one of them feeds work that
+  another group's region needs, and the other way round) is dropped."""
   succ: list[set[int]] = [set() for _ in range(count)]
-  indegree = [0] * count
   for index, sources in enumerate(program.sources):
     mine = region_of[index]
     for p in sources:
       theirs = region_of[p]
-      if theirs != mine and mine not in succ[theirs]:
+      if theirs != mine:
         succ[theirs].add(mine)
-        indegree[mine] += 1
-  ready = [r for r in range(count) if indegree[r] == 0]
+  groups = list(groups)
+  while True:
+    order = _kahn(count, succ, groups)
+    if order is not None:
+      return order, groups
+    if not groups:  # the cycle test in partition makes this unreachable
+      raise AssertionError("jaxstreams: region graph has a cycle")
+    groups.pop()
+
+
+def _kahn(count, succ, groups) -> list[int] | None:
+  """The order with each group as one node (None: that closes a cycle)."""
+  leader = list(range(count))
+  members: dict[int, tuple[int, ...]] = {}
+  for group in groups:
+    first = min(group)
+    members[first] = tuple(sorted(group))
+    for r in group:
+      leader[r] = first
+  indegree = [0] * count
+  next_of: list[set[int]] = [set() for _ in range(count)]
+  for a in range(count):
+    for b in succ[a]:
+      la, lb = leader[a], leader[b]
+      if la != lb and lb not in next_of[la]:
+        next_of[la].add(lb)
+        indegree[lb] += 1
+  ready = [r for r in range(count) if leader[r] == r and indegree[r] == 0]
   heapq.heapify(ready)
   order = []
   while ready:
-    region = heapq.heappop(ready)
-    order.append(region)
-    for nxt in succ[region]:
+    node = heapq.heappop(ready)
+    order.extend(members.get(node, (node,)))
+    for nxt in next_of[node]:
       indegree[nxt] -= 1
       if indegree[nxt] == 0:
         heapq.heappush(ready, nxt)
-  if len(order) != count:  # the cycle test above makes this unreachable
-    raise AssertionError("jaxstreams: region graph has a cycle")
-  return order
+  return order if len(order) == count else None
 
 
 def _describe(program, region_of, streams, members) -> RegionGraph:

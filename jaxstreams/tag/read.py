@@ -101,6 +101,18 @@ def any_equation(eqns, predicate: Callable[[Any], bool]) -> bool:
   return False
 
 
+def primitives(eqns) -> frozenset[str]:
+  """The names of the primitives ``eqns`` bind, at any depth inside them."""
+  found: set[str] = set()
+  todo = list(eqns)
+  while todo:
+    eqn = todo.pop()
+    found.add(eqn.primitive.name)
+    for sub in _compat.sub_jaxprs(eqn):
+      todo.extend(sub.eqns)
+  return frozenset(found)
+
+
 def has_tags(jaxpr) -> bool:
   """Whether any equation in ``jaxpr`` (closed or not; at any depth) is tagged."""
   return any_equation(jaxpr.eqns, _is_tagged)
