@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from jaxstreams.xla.graph import GraphLogError, parse_log, read_graphs
+from jaxstreams.xla.graph import GraphLogError, read_graphs
+from jaxstreams.xla.xla_logs import parse_log
 
 _PREFIX = "I1125 12:55:40.031516    3501 "
 
@@ -244,3 +245,113 @@ def test_a_graph_the_dump_does_not_hold_is_a_clear_error():
   with pytest.raises(GraphLogError, match="no command buffer in XLA's thunk "
                      "dump holds the 3 commands of graph 0"):
     read_graphs(log, SEQUENCE, METADATA, HLO)
+
+
+# A loop (XLA's format: the condition and body as sections of the kWhile
+# thunk) whose step runs two stream calls, both started before either is
+# waited for; then a main-stream kernel outside any graph.
+LOOP_SEQUENCE = """\
+001: kCopy         [source       | next=002 (1)] kCopy
+002: kWhile        [prev=001 (1) | next=009 (1)]   
+condition:
+    003: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    004: kAsyncStart   [source       | next=008 (3)] stream=computation_stream[1], async_id=4
+        005: kCustomKernel [source | sink] fusion_a grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+    006: kAsyncStart   [source       | next=008 (2)] stream=computation_stream[2], async_id=6
+        007: kCustomKernel [source | sink] fusion_b grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+    010: kAsyncDone    [source       | sink        ] async_id=4
+    011: kAsyncDone    [source       | sink        ] async_id=6
+    008: kCustomKernel [source       | sink        ] loop_add_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+009: kCustomKernel [prev=002 (1) | sink] fusion_c grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+"""
+
+LOOP_METADATA = "".join(
+    f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n'
+    f'    thunk_id: {i}\n  }}\n  thunk_kind: "k"\n}}\n'
+    for i, name in [(2, "while.5"), (4, "call-start"), (5, "fusion.a"),
+                    (6, "call-start.1"), (7, "fusion.b"), (9, "fusion.c")])
+
+
+def _loop_hlo(trip_config: str) -> str:
+  body = HLO.replace("ENTRY %main (x: f32[4]) -> f32[4] {",
+                     "%body (x: f32[4]) -> f32[4] {")
+  return body + f"""
+ENTRY %main.2 (y: f32[4]) -> f32[4] {{
+  %y = f32[4]{{0}} parameter(0)
+  %while.5 = f32[4]{{0}} while(%y), condition=%cond, body=%body, backend_config={trip_config}
+  ROOT %fusion.c = f32[4]{{0}} fusion(%while.5), kind=kLoop, calls=%fused_c, metadata={{op_name="jit(f)/jaxstreams_region_2/add"}}
+}}
+"""
+
+
+def test_a_loop_of_known_trip_count_runs_its_stream_calls_side_by_side():
+  """No graph here: the view says so, lists the loop with its trip count,
+  and finds the two regions in flight together inside every step."""
+  hlo = _loop_hlo('{"known_trip_count":{"n":"6"},"known_init_step":{}}')
+  graphs = read_graphs("", LOOP_SEQUENCE, LOOP_METADATA, hlo)
+  assert graphs.graphs == ()
+  (loop,) = graphs.loops
+  assert (loop.instruction, loop.trip_count, loop.host_waits) == ("while.5", 6, False)
+  starts = [l for l in loop.body if type(l).__name__ == "StreamCall"]
+  assert [(s.region, s.stream, s.window) for s in starts] == [(0, 1, 1), (1, 2, 0)]
+  assert graphs.parallel_regions() == ((0, 1),)
+  summary = graphs.summary()
+  assert summary.startswith("no CUDA graph: every launch is made one by one")
+  assert "loop while.5: 6 steps, a known count" in summary
+  order = graphs.launch_order()
+  assert "[0] loop while.5: 6 steps" in order
+  assert "[1] stream call R0" in order and "[2] stream call R1" in order
+  assert "fusion_c (R2)" in order
+
+
+def test_a_loop_of_unknown_trip_count_makes_the_host_wait():
+  hlo = _loop_hlo("{}")
+  (loop,) = read_graphs("", LOOP_SEQUENCE, LOOP_METADATA, hlo).loops
+  assert loop.trip_count is None and loop.host_waits
+
+
+def test_calls_one_after_the_other_are_not_side_by_side():
+  sequence = LOOP_SEQUENCE.replace(
+      "    010: kAsyncDone    [source       | sink        ] async_id=4\n", "")
+  sequence = sequence.replace(
+      "    006: kAsyncStart",
+      "    010: kAsyncDone    [source       | sink        ] async_id=4\n"
+      "    006: kAsyncStart")
+  hlo = _loop_hlo('{"known_trip_count":{"n":"6"}}')
+  graphs = read_graphs("", sequence, LOOP_METADATA, hlo)
+  assert graphs.parallel_regions() == ()
+
+
+# A conditional inside a command buffer: XLA logs each branch as a graph
+# of its own (before the graph that holds the conditional, whose command it
+# logs without a name).
+COND_SEQUENCE = """\
+000: kCommandBuffer [source | sink] 
+    001: kCustomKernel [source       | next=004 (1)] fusion_a grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+    004: kConditional  [prev=001 (1) | next=005 (1)]       
+      false_branch:
+        002: kCustomKernel [source | sink] fusion_b grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+      true_branch:
+        003: kCustomKernel [source | sink] fusion_c grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+    005: kCustomKernel [prev=004 (1) | sink] fusion_c grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
+"""
+
+
+def test_a_conditional_in_a_graph_and_its_branch_graphs():
+  log = (_log("LHS", [("fusion_b", [("2", "write")])], [[]], ["fusion.b"])
+         + _log("LHS", [("fusion_c", [("3", "write")])], [[]], ["fusion.c"])
+         + _log("LHS", [("fusion_a", [("1", "write")]), ("", [("4", "write")]),
+                        ("fusion_c", [("3", "write")])], [[], [0], [1]],
+                ["fusion.a", "cond", "fusion.c"]).replace(
+                    "] \x20grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 "
+                    "bytes resources=[token@0x4(write)]", "] "))
+  metadata = METADATA + ('thunk_metadata {\n  thunk_info {\n    profile_annotation: '
+                         '"cond"\n    thunk_id: 4\n  }\n  thunk_kind: "k"\n}\n')
+  graphs = read_graphs(log, COND_SEQUENCE, metadata, HLO)
+  assert [len(g.kernels) for g in graphs.graphs] == [1, 1, 3]
+  (cond,) = graphs.conditionals
+  assert not cond.host_waits   # a graph's conditional node: no host wait
+  assert [b[0].graph.index for b in cond.branches] == [0, 1]
+  assert "conditional cond (the branch chosen on the GPU), 2 branches" in \
+      graphs.launch_order()

@@ -38,12 +38,17 @@ def main() -> None:
     executable = _compat.compile_module_text(
         request["module"], gpu.mesh.devices.flat, options)
     files = {}
-    for kind in ("thunk_sequence_after_thunk_passes", "thunk_metadata",
-                 "gpu_after_optimizations-buffer-assignment"):
-      found = sorted(pathlib.Path(dump).glob(f"*{kind}.txt"))
+    # The thunk sequence as it runs: XLA dumps it after its thunk passes
+    # where those changed it (they make the command buffers), else as
+    # emitted.
+    for kind in ("thunk_sequence_after_thunk_passes", "thunk_sequence",
+                 "thunk_metadata", "gpu_after_optimizations-buffer-assignment"):
+      found = sorted(pathlib.Path(dump).glob(f"*.{kind}.txt"))
       files[kind] = found[-1].read_text() if found else None
+  sequence = (files["thunk_sequence_after_thunk_passes"]
+              or files["thunk_sequence"])
   print(json.dumps({"hlo": executable.hlo_modules()[0].to_string(),
-                    "sequence": files["thunk_sequence_after_thunk_passes"],
+                    "sequence": sequence,
                     "metadata": files["thunk_metadata"],
                     "buffers": files["gpu_after_optimizations-buffer-assignment"]}))
 

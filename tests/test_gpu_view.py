@@ -1,0 +1,164 @@
+"""What an H100 launches for programs with loops, conditionals and
+convolutions, as jaxstreams lowers them by default: compiled on this machine
+without a GPU (``jaxstreams.xla_graphs``: XLA's command-buffer log and thunk
+dump, read in a child process).
+
+XLA runs a loop outside its CUDA graphs, kernel by kernel on the loop's
+stream: under ``jax.jit`` two ``lax.scan`` towers run one after the other.
+By default jaxstreams runs independent towers' loops as one loop whose step
+runs each tower's body on its stream (``jaxstreams.lower.loops``); these
+tests read, in what XLA compiled, that the towers' work is in flight
+together, at top level and inside another jit, forward and backward. Needs
+the CUDA plugin (see ``jaxstreams.xla.target``): skips without it, fails
+with ``JAXSTREAMS_REQUIRE_GPU_TARGET=1``.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import jaxstreams
+from jaxstreams.lower import gpu
+from programs import require_gpu_target
+
+import compile_matrix
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin():
+  require_gpu_target()
+
+
+def _view(fn, args, streams, *, context="top", **jit_kwargs):
+  """The view of ``fn`` as jaxstreams.jit lowers it for a GPU, called at
+  top level, inside another jit, or differentiated inside one; its plan."""
+  f = jaxstreams.jit(fn, streams=streams, **jit_kwargs)
+  plan = f.plan(*args)
+  if context == "top":
+    outer = f
+  elif context == "jit":
+    outer = jax.jit(lambda *a: f(*a))
+  else:
+    outer = jax.jit(jax.grad(compile_matrix._scalar_loss(f),
+                             argnums=compile_matrix._float_arguments(args)))
+  lowered = outer.trace(*args).lower(lowering_platforms=("cuda",))
+  return jaxstreams.xla_graphs(lowered, plan=plan), plan
+
+
+def _program(name):
+  return compile_matrix.PROGRAMS[name]()
+
+
+def _tower_pairs(plan):
+  """The pairs of regions the plan runs as one loop."""
+  return {(g.regions[0], g.regions[1]) for g in plan.loops}
+
+
+@pytest.mark.parametrize("context", ["top", "jit"])
+def test_scan_towers_run_side_by_side_by_default(context):
+  fn, args, streams = _program("scan_towers")
+  graphs, plan = _view(fn, args, streams, context=context)
+  (pair,) = _tower_pairs(plan)
+  assert pair in graphs.parallel_regions(), str(graphs)
+  (loop,) = graphs.loops   # one loop for both towers
+  assert loop.trip_count == compile_matrix.LAYERS and not loop.host_waits
+
+
+def test_scan_towers_training_step_runs_both_passes_side_by_side():
+  """A training step (the gradient taken inside the jaxstreams.jit
+  function): the forward loops run as one, and so do the backward loops."""
+  fn, args, streams = _program("scan_towers")
+
+  def step(w1, w2, x):
+    return jax.value_and_grad(fn, argnums=(0, 1))(w1, w2, x)
+
+  graphs, plan = _view(step, args, streams)
+  assert len(plan.loops) == 2
+  together = graphs.parallel_regions()
+  assert all(p in together for p in _tower_pairs(plan)), str(graphs)
+  assert len(graphs.loops) == 2
+
+
+def test_a_gradient_taken_outside_runs_the_towers_side_by_side():
+  """jax.grad applied to a jaxstreams.jit function inside another jit:
+  jax differentiates the one loop, and the backward loop's steps run both
+  towers' bodies on their streams too."""
+  fn, args, streams = _program("scan_towers")
+  graphs, plan = _view(fn, args, streams, context="grad")
+  (pair,) = _tower_pairs(plan)
+  assert pair in graphs.parallel_regions(), str(graphs)
+  assert len(graphs.loops) == 2
+
+
+def test_a_chain_of_loops_stays_one_chain():
+  """Loops that need each other's results cannot run side by side: no
+  group, and no pair of regions in flight together."""
+  def chain(w1, w2, x):
+    with jaxstreams.stream(1):
+      a = compile_matrix._scan_tower(w1, x)
+    with jaxstreams.stream(2):
+      b = compile_matrix._scan_tower(w2, a)
+    return b.sum()
+  _, args, _ = _program("scan_towers")
+  graphs, plan = _view(chain, args, 3)
+  assert plan.loops == ()
+  assert graphs.parallel_regions() == ()
+  assert len(graphs.loops) == 2
+
+
+@pytest.mark.parametrize("name, trips, waits", [
+    ("fori_towers", compile_matrix.LAYERS, False),
+    ("while_towers", None, True),
+])
+def test_the_view_reads_loops_with_their_trip_counts(name, trips, waits):
+  fn, args, streams = _program(name)
+  graphs, _ = _view(fn, args, streams, gpu_lowering="inline")
+  assert graphs.loops
+  for loop in graphs.loops:
+    assert (loop.trip_count, loop.host_waits) == (trips, waits), str(graphs)
+  assert "loop " in graphs.summary()
+
+
+def test_the_view_reads_conditionals():
+  """With a current driver XLA puts conditionals into the graph (a CUDA
+  conditional node: the GPU picks the branch, the host does not wait)."""
+  fn, args, streams = _program("cond_towers")
+  graphs, _ = _view(fn, args, streams, gpu_lowering="inline")
+  assert len(graphs.conditionals) == 2   # one a tower (the other folds)
+  assert all(not c.host_waits for c in graphs.conditionals), str(graphs)
+
+
+def test_the_view_reads_the_gradient_of_a_checkpointed_scan():
+  fn, args, streams = _program("checkpointed_scan_towers")
+  graphs, plan = _view(fn, args, streams, context="grad")
+  assert len(graphs.loops) >= 2
+  (pair,) = _tower_pairs(plan)
+  assert pair in graphs.parallel_regions(), str(graphs)
+
+
+def test_the_target_keeps_library_calls_and_conditionals_in_graphs():
+  """The built-in target carries a current driver's versions: XLA keeps
+  cuBLAS, cuDNN, custom calls and conditionals in its graph types (a
+  deviceless compile would otherwise read version 0.0.0 and drop them), and
+  jaxstreams' record of XLA's default types is the installed XLA's."""
+  fn, args, streams = _program("constant_towers")
+  graphs, _ = _view(fn, args, streams, gpu_lowering="inline")
+  assert {"CUBLAS", "CUDNN", "CUSTOM_CALL", "CONDITIONAL"} <= set(
+      graphs.command_types)
+  assert graphs.command_types == tuple(sorted(gpu.xla_command_buffer_types()))
+
+
+def test_convolution_branches_run_side_by_side_in_a_graph_by_default():
+  """XLA keeps convolutions out of its graphs unless asked: an
+  Inception-style step has no graph at all under jax.jit. The default adds
+  CONVOLUTION to the graph types (with CONCURRENT graphs) where the plan's
+  regions hold convolutions, and the branches run side by side."""
+  fn, args, streams = _program("inception")
+  plain, _ = _view(fn, args, streams, gpu_lowering="inline")
+  assert not plain.graphs and "no CUDA graph" in plain.summary()
+  graphs, plan = _view(fn, args, streams)
+  assert "CONVOLUTION" in graphs.command_types
+  assert graphs.graphs and graphs.parallelism > 1.5, graphs.summary()
+  checks = graphs.compare()
+  assert checks and any(together for _, _, together in checks), graphs.summary()
