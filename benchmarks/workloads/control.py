@@ -37,11 +37,18 @@ def make_fn(size):
   return build
 
 
-def build(size, streams, key):
+def model(size, streams, key):
+  """(make_fn, args): the model written against a placement, and its inputs."""
+  del streams   # one chain: one stream at most
   n = size["n"]
   ks = jax.random.split(key, size["depth"] + 1)
   ws = [common.normal(k, (n, n), n ** -0.5) for k in ks[1:]]
   x = common.normal(ks[0], (size["batch"], n))
+  return make_fn(size), (ws, x)
+
+
+def build(size, streams, key):
+  _, (ws, x) = model(size, streams, key)
   return common.Case(
       workload=NAME, size=size, candidate="jaxstreams",
       baselines=list(common.STANDARD_BASELINES),
