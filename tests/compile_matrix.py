@@ -45,8 +45,15 @@ import jaxstreams  # noqa: E402
 LAYERS, WIDTH, BATCH = 4, 128, 16
 CONTEXTS = ("top", "jit", "grad", "vmap")
 # Programs jax.grad cannot differentiate (reverse mode through a while loop
-# of unknown trip count), whatever the way.
+# of unknown trip count), whatever the way; and programs that are training
+# steps already (their gradient would be a second derivative: compile time,
+# no new construct).
 NOT_DIFFERENTIABLE = frozenset({"while_towers"})
+TRAINING_STEPS = frozenset({"demo", "dlrm", "dual_encoder", "gru_bank"})
+# Programs without loops: inside another trace, every way's program is one
+# of those the default picks from (the suite's tests compile them too).
+LOOPLESS = frozenset({"constant_towers", "demo", "dlrm", "inception",
+                      "mlp_bank", "control"})
 
 
 def _weights(seed, layers=LAYERS, width=WIDTH):

@@ -44,13 +44,17 @@ NESTED_WAYS = ("loops", "streams", "default")
 
 def cells_of(program: str) -> list[str]:
   """The program's cells: every way at top level; inside another jit and
-  under jax.grad, each of jaxstreams' nested programs and the default;
+  under jax.grad (not of a training step), each of jaxstreams' nested
+  programs and the default (only the default for a program without loops);
   under jax.vmap, the default."""
   cells = [f"{program}/top/{way}" for way in gpu.NAMES]
+  nested = (("default",) if program in compile_matrix.LOOPLESS
+            else NESTED_WAYS)
   for context in ("jit", "grad"):
-    if context == "grad" and program in compile_matrix.NOT_DIFFERENTIABLE:
+    if context == "grad" and program in (compile_matrix.NOT_DIFFERENTIABLE
+                                         | compile_matrix.TRAINING_STEPS):
       continue
-    cells += [f"{program}/{context}/{way}" for way in NESTED_WAYS]
+    cells += [f"{program}/{context}/{way}" for way in nested]
   return cells + [f"{program}/vmap/default"]
 
 
