@@ -15,7 +15,11 @@ call; ``jaxstreams.lower.gpu``), ``runtime`` (the native FFI library) and
 ``xla`` (what XLA:GPU compiles and launches, seen without a GPU).
 """
 
-from jaxstreams import config
+from jaxstreams import _compat, config
+
+# The CUDA plugin without a GPU (installed to compile for one): jax on CPU
+# at once, without the plugin's tracebacks.
+_compat.quiet_cuda_plugin_without_gpu()
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.assign import RulesFileError, StreamIdError
 from jaxstreams._jit import StreamJit, jit, plan

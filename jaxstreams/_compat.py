@@ -34,7 +34,9 @@ What lives here, and why it cannot use a public API:
 
 from __future__ import annotations
 
+import glob
 import importlib
+import importlib.util
 import os
 from typing import Any, Callable, Iterable, Sequence
 
@@ -791,3 +793,30 @@ def _find_array_type():
 
 
 ARRAY_TYPE = _find_array_type()
+
+
+# ---------------------------------------------------------------------------
+# The CUDA plugin on a machine without a GPU.
+
+def quiet_cuda_plugin_without_gpu() -> bool:
+  """Run jax on CPU where the CUDA plugin is installed but no NVIDIA GPU is
+  present and nobody chose the platforms; True where it did.
+
+  The plugin (installed to see what an H100 compiles, without one) makes
+  every jax program on such a machine print two tracebacks ("Unable to load
+  cuDNN") before jax falls back to the CPU; with the platforms set to the
+  CPU, jax goes there directly and prints nothing. Nothing changes where a
+  GPU's device files exist, where ``JAX_PLATFORMS`` or ``jax_platforms`` was
+  set, or once jax has started a backend.
+  """
+  if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+    return False
+  if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/nvidiactl"):
+    return False
+  if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+    return False
+  from jax._src import xla_bridge
+  if xla_bridge._backends:   # too late: a backend is running
+    return False
+  jax.config.update("jax_platforms", "cpu")
+  return True

@@ -162,3 +162,27 @@ def test_convolution_branches_run_side_by_side_in_a_graph_by_default():
   assert graphs.graphs and graphs.parallelism > 1.5, graphs.summary()
   checks = graphs.compare()
   assert checks and any(together for _, _, together in checks), graphs.summary()
+
+
+def test_the_view_s_plugin_leaves_a_cpu_program_quiet():
+  """The CUDA plugin installed without a GPU: a program that imports
+  jaxstreams runs on CPU without the plugin's tracebacks; jaxstreams sets
+  the platform only where nobody did."""
+  import glob
+  import os
+  import subprocess
+  import sys
+  if glob.glob("/dev/nvidia*"):
+    pytest.skip("this machine has an NVIDIA GPU")
+  code = ("import jaxstreams, jax; jax.numpy.ones(2).block_until_ready(); "
+          "print(jax.devices()[0].platform, jax.config.jax_platforms)")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  quiet = subprocess.run([sys.executable, "-c", code], env=env,
+                         capture_output=True, text=True, timeout=120)
+  assert quiet.returncode == 0, quiet.stderr
+  assert quiet.stdout.split() == ["cpu", "cpu"]
+  assert "Traceback" not in quiet.stderr and "cuDNN" not in quiet.stderr
+  chosen = subprocess.run([sys.executable, "-c", code],
+                          env={**env, "JAX_PLATFORMS": "cpu,cuda"},
+                          capture_output=True, text=True, timeout=120)
+  assert chosen.stdout.split()[-1] == "cpu,cuda"   # the user's choice stands
