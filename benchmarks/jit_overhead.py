@@ -29,7 +29,8 @@ and seconds until the function chose its way, and the way.
   is chosen.
 
   python benchmarks/jit_overhead.py [--calls 2000] [--batches 31]
-      [--rounds 3] [--part all|per_call|first_call] [--quick] [--out DIR]
+      [--rounds 3] [--part all|per_call|first_call] [--models a,b]
+      [--quick] [--out DIR]
 
 Results: ``jit_overhead_<platform>_jax<version>[_<part>][_quick].{json,txt}``.
 """
@@ -188,14 +189,23 @@ def demo(size):
   return (lambda: streams_demo.make_step(size["towers"])), (params, x, y)
 
 
-def models(quick: bool) -> list[tuple[str, object, tuple]]:
+MODEL_SETS = ("demo", "transformer", "transformer_one_stream", "suite")
+
+
+def models(quick: bool, wanted: set[str]) -> list[tuple[str, object, tuple]]:
+  """(name, make_fn, args) of each model asked for; ``suite`` (the models of
+  gpu_levers.py) on a GPU only."""
   tf = QUICK_TRANSFORMER if quick else TRANSFORMER
   tf_name = f"transformer training step, {tf['layers']} layers"
-  found = [("demo training step", *demo(QUICK_DEMO if quick else DEMO)),
-           (tf_name + ", attention and MLP on streams 1 and 2",
-            *transformer(tf, streams=True)),
-           (tf_name + ", one stream", *transformer(tf, streams=False))]
-  if jax.default_backend() == "gpu":   # the suite's models, as gpu_levers has them
+  found = []
+  if "demo" in wanted:
+    found.append(("demo training step", *demo(QUICK_DEMO if quick else DEMO)))
+  if "transformer" in wanted:
+    found.append((tf_name + ", attention and MLP on streams 1 and 2",
+                  *transformer(tf, streams=True)))
+  if "transformer_one_stream" in wanted:
+    found.append((tf_name + ", one stream", *transformer(tf, streams=False)))
+  if "suite" in wanted and jax.default_backend() == "gpu":
     import gpu_levers
     from workloads import common
     for name, model, size in gpu_levers.MODELS:
@@ -261,7 +271,8 @@ def first_call_ours(make_fn, args, record: list) -> float:
   return seconds
 
 
-def first_calls(rounds: int, quick: bool) -> tuple[list, list[str]]:
+def first_calls(rounds: int, quick: bool, wanted: set[str]
+                ) -> tuple[list, list[str]]:
   if jax.default_backend() != "gpu":
     try:
       target = jaxstreams.gpu_target("h100")
@@ -275,7 +286,7 @@ def first_calls(rounds: int, quick: bool) -> tuple[list, list[str]]:
   first_call_jax(lambda: _two_regions, tiny_args)
   first_call_ours(lambda: _two_regions, tiny_args, [])
   cases, lines = [], []
-  for name, make_fn, args in models(quick):
+  for name, make_fn, args in models(quick, wanted):
     if jax.default_backend() != "gpu":
       args = target.abstract(*args)
     record: list = []
@@ -316,6 +327,9 @@ def main():
                  help="paired rounds of first calls per model")
   p.add_argument("--part", choices=("all", "per_call", "first_call"),
                  default="all", help="measure one part only")
+  p.add_argument("--models", default=",".join(MODEL_SETS),
+                 help="first calls of which models, of "
+                      f"{', '.join(MODEL_SETS)} (suite: on a GPU only)")
   args = p.parse_args()
   jaxstreams.config.update("jaxstreams_autotune", True)   # what is measured
   jaxstreams.config.update("jaxstreams_autotune_cache", "none")
@@ -330,8 +344,12 @@ def main():
     where = ("on this GPU" if device.platform == "gpu" else
              "compiled for an H100 on this machine's CPUs (no GPU)")
     lines.append(f"first calls, {where}, {STREAMS} streams:")
+    wanted = set(args.models.split(","))
+    unknown = wanted - set(MODEL_SETS)
+    if unknown:
+      p.error(f"unknown --models {sorted(unknown)}; choose from {MODEL_SETS}")
     result["first_calls"], more = first_calls(1 if args.quick else args.rounds,
-                                              args.quick)
+                                              args.quick, wanted)
     lines += more
   m = result["machine"]
   text = "\n".join(

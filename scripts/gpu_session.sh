@@ -19,9 +19,10 @@
 # (levers: every GPU way of the suite's programs, the default's own choice
 # and kernel overlap from a profiler trace: benchmarks/gpu_levers.py).
 # (overhead: the per-call cost only; firstcall: jaxstreams.jit's first call
-# against jax.jit's for the demo step, a transformer training step and the
-# suite's models, FIRSTCALL_ROUNDS paired rounds, default 2, and the calls
-# and seconds until each chose its way: benchmarks/jit_overhead.py).
+# against jax.jit's and the calls and seconds until it chose its way, for
+# FIRSTCALL_MODELS, default the suite's six models ("suite,demo,transformer"
+# adds the demo step and a 12-layer transformer step), FIRSTCALL_ROUNDS
+# paired rounds, default 2: benchmarks/jit_overhead.py).
 # (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 2,
 # three times that under 1 ms; sweeplong: 1 to 10 ms, LONG_ROUNDS, default 3)
 #
@@ -141,6 +142,7 @@ for s in "${steps[@]}"; do
     overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --part per_call \
                  --out "$logs" ;;
     firstcall) run_step firstcall 360 "$py" benchmarks/jit_overhead.py --part first_call \
+                 --models "${FIRSTCALL_MODELS:-suite}" \
                  --rounds "${FIRSTCALL_ROUNDS:-2}" --out "$logs" ;;
     sweep)     run_step sweep 420 "$py" benchmarks/prefetch_sweep.py --quiet \
                  --step-ms 0.1,0.3 --rounds "${SWEEP_ROUNDS:-2}" --out "$logs" ;;
