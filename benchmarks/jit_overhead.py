@@ -278,13 +278,14 @@ def first_calls(rounds: int, quick: bool, wanted: set[str]
       target = jaxstreams.gpu_target("h100")
     except jaxstreams.GpuTargetError as error:
       return [], [f"  first calls: not measured: {error}"]
-  # What a process pays once (loading XLA:GPU's compiler, jaxstreams'
-  # modules) goes to neither side: a tiny first call of each, unrecorded.
-  tiny_args = (jnp.ones((8, 8)),)
-  if jax.default_backend() != "gpu":
-    tiny_args = target.abstract(*tiny_args)
-  first_call_jax(lambda: _two_regions, tiny_args)
-  first_call_ours(lambda: _two_regions, tiny_args, [])
+  if not quick:
+    # What a process pays once (loading XLA:GPU's compiler, jaxstreams'
+    # modules) goes to neither side: a tiny first call of each, unrecorded.
+    tiny_args = (jnp.ones((8, 8)),)
+    if jax.default_backend() != "gpu":
+      tiny_args = target.abstract(*tiny_args)
+    first_call_jax(lambda: _two_regions, tiny_args)
+    first_call_ours(lambda: _two_regions, tiny_args, [])
   cases, lines = [], []
   for name, make_fn, args in models(quick, wanted):
     if jax.default_backend() != "gpu":

@@ -98,7 +98,8 @@ SMALLEST_RUNS = {
                          "cpu_dispatch_gap_{platform}_jax*.json"),
     "prefetch": (["--steps", "5", "--repeats", "1", "--transfer-steps", "5",
                   "--transfer-mb", "0.25"], "prefetch_{platform}.json"),
-    "jit_overhead": (["--calls", "20", "--batches", "2", "--quick"],
+    "jit_overhead": (["--calls", "20", "--batches", "2", "--quick",
+                      "--models", "demo,transformer_one_stream"],
                      "jit_overhead_{platform}_jax*_quick.json"),
     "planning": (["--sizes", "100", "--reps", "1"], "planning_{platform}.json"),
     "gpu_levers": (["--quick"], "gpu_levers_{platform}_jax*_quick.json"),
@@ -142,10 +143,8 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
               for name, c in cases.items()}
     others = {w.name for w in gpu.candidates()} - {"inline"}
     assert {name: beside.get(name) for name in (
-        "demo training step", "attention and MLP on streams 1 and 2",
-        "one stream")} == {"demo training step": others,
-                           "attention and MLP on streams 1 and 2": others,
-                           "one stream": set()}
+        "demo training step", "one stream")} == {"demo training step": others,
+                                                 "one stream": set()}
   if script == "xla_graphs":
     rows = result["programs"]["four_branches"]
     assert rows["jax.jit"]["parallelism"] >= 1.0
