@@ -308,12 +308,12 @@ def test_concurrent_compiles_are_bounded():
   futures = [pool.submit(lambda i=i: job(i)) for i in range(6)]
   assert wait_until(lambda: running[0] == 2)
   assert [f.running() for f in futures].count(True) == 2   # the rest queued
-  assert len([t for t in threading.enumerate()
-              if t.name == "jaxstreams-compile"]) == 2
+  assert len(pool._threads) == 2
+  assert {t.name for t in pool._threads} == {"jaxstreams-compile"}
   release.set()
   assert [f.result(10) for f in futures] == list(range(6))
   assert most[0] == 2
-  # Its threads end once nothing is queued (the test fixture checks).
+  assert wait_until(lambda: not pool._threads)   # they end once idle
 
 
 def test_a_function_s_compiles_go_through_the_bounded_pool(on_a_gpu, monkeypatch):
