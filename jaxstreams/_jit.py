@@ -8,15 +8,19 @@ program (lower). Everything else is ``jax.jit``'s: the cache, static and
 donated arguments, shardings, the C++ fast path on later calls, and
 transformations applied from outside.
 
-Which ``jax.jit`` function a call reaches is settled at the first call
-(``jaxstreams.lower.gpu``): on CPU the program ``jax.jit`` builds; on a GPU
-the way chosen for top-level calls (compiler options included, which jax
-refuses inside another trace) and the way for calls traced inside another
-jit. From then on the call goes straight to ``jax.jit``'s C++ fast path,
-through ``functools.partial``'s own C call, where no choice between the two
-remains; on a GPU one Python check of the trace state decides. A function
-that reads its stream count from the option goes straight to the function
-for the count in force, until an option changes.
+Which ``jax.jit`` function a call reaches is chosen by
+``jaxstreams.lower.choose``, from the first top-level call on: on CPU the
+program ``jax.jit`` builds; on a GPU the way for top-level calls (compiler
+options included, which jax refuses inside another trace; timed in the
+first calls where the rule leaves it open) and the way for calls traced
+inside another jit. A ``StreamJit`` is a ``functools.partial`` whose
+function is what serves calls now: its call goes through ``partial``'s own
+C call straight to ``jax.jit``'s C++ fast path where no choice remains; on
+a GPU one Python check of the trace state picks top level or nested. A
+function that reads its stream count from the option goes straight to the
+function for the count in force, until an option changes. This module is
+``jax.jit``'s surface: the keywords, the staged function ``jax.jit``
+traces, the shared plans, ``lower`` / ``trace`` / ``eval_shape`` / ``plan``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from jax import tree_util
 
 from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams._trace import trace
-from jaxstreams.lower import autotune, emit, gpu
+from jaxstreams.lower import choose, emit, gpu
 from jaxstreams.lower.emit import FUSING_PROGRAMS
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
@@ -44,8 +48,6 @@ __all__ = ["jit", "plan", "spec_of", "StreamJit"]
 _JIT_PARAMETERS = frozenset(
     name for name, p in inspect.signature(jax.jit).parameters.items()
     if p.kind is inspect.Parameter.KEYWORD_ONLY)
-_GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
-_ONE_STREAM = "one stream: the program jax.jit builds"
 
 
 def _check_streams(streams: Any, source: str) -> int:
@@ -340,6 +342,46 @@ class _Spec:
           "(functools.partial) and pass that.")
     return self.fun
 
+  def static_arguments(self, args, kwargs) -> tuple[set, set]:
+    """The positions and names of the static arguments of a call with
+    ``args`` and ``kwargs``: jax.jit's ``static_argnums`` and
+    ``static_argnames``, each completed from the other through the
+    function's signature, as jax does."""
+    nums = self.jit_kwargs.get("static_argnums")
+    names = self.jit_kwargs.get("static_argnames")
+    if nums is None and names is None:
+      return set(), set()
+    nums = set((nums,) if isinstance(nums, int) else nums or ())
+    names = set((names,) if isinstance(names, str) else names or ())
+    nums = {n % len(args) if n < 0 and args else n for n in nums}
+    try:
+      positional = [p.name for p in inspect.signature(self.fun).parameters.values()
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+      positional = []
+    if nums and not self.jit_kwargs.get("static_argnames"):
+      names |= {positional[n] for n in nums if n < len(positional)}
+    if names and not self.jit_kwargs.get("static_argnums"):
+      nums |= {i for i, name in enumerate(positional) if name in names}
+    return ({n for n in nums if n < len(args)},
+            {k for k in names if k in kwargs})
+
+  def split_static(self, args, kwargs) -> tuple[tuple, tuple]:
+    """``((dynamic args, dynamic kwargs), static values)`` of a call: what a
+    compiled program takes, and what jax.jit bakes into it."""
+    nums, names = self.static_arguments(args, kwargs)
+    if not nums and not names:
+      return (tuple(args), dict(kwargs)), ()
+    dynamic = (tuple(a for i, a in enumerate(args) if i not in nums),
+               {k: v for k, v in kwargs.items() if k not in names})
+    return dynamic, (tuple(args[i] for i in sorted(nums)),
+                     tuple(sorted((k, kwargs[k]) for k in names)))
+
+  def dynamic_arguments(self, args, kwargs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` without the static ones, as a compiled program
+    takes them."""
+    return self.split_static(args, kwargs)[0]
+
   def jitted(self, streams: int, program: str,
              compiler_options: dict[str, str] | None = None,
              donate: bool = True):
@@ -373,7 +415,7 @@ class _Spec:
                              a, k, self.plans(streams))[0])
       return ()
 
-    nums, names = _static_arguments(self, args, kwargs)
+    nums, names = self.static_arguments(args, kwargs)
     _compat.trace_to_jaxpr(plan_only, args, kwargs, sorted(nums), sorted(names))
     return report(plans[0])
 
@@ -406,25 +448,16 @@ def make_plan(fun: Callable, streams: int, spread: bool | None, source: str,
   return plan, out_tree, dynamic
 
 
-@dataclasses.dataclass(frozen=True)
-class _Choice:
-  """How a function's top-level calls run on a GPU, and why."""
-  way: gpu.Way
-  reason: str
-  decision: autotune.Decision | None = None
-  single_stream: bool = False   # nothing off the main stream: one program
-  timable: bool = False         # the default way: the first call may time
-
-
 class StreamJit(functools.partial):
   """A ``jaxstreams.jit`` function.
 
   Calling it calls ``self.func``: until the first top-level call, a
-  function that settles which ``jax.jit`` function serves calls (see the
-  module docstring); then that ``jax.jit`` function itself, or on a GPU a
-  two-way switch between the top-level and the nested one. ``functools.
-  partial`` makes that call in C: a ``jaxstreams.jit`` call costs what the
-  ``jax.jit`` call costs.
+  function that settles which ``jax.jit`` function serves calls
+  (``jaxstreams.lower.choose``); then that ``jax.jit`` function itself, or
+  on a GPU a two-way switch between the top-level and the nested one (while
+  the ways are timed: a lookup by signature). ``functools.partial`` makes
+  that call in C: a ``jaxstreams.jit`` call costs what the ``jax.jit`` call
+  costs.
   """
 
   def __new__(cls, spec: _Spec, streams: int | None):
@@ -435,9 +468,12 @@ class StreamJit(functools.partial):
     self._jits: dict[tuple, Any] = {}
     self._children: dict[int, StreamJit] = {}   # streams=None: one per count
     self._lock = threading.RLock()
-    self._choice: _Choice | None = None
+    self._chooser = choose.Chooser(self)
     self._devices: int | None = None   # of the call that settled, on a GPU
-    self._point_to(_first_call(weakref.ref(self)))
+    # The plan of the call that settled, where a top-level way's compiler
+    # options follow it (CONCURRENT graphs take convolutions in).
+    self._settled_plan: StreamPlan | None = None
+    self._point_to(choose.FirstCall(weakref.ref(self)))
     return self
 
   def _point_to(self, target: Callable) -> None:
@@ -473,8 +509,10 @@ class StreamJit(functools.partial):
   def _jit(self, way: gpu.Way, *, top_level: bool, donate: bool = True,
            plan: StreamPlan | None = None):
     """The ``jax.jit`` function of ``way`` (top level: with its compiler
-    options for ``plan``; inside another trace: its nested program)."""
-    options = way.compiler_options(self._streams, plan) if top_level else {}
+    options for ``plan``, by default the settling call's; inside another
+    trace: its nested program)."""
+    options = (way.compiler_options(self._streams, plan or self._settled_plan)
+               if top_level else {})
     program = way.program if top_level else way.nested.program
     if program in FUSING_PROGRAMS and self._spans_devices(top_level):
       program = "bodies"
@@ -498,36 +536,11 @@ class StreamJit(functools.partial):
     if top_level and self._devices is not None:
       return self._devices > 1
     devices = jax.devices()
-    return len(devices) > 1 and _is_gpu(devices[0].platform)
+    return len(devices) > 1 and choose.is_gpu(devices[0].platform)
 
   def _nested_way(self) -> gpu.Way:
     name = self._spec.lowering()
     return gpu.default_nested() if name == gpu.DEFAULT else gpu.WAYS[name].nested
-
-  def _settle(self, args, kwargs) -> Callable:
-    """At the first top-level call: choose the ``jax.jit`` functions that
-    serve calls from now on, point this function at them, and return the
-    top-level one."""
-    with self._lock:
-      if not isinstance(self.func, _first_call):   # settled by another thread
-        return self._top_level_target()
-      if not _is_gpu(_platform(args, kwargs, self._spec.jit_kwargs)):
-        # One stream: the program of the way asked for (stream calls lower
-        # in place), without the GPU's compiler options, for every call,
-        # at top level or inside another trace.
-        name = self._spec.lowering()
-        target = self._jit(gpu.WAYS["inline" if name == gpu.DEFAULT else name],
-                           top_level=False)
-        self._point_to(target)
-        return target
-      self._devices = _device_count(args, kwargs, self._spec.jit_kwargs)
-      self._choice = self._choose(args, kwargs)
-      top = self._jit(self._choice.way, top_level=True,
-                      plan=self._options_plan(self._choice.way, args, kwargs))
-      nested = (top if self._choice.single_stream
-                else self._jit(self._nested_way(), top_level=False))
-      self._point_to(top if top is nested else _switch(top, nested))
-      return top
 
   def _nested_jit(self):
     """The ``jax.jit`` function of a call traced inside another jit before
@@ -535,81 +548,6 @@ class StreamJit(functools.partial):
     there; on CPU the same results), so an outer jit lowered for a GPU from
     a machine without one gets the GPU's program."""
     return self._jit(self._nested_way(), top_level=False)
-
-  def _top_level_target(self):
-    func = self.func
-    return getattr(func, "top", func)
-
-  def _static_choice(self, plan: Callable[[], StreamPlan]) -> _Choice:
-    """The way top-level calls run on a GPU when nothing is timed: the way
-    asked for, ``jax.jit``'s program for a plan on one stream, else the
-    top-level default. ``plan()`` gives the plan, made only if needed."""
-    name = self._spec.lowering()
-    if name != gpu.DEFAULT:
-      return _Choice(gpu.WAYS[name], f"gpu_lowering={name!r}")
-    if plan().is_single_stream:
-      return _Choice(gpu.WAYS["inline"], _ONE_STREAM, single_stream=True)
-    if not config.read("jaxstreams_autotune"):
-      return _Choice(gpu.default_top_level(plan()),
-                     "the top-level default (jaxstreams_autotune is off)")
-    return _Choice(gpu.default_top_level(plan()), "the top-level default; on a GPU "
-                   "the first call times " + ", ".join(
-                       w.name for w in gpu.candidates(plan())) +
-                   ", keeping the fastest", timable=True)
-
-  def _choose(self, args, kwargs) -> _Choice:
-    """The way top-level calls run on this GPU: the static choice, or for
-    the default way with several streams, the fastest timed."""
-    plans = []
-
-    def plan() -> StreamPlan:
-      if not plans:
-        plans.append(self._spec.plan(*args, **kwargs))
-      return plans[0]
-
-    choice = self._static_choice(plan)
-    if not choice.timable:
-      return choice
-    try:
-      return self._autotune(args, kwargs, plan())
-    except Exception as error:  # noqa: BLE001 - timing must never fail a call
-      return _Choice(gpu.default_top_level(plan()), "not timed, the top-level "
-                     f"default: timing failed ({type(error).__name__}: "
-                     f"{str(error)[:200]})")
-
-  def _autotune(self, args, kwargs, plan: StreamPlan) -> _Choice:
-    ways = gpu.candidates(plan)
-    inline = self._jit(gpu.WAYS["inline"], top_level=True, donate=False)
-    traced = inline.trace(*args, **kwargs)
-    if traced.jaxpr.effects:
-      return _Choice(gpu.default_top_level(plan), "not timed: the program has side "
-                     "effects, which running it again would repeat")
-    lowered = {"inline": traced.lower()}
-    device = _first_device(args, kwargs)
-    key = autotune.cache_key(lowered["inline"].as_text(), device.device_kind,
-                             self._streams, [w.name for w in ways])
-    cached = autotune.load(key)
-    if cached is not None and cached.way in gpu.WAYS:
-      return _Choice(gpu.WAYS[cached.way], "timed at a first call", cached)
-    dynamic = _dynamic_arguments(self._spec, args, kwargs)
-    runs, memory, failed = {}, {}, {}
-    for way in ways:
-      try:
-        if way.name not in lowered:
-          lowered[way.name] = self._jit(way, top_level=True, donate=False,
-                                        plan=plan).trace(*args, **kwargs).lower()
-        compiled = lowered[way.name].compile()
-      except Exception as error:  # noqa: BLE001 - a way XLA cannot compile
-        if way.name == "inline":
-          raise
-        failed[way.name] = f"did not compile: {type(error).__name__}"
-        continue
-      memory[way.name] = autotune.memory_needed(compiled)
-      runs[way.name] = _own_inputs_run(compiled, dynamic)
-    decision = autotune.choose(runs, memory=memory, failed=failed,
-                               free_bytes=autotune.free_device_memory(device))
-    autotune.store(key, decision)
-    return _Choice(gpu.WAYS[decision.way], "timed at the first call", decision)
 
   def _aot_jit(self, args, kwargs):
     """The ``jax.jit`` function that ``lower``, ``trace`` and
@@ -619,16 +557,16 @@ class StreamJit(functools.partial):
     every platform, including lowering for a GPU from a machine without
     one; and both trace the same staged function, so jax's trace and
     lowering caches serve both."""
-    choice = self._choice or self._static_choice(
-        lambda: self._spec.plan(*args, **kwargs))
-    if self._choice is None:
-      self._devices = _device_count(args, kwargs, self._spec.jit_kwargs)
+    choice = self._chooser.choice_for(args, kwargs)
+    if not self._chooser.settled:
+      self._devices = choose.device_count(args, kwargs, self._spec.jit_kwargs)
     return self._jit(choice.way, top_level=True,
-                     plan=self._options_plan(choice.way, args, kwargs))
+                     plan=self.options_plan(choice.way, args, kwargs))
 
-  def _options_plan(self, way: gpu.Way, args, kwargs) -> StreamPlan | None:
+  def options_plan(self, way: gpu.Way, args, kwargs) -> StreamPlan | None:
     """The plan a top-level way's compiler options follow (only ways with
-    CONCURRENT graphs read it); made from the call that settles."""
+    CONCURRENT graphs read it: a plan whose regions hold convolutions gets
+    them into the graphs), for a call with these arguments."""
     return self._spec.plan(*args, **kwargs) if way.concurrent else None
 
   # -- jax.jit's interface -----------------------------------------------------
@@ -657,8 +595,8 @@ class StreamJit(functools.partial):
     if self._streams is None:
       return self._for_streams(self._spec.streams_now()).plan(*args, **kwargs)
     found = self._spec.plan(*args, **kwargs)
-    report = self._gpu_report(found)
-    devices = _device_count(args, kwargs, self._spec.jit_kwargs)
+    report = self._chooser.report(found, args, kwargs)
+    devices = choose.device_count(args, kwargs, self._spec.jit_kwargs)
     if devices > 1 and not found.is_single_stream:
       report["gpu_reason"] += (
           f"; over {devices} devices, stream calls only inside shard_map "
@@ -666,21 +604,6 @@ class StreamJit(functools.partial):
           "partitioner may put collectives into a region, and XLA:GPU "
           "compiles none inside a stream call)")
     return dataclasses.replace(found, **report)
-
-  def _gpu_report(self, found: StreamPlan) -> dict:
-    if found.is_single_stream:
-      return {"gpu_lowering": "inline", "gpu_reason": _ONE_STREAM}
-    choice = self._choice or self._static_choice(lambda: found)
-    why = choice.reason
-    if choice.decision is not None:
-      why += ": " + choice.decision.describe()
-    nested_why = (gpu.why_default_nested(found)
-                  if self._spec.lowering() == gpu.DEFAULT else
-                  f"inside another jit: {self._nested_way().name!r} (no "
-                  "compiler options reach a function traced there)")
-    return {"gpu_lowering": choice.way.name,
-            "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}",
-            "in_place": gpu.in_place(found)}
 
   def clear_cache(self) -> None:
     for jitted in list(self._jits.values()):
@@ -721,8 +644,10 @@ class StreamJit(functools.partial):
     arguments)."""
     if self._streams is None:
       return self._for_streams(self._spec.streams_now())._current_jit()
-    target = self._top_level_target()
-    return self._nested_jit() if isinstance(target, _first_call) else target
+    target = getattr(self.func, "top", self.func)
+    return (self._nested_jit()
+            if isinstance(target, (choose.FirstCall, choose.BySignature))
+            else target)
 
   def __reduce__(self):
     raise TypeError(f"cannot pickle {self!r} (jax.jit functions cannot be "
@@ -738,7 +663,7 @@ _BY_OPTION_LOCK = threading.RLock()
 def _option_changed() -> None:
   with _BY_OPTION_LOCK:
     for fn in list(_BY_OPTION):
-      fn._point_to(_first_call(weakref.ref(fn)))
+      fn._point_to(choose.FirstCall(weakref.ref(fn)))
     _BY_OPTION.clear()
 
 
@@ -747,127 +672,6 @@ config.on_change(_option_changed)
 
 def _unset(*args, **kwargs):
   raise AssertionError("a jaxstreams.jit function called while being made")
-
-
-class _first_call:
-  """What a ``StreamJit`` calls until its first top-level call settled the
-  ``jax.jit`` functions. Holds the function weakly: the function holds it."""
-
-  __slots__ = ("ref",)
-
-  def __init__(self, ref):
-    self.ref = ref
-
-  @_compat.api_boundary
-  def __call__(self, *args, **kwargs):
-    me = self.ref()
-    if me._streams is None:
-      return me._by_option()(*args, **kwargs)
-    if not _compat.at_top_level():
-      return me._nested_jit()(*args, **kwargs)
-    return me._settle(args, kwargs)(*args, **kwargs)
-
-
-class _switch:
-  """Top-level calls to ``top``, calls traced inside another jit (or under
-  ``jax.grad`` / ``jax.vmap``) to ``nested``: jax accepts compiler options
-  only at top level."""
-
-  __slots__ = ("top", "nested")
-
-  def __init__(self, top, nested):
-    self.top, self.nested = top, nested
-
-  @_compat.api_boundary
-  def __call__(self, *args, **kwargs):
-    if _compat.at_top_level():
-      return self.top(*args, **kwargs)
-    return self.nested(*args, **kwargs)
-
-
-def _shardings(args, kwargs, shardings):
-  """The sharding of each argument leaf with one (a placed array, a
-  ShapeDtypeStruct on a compile target) and each of ``shardings``, in
-  order."""
-  for leaf in tree_util.tree_leaves((args, kwargs, shardings)):
-    sharding = (leaf if isinstance(leaf, jax.sharding.Sharding)
-                else getattr(leaf, "sharding", None))
-    if isinstance(sharding, jax.sharding.Sharding):
-      yield sharding
-
-
-def _first_device(args, kwargs, jit_kwargs=None):
-  """The device of the first argument with a sharding on devices (or of
-  ``in_shardings``), else jax's default device: where a call with these
-  arguments runs. A sharding over an abstract mesh names no device."""
-  shardings = (jit_kwargs or {}).get("in_shardings")
-  for sharding in _shardings(args, kwargs, shardings):
-    try:
-      devices = sharding.device_set
-    except ValueError:   # an abstract mesh
-      continue
-    if devices:
-      return next(iter(devices))
-  return jax.devices()[0]
-
-
-def _device_count(args, kwargs, jit_kwargs=None) -> int:
-  """How many devices a call with these arguments spans: the most any
-  argument's sharding (or ``in_shardings``/``out_shardings``) names."""
-  shardings = [(jit_kwargs or {}).get(k) for k in ("in_shardings",
-                                                    "out_shardings")]
-  return max((s.num_devices for s in _shardings(args, kwargs, shardings)),
-             default=1)
-
-
-def _platform(args, kwargs, jit_kwargs) -> str:
-  """The platform a call with these arguments runs on (a function, so tests
-  can pretend)."""
-  return _first_device(args, kwargs, jit_kwargs).platform
-
-
-def _is_gpu(platform: str) -> bool:
-  return platform.lower() in _GPU_PLATFORMS
-
-
-def _static_arguments(spec: _Spec, args, kwargs) -> tuple[set, set]:
-  """The positions and names of the static arguments of a call with
-  ``args`` and ``kwargs``: jax.jit's ``static_argnums`` and
-  ``static_argnames``, each completed from the other through the
-  function's signature, as jax does."""
-  nums = spec.jit_kwargs.get("static_argnums")
-  names = spec.jit_kwargs.get("static_argnames")
-  nums = set((nums,) if isinstance(nums, int) else nums or ())
-  names = set((names,) if isinstance(names, str) else names or ())
-  nums = {n % len(args) if n < 0 and args else n for n in nums}
-  try:
-    positional = [p.name for p in inspect.signature(spec.fun).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-  except (TypeError, ValueError):
-    positional = []
-  if nums and not spec.jit_kwargs.get("static_argnames"):
-    names |= {positional[n] for n in nums if n < len(positional)}
-  if names and not spec.jit_kwargs.get("static_argnums"):
-    nums |= {i for i, name in enumerate(positional) if name in names}
-  return ({n for n in nums if n < len(args)},
-          {k for k in names if k in kwargs})
-
-
-def _dynamic_arguments(spec: _Spec, args, kwargs):
-  """``(args, kwargs)`` without the static ones, as a compiled program
-  takes them."""
-  nums, names = _static_arguments(spec, args, kwargs)
-  return (tuple(a for i, a in enumerate(args) if i not in nums),
-          {k: v for k, v in kwargs.items() if k not in names})
-
-
-def _own_inputs_run(compiled, dynamic) -> Callable[[], Any]:
-  """A call of ``compiled`` on copies of the dynamic arguments: the
-  caller's arrays are never read by a candidate, let alone consumed."""
-  args, kwargs = dynamic
-  copy = lambda x: x.copy() if isinstance(x, jax.Array) else x
-  args, kwargs = tree_util.tree_map(copy, (args, kwargs))
-  return lambda: compiled(*args, **kwargs)
 
 
 def plan(fun: Callable, *, streams: int | None = None,

@@ -104,7 +104,7 @@ GPU_LOWERING = _define(Option(
     "How a plan that uses several streams runs on a GPU (jaxstreams.lower.gpu). "
     "'default': at top level 'concurrent' ('loops_concurrent' where the plan "
     "has independent loops on different streams), or the fastest way timed "
-    "at the first call (jaxstreams_autotune); inside another jit 'streams' "
+    "in the first calls (jaxstreams_autotune); inside another jit 'streams' "
     "from jax 0.12, 'loops' before. 'inline': the program jax.jit builds. "
     "'concurrent': that program with XLA's CONCURRENT CUDA-graph scheduling "
     "(a top-level compiler option). 'loops': jax.jit's program with "
@@ -121,11 +121,12 @@ GPU_LOWERING = _define(Option(
 
 AUTOTUNE = _define(Option(
     "jaxstreams_autotune", bool, True,
-    "With gpu_lowering 'default', the first top-level call of a "
-    "jaxstreams.jit function on a GPU times the candidate ways on inputs of "
-    "their own and keeps the fastest (jaxstreams.lower.autotune); the "
-    "decision is cached on disk. Off: the top-level default ('concurrent', "
-    "or 'loops_concurrent' where the plan has independent loops)."))
+    "With gpu_lowering 'default', on a GPU the first top-level call of a "
+    "jaxstreams.jit function (per signature) runs jax.jit's program while "
+    "the candidate ways compile beside it, and the calls after it time them "
+    "and keep the fastest (jaxstreams.lower.choose); the decision is cached "
+    "on disk. Off: the top-level default ('concurrent', or 'loops_concurrent' "
+    "where the plan has independent loops), untimed."))
 
 AUTOTUNE_CACHE = _define(Option(
     "jaxstreams_autotune_cache", str, "",

@@ -7,7 +7,7 @@
 #   bash scripts/gpu_session.sh build tests     # only the steps named
 #
 # Steps: info probe build gputests tests sanitizer suite levers serve
-#        overhead sweep sweeplong prefetch demo
+#        overhead firstcall sweep sweeplong prefetch demo
 #
 # One call runs at most 10 minutes and a session may get as little as 15
 # in all, machine starts included, so a session runs them in parts. On an
@@ -18,6 +18,11 @@
 # now 2 rounds, 6 under 1 ms).
 # (levers: every GPU way of the suite's programs, the default's own choice
 # and kernel overlap from a profiler trace: benchmarks/gpu_levers.py).
+# (overhead: the per-call cost only; firstcall: jaxstreams.jit's first call
+# against jax.jit's and the calls and seconds until it chose its way, for
+# FIRSTCALL_MODELS, default the suite's six models ("suite,demo,transformer"
+# adds the demo step and a 12-layer transformer step), FIRSTCALL_ROUNDS
+# paired rounds, default 2: benchmarks/jit_overhead.py).
 # (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 2,
 # three times that under 1 ms; sweeplong: 1 to 10 ms, LONG_ROUNDS, default 3)
 #
@@ -118,7 +123,7 @@ step_sanitizer() {
 
 export py
 export -f step_info step_probe step_build step_gputests step_tests step_sanitizer
-all_steps=(info probe build gputests tests sanitizer suite levers serve overhead sweep sweeplong prefetch demo)
+all_steps=(info probe build gputests tests sanitizer suite levers serve overhead firstcall sweep sweeplong prefetch demo)
 steps=("$@")
 [ ${#steps[@]} = 0 ] && steps=("${all_steps[@]}")
 for s in "${steps[@]}"; do
@@ -134,7 +139,11 @@ for s in "${steps[@]}"; do
     levers)    run_step levers 420 "$py" benchmarks/gpu_levers.py --trace \
                  --rounds "${LEVERS_ROUNDS:-9}" --out "$logs" ;;
     serve)     run_step serve 200 "$py" benchmarks/serve.py --quiet --out "$logs" ;;
-    overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --out "$logs" ;;
+    overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --part per_call \
+                 --out "$logs" ;;
+    firstcall) run_step firstcall 360 "$py" benchmarks/jit_overhead.py --part first_call \
+                 --models "${FIRSTCALL_MODELS:-suite}" \
+                 --rounds "${FIRSTCALL_ROUNDS:-2}" --out "$logs" ;;
     sweep)     run_step sweep 420 "$py" benchmarks/prefetch_sweep.py --quiet \
                  --step-ms 0.1,0.3 --rounds "${SWEEP_ROUNDS:-2}" --out "$logs" ;;
     sweeplong) run_step sweeplong 540 "$py" benchmarks/prefetch_sweep.py \

@@ -13,7 +13,8 @@ import sys
 import jax
 import jaxstreams
 import pytest
-from programs import require_gpu_target
+from jaxstreams.lower import gpu
+from programs import gpu_target_problem, require_gpu_target
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -97,8 +98,9 @@ SMALLEST_RUNS = {
                          "cpu_dispatch_gap_{platform}_jax*.json"),
     "prefetch": (["--steps", "5", "--repeats", "1", "--transfer-steps", "5",
                   "--transfer-mb", "0.25"], "prefetch_{platform}.json"),
-    "jit_overhead": (["--calls", "20", "--batches", "2"],
-                     "jit_overhead_{platform}.json"),
+    "jit_overhead": (["--calls", "20", "--batches", "2", "--quick",
+                      "--models", "demo,transformer_one_stream"],
+                     "jit_overhead_{platform}_jax*_quick.json"),
     "planning": (["--sizes", "100", "--reps", "1"], "planning_{platform}.json"),
     "gpu_levers": (["--quick"], "gpu_levers_{platform}_jax*_quick.json"),
     "xla_graphs": (["--quick"], "xla_graphs_h100_jax*_quick.json"),
@@ -113,6 +115,8 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
   saved = saved.format(platform=jax.devices()[0].platform)
   env = dict(os.environ)
   env.pop("JAXSTREAMS_STREAMS", None)
+  if script == "jit_overhead" and jax.default_backend() == "cpu":
+    env["JAX_PLATFORMS"] = "cpu"    # it compiles for an H100 without one
   # The jaxstreams this test imported (the installed one under
   # scripts/test.sh, with its runtime library), not whatever the script's
   # directory would find.
@@ -130,6 +134,17 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
   assert len(files) == 1, (saved, sorted(p.name for p in tmp_path.iterdir()))
   result = json.loads(files[0].read_text())
   assert "machine" in result or "device" in result, sorted(result)
+  if script == "jit_overhead" and gpu_target_problem() is None:
+    cases = {c["model"].split(", ")[-1]: c for c in result["first_calls"]}
+    assert all(len(c["samples_s"]["jax.jit"]) == 1
+               and len(c["samples_s"]["jaxstreams.jit"]) == 1
+               for c in cases.values())
+    beside = {name: set(c["after_first_call"][0]["compiled_beside_s"])
+              for name, c in cases.items()}
+    others = {w.name for w in gpu.candidates()} - {"inline"}
+    assert {name: beside.get(name) for name in (
+        "demo training step", "one stream")} == {"demo training step": others,
+                                                 "one stream": set()}
   if script == "xla_graphs":
     rows = result["programs"]["four_branches"]
     assert rows["jax.jit"]["parallelism"] >= 1.0

@@ -135,7 +135,7 @@ def _plan_text(args, autotune):
 def test_the_plan_says_how_its_regions_run_on_a_gpu(args):
   text = _plan_text(args, autotune=True)
   assert "on a GPU: 'concurrent', the program jax.jit builds" in text
-  assert "the first call times inline, concurrent" in text
+  assert "the calls after it time inline, concurrent" in text
   assert "inside another jit: " in text
   text = _plan_text(args, autotune=False)
   assert "the top-level default (jaxstreams_autotune is off)" in text

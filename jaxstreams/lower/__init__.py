@@ -1,6 +1,6 @@
 """Stage 4 of the pipeline: emit each region where its plan puts it, in the
-way a GPU runs it best (``gpu``: the ways and the rule that picks one;
-``autotune``: timing them at the first call)."""
+way a GPU runs it best (``gpu``: the ways and the static rule;
+``choose``: which way a function's calls run, timed in its first calls)."""
 
 from jaxstreams.lower.emit import emit, region_function
 

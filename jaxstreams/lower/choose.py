@@ -1,0 +1,988 @@
+"""Which way a ``jaxstreams.jit`` function's top-level calls run on a GPU.
+
+``jaxstreams.lower.gpu`` holds the ways and the static rule; this module
+applies it to a function and, where the rule leaves it open, times the
+candidate ways in the function's own calls. On CPU every call runs the
+program ``jax.jit`` builds and nothing here is timed.
+
+The first call costs what ``jax.jit``'s does:
+
+* The first top-level call of a signature (argument shapes, dtypes and
+  static values) compiles ``jax.jit``'s program (``inline``) in the
+  caller's thread and returns its result as soon as it ran, as ``jax.jit``
+  would. The other candidates (``gpu.candidates(plan)``, never a way it
+  left out) are lowered in the caller's thread (jax's trace context is the
+  thread's) and compiled beside it in a few background threads, at most
+  one per core but one, at the lowest CPU priority (Linux): they take only
+  the CPU the caller's own compile leaves.
+* The calls after it run ``inline`` until every candidate is compiled;
+  then each candidate runs once on copies of that call's arguments (a
+  warm-up, and proof that it runs: one that fails or would not fit in the
+  device's free memory is reported and never runs a call), and the next
+  calls are timed, each on one way, in interleaved rounds, as XLA's own
+  autotuner times kernels. A timed call waits for its result. A call is
+  never split between ways, and each compile is jax's own: the chosen way
+  serves later calls from the program compiled in the background.
+* ``inline`` is kept unless another way beats it by ``MIN_GAIN`` in the
+  median and in most rounds: the default is never slower than ``jax.jit``
+  beyond noise. Then the function switches, once, to the chosen way's
+  ``jax.jit`` function (its C++ fast path, as before).
+* The decision is kept per signature: in this process, and on disk keyed
+  by the program (its StableHLO), the device kind, the candidates and the
+  jax and jaxlib versions, read before anything is compiled. A returning
+  user's first call compiles the kept way only.
+* A signature first seen after the function switched runs the chosen way
+  at its first call (jax.jit compiles it, as it would compile ``inline``);
+  the function notices the new entry in that way's call cache and times
+  the ways for it the same way. Functions whose signatures chose different
+  ways look their signature up in Python at each call.
+* Nothing is timed, and nothing beyond one program compiled, where nothing
+  can differ: a plan on one stream, a plan with no two regions on
+  different streams that can run side by side (every way runs one chain),
+  a single candidate, or a program with side effects (a warm-up would
+  repeat them). A failure anywhere in choosing keeps the way that already
+  ran and never fails a call. ``jaxstreams_autotune`` off: the static
+  default, untimed.
+
+``str(plan)`` (``plan.gpu_reason``) says which way a signature's calls run,
+and when and how it was chosen.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+
+import jax
+import jaxlib
+from jax import tree_util
+
+from jaxstreams import _compat, config
+from jaxstreams.lower import gpu
+
+if TYPE_CHECKING:
+  from jaxstreams.partition import StreamPlan
+
+MIN_GAIN = 0.03        # a way must beat inline by this share of its time
+ROUNDS = 5             # interleaved rounds of every candidate
+ROUND_SECONDS = 0.005  # each candidate's share of a round, at least one call
+MAX_CALLS = 50         # calls per candidate per round, at most
+
+ONE_STREAM = "one stream: the program jax.jit builds"
+_GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+
+
+# ---------------------------------------------------------------------------
+# Where a call runs.
+
+def _shardings(args, kwargs, shardings):
+  """The sharding of each argument leaf with one (a placed array, a
+  ShapeDtypeStruct on a compile target) and each of ``shardings``, in
+  order."""
+  for leaf in tree_util.tree_leaves((args, kwargs, shardings)):
+    sharding = (leaf if isinstance(leaf, jax.sharding.Sharding)
+                else getattr(leaf, "sharding", None))
+    if isinstance(sharding, jax.sharding.Sharding):
+      yield sharding
+
+
+def first_device(args, kwargs, jit_kwargs=None):
+  """The device of the first argument with a sharding on devices (or of
+  ``in_shardings``), else jax's default device: where a call with these
+  arguments runs. A sharding over an abstract mesh names no device."""
+  shardings = (jit_kwargs or {}).get("in_shardings")
+  for sharding in _shardings(args, kwargs, shardings):
+    try:
+      devices = sharding.device_set
+    except ValueError:   # an abstract mesh
+      continue
+    if devices:
+      return next(iter(devices))
+  return jax.devices()[0]
+
+
+def device_count(args, kwargs, jit_kwargs=None) -> int:
+  """How many devices a call with these arguments spans: the most any
+  argument's sharding (or ``in_shardings``/``out_shardings``) names."""
+  shardings = [(jit_kwargs or {}).get(k) for k in ("in_shardings",
+                                                    "out_shardings")]
+  return max((s.num_devices for s in _shardings(args, kwargs, shardings)),
+             default=1)
+
+
+def platform(args, kwargs, jit_kwargs) -> str:
+  """The platform a call with these arguments runs on (a function, so tests
+  can pretend)."""
+  return first_device(args, kwargs, jit_kwargs).platform
+
+
+def is_gpu(platform_name: str) -> bool:
+  return platform_name.lower() in _GPU_PLATFORMS
+
+
+# ---------------------------------------------------------------------------
+# The static choice.
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """How top-level calls run on a GPU, and why."""
+  way: gpu.Way
+  reason: str
+  decision: "Decision | None" = None
+  single_stream: bool = False   # nothing off the main stream: one program
+  timable: bool = False         # the ways are timed, per signature
+
+
+def regions_can_overlap(plan: "StreamPlan") -> bool:
+  """Whether two regions on different streams have no path between them
+  (in the plan or in a shard_map body's plan): only then can a way run
+  something side by side that another runs in sequence."""
+  reach = [0] * len(plan.regions)    # bit j of reach[i]: a path i -> j
+  for a, b in sorted(plan.edges, reverse=True):   # regions are topological
+    reach[a] |= (1 << b) | reach[b]
+  for i, ri in enumerate(plan.regions):
+    for j in range(i + 1, len(plan.regions)):
+      if (ri.stream != plan.regions[j].stream
+          and not (reach[i] >> j) & 1):
+        return True
+  return any(regions_can_overlap(body) for body in plan.bodies.values())
+
+
+def default_way(ways: Sequence[gpu.Way], plan: "StreamPlan") -> gpu.Way:
+  """The top-level default for ``plan`` where nothing is timed, if it is a
+  candidate for it (the candidates leave out what XLA cannot compile for
+  it); else ``jax.jit``'s program."""
+  default = gpu.default_top_level(plan)
+  return default if default in ways else gpu.WAYS["inline"]
+
+
+def static_choice(lowering: str, plan: Callable[[], "StreamPlan"]) -> Choice:
+  """The way top-level calls run on a GPU before anything was timed: the way
+  asked for, ``jax.jit``'s program for a plan on one stream or with nothing
+  to time, else the top-level default (timed where ``timable``). ``plan()``
+  gives the plan, made only if needed."""
+  if lowering != gpu.DEFAULT:
+    return Choice(gpu.WAYS[lowering], f"gpu_lowering={lowering!r}")
+  found = plan()
+  if found.is_single_stream:
+    return Choice(gpu.WAYS["inline"], ONE_STREAM, single_stream=True)
+  ways = gpu.candidates(found)
+  if not config.read("jaxstreams_autotune"):
+    return Choice(default_way(ways, found),
+                  "the top-level default (jaxstreams_autotune is off)")
+  if len(ways) < 2:
+    return Choice(gpu.WAYS["inline"], "nothing to time: the only candidate "
+                  "way on this jax")
+  if not regions_can_overlap(found):
+    return Choice(gpu.WAYS["inline"], "nothing to time: no two regions on "
+                  "different streams can run side by side, so every way "
+                  "runs one chain")
+  names = ", ".join(w.name for w in ways)
+  return Choice(default_way(ways, found), "the top-level default; on a GPU the "
+                "first call runs jax.jit's program while the other "
+                f"candidates compile beside it, and the calls after it time "
+                f"{names} and keep the fastest", timable=True)
+
+
+# ---------------------------------------------------------------------------
+# The timing rule.
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+  """One candidate's result: median seconds per call (None: not run),
+  XLA's memory estimate of its compiled program, and why it was not run."""
+  way: str
+  seconds: float | None
+  memory_bytes: int | None
+  skipped: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """A signature's way, why, and when it was decided (``timing``: the
+  calls it took and the compiles beside them)."""
+  way: str
+  reason: str
+  trials: tuple[Trial, ...] = ()
+  cached: bool = False
+  timing: str = ""
+
+  def describe(self) -> str:
+    parts = []
+    for t in self.trials:
+      memory = (f", {t.memory_bytes / 2**20:.1f} MiB" if t.memory_bytes is not None
+                else "")
+      if t.seconds is None:
+        parts.append(f"{t.way}: not run ({t.skipped}{memory})")
+      else:
+        parts.append(f"{t.way} {t.seconds * 1e6:.1f} us{memory}")
+    timed = "; ".join(parts)
+    return (self.reason + (f" [{timed}]" if timed else "")
+            + (f" ({self.timing})" if self.timing else "")
+            + (" (decided earlier, from the cache)" if self.cached else ""))
+
+
+def memory_needed(compiled) -> int | None:
+  """Device bytes a warm-up run needs: its own copies of the arguments, its
+  temporaries and outputs, less what outputs alias (XLA's memory
+  analysis); None where XLA does not say."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:   # not every backend implements it
+    return None
+  if stats is None:
+    return None
+  return int(stats.temp_size_in_bytes + stats.output_size_in_bytes
+             + stats.argument_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def free_device_memory(device) -> int | None:
+  try:
+    stats = device.memory_stats()
+  except Exception:   # a compile target's device, or no statistics
+    return None
+  if not stats or "bytes_limit" not in stats:
+    return None
+  return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def too_big(memory: dict[str, int | None], free_bytes: int | None
+            ) -> dict[str, str]:
+  """The ways whose warm-up would not fit in ``free_bytes``, and why."""
+  if free_bytes is None:
+    return {}
+  return {w: f"needs {m / 2**20:.1f} MiB, {free_bytes / 2**20:.1f} MiB free"
+          for w, m in memory.items() if m is not None and m > free_bytes}
+
+
+def time_call(way: str, run: Callable[[], Any]) -> float:
+  """Seconds of one call of ``run`` (a call of candidate ``way``), its
+  results waited for. The one clock of timing: tests replace it."""
+  start = time.perf_counter()
+  jax.block_until_ready(run())
+  return time.perf_counter() - start
+
+
+class Rounds:
+  """Interleaved rounds of timed calls, fed one call at a time: in round
+  ``r`` every way runs ``calls[way]`` calls in a row, the ways in an order
+  rotated by ``r``, so drift hits them alike. ``warmup`` (a first call
+  of each way) sizes a way's share of a round to ``ROUND_SECONDS``."""
+
+  def __init__(self, warmup: dict[str, float], rounds: int = ROUNDS):
+    ways = list(warmup)
+    self.calls = {w: max(1, min(MAX_CALLS, math.ceil(ROUND_SECONDS / max(t, 1e-9))))
+                  for w, t in warmup.items()}
+    self.count = rounds
+    self._schedule = [(r, w) for r in range(rounds)
+                      for w in ways[r % len(ways):] + ways[:r % len(ways)]
+                      for _ in range(self.calls[w])]
+    self._times = {w: [[] for _ in range(rounds)] for w in ways}
+    self.done = 0
+    self.total = len(self._schedule)
+
+  def next(self) -> str | None:
+    """The way the next timed call runs; None once every round is done."""
+    return self._schedule[self.done][1] if self.done < len(self._schedule) else None
+
+  def record(self, way: str, seconds: float) -> None:
+    r, expected = self._schedule[self.done]
+    assert way == expected, (way, expected)
+    self._times[way][r].append(seconds)
+    self.done += 1
+
+  def per_round(self) -> dict[str, list[float]]:
+    """Each way's median call in each round."""
+    return {w: [statistics.median(t) for t in times]
+            for w, times in self._times.items()}
+
+
+def decide(per_round: dict[str, list[float]], *, baseline: str,
+           trials: Callable[[dict[str, float]], tuple[Trial, ...]]) -> Decision:
+  """The rule: the fastest way in the median of its rounds, if it beats
+  ``baseline`` by ``MIN_GAIN`` and in most rounds; else ``baseline``.
+  ``trials(medians)`` reports every way."""
+  medians = {w: statistics.median(v) for w, v in per_round.items()}
+  best = min(medians, key=medians.get)
+  rounds = len(per_round[baseline])
+  if best == baseline:
+    return Decision(baseline, f"kept {baseline!r}: no way ran faster",
+                    trials(medians))
+  base = medians[baseline]
+  wins = sum(b < a for a, b in zip(per_round[baseline], per_round[best]))
+  gain = 1 - medians[best] / base
+  if gain < MIN_GAIN or wins * 2 <= rounds:
+    return Decision(baseline, f"kept {baseline!r}: the fastest, {best!r}, "
+                    f"gained {gain:.1%} and won {wins} of {rounds} rounds "
+                    f"(needs {MIN_GAIN:.0%} and most rounds)", trials(medians))
+  return Decision(best, f"chose {best!r}: {base / medians[best]:.2f}x of "
+                  f"{baseline!r}, won {wins} of {rounds} rounds", trials(medians))
+
+
+# ---------------------------------------------------------------------------
+# The decisions on disk.
+
+_CACHE_LOCK = threading.Lock()
+
+
+def cache_path() -> pathlib.Path | None:
+  """Where decisions are kept (the ``jaxstreams_autotune_cache`` option);
+  None where it is ``none``."""
+  value = config.read("jaxstreams_autotune_cache")
+  if value == "none":
+    return None
+  if value:
+    return pathlib.Path(value).expanduser()
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return pathlib.Path(root) / "jaxstreams" / "autotune.json"
+
+
+def cache_key(program_text: str, device_kind: str, streams: int,
+              ways: Sequence[str]) -> str:
+  digest = hashlib.sha256(program_text.encode()).hexdigest()[:32]
+  return (f"{digest}|streams={streams}|{','.join(ways)}|{device_kind}|"
+          f"jax {jax.__version__}|jaxlib {jaxlib.__version__}")
+
+
+def load(key: str) -> Decision | None:
+  path = cache_path()
+  if path is None or not path.exists():
+    return None
+  try:
+    entry = json.loads(path.read_text()).get(key)
+    if not entry:
+      return None
+    trials = tuple(Trial(**t) for t in entry.get("trials", ()))
+    return Decision(entry["way"], entry["reason"], trials, cached=True,
+                    timing=entry.get("timing", ""))
+  except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    return None   # an unreadable cache is an empty one
+
+
+def store(key: str, decision: Decision) -> None:
+  """Add ``decision`` to the cache file (written whole, then renamed, so a
+  reader never sees half a file). A cache that cannot be written is
+  skipped: the decision still holds for this process."""
+  path = cache_path()
+  if path is None:
+    return
+  with _CACHE_LOCK:
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      try:
+        entries = json.loads(path.read_text())
+      except (OSError, ValueError):
+        entries = {}
+      entries[key] = {"way": decision.way, "reason": decision.reason,
+                      "trials": [dataclasses.asdict(t) for t in decision.trials],
+                      "timing": decision.timing}
+      fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-")
+      with os.fdopen(fd, "w") as f:
+        json.dump(entries, f, indent=1)
+      os.replace(tmp, path)
+    except OSError:
+      pass
+
+
+# ---------------------------------------------------------------------------
+# Compiling in the background.
+
+def _lowest_priority() -> None:
+  """Run the calling thread at the lowest CPU priority. Linux keeps a nice
+  value per thread (and a compiler it starts inherits it); elsewhere the
+  value is the process's, which is left alone."""
+  if sys.platform.startswith("linux"):
+    try:
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+      pass
+
+
+def _usable_cores() -> int:
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return os.cpu_count() or 1
+
+
+class CompilePool:
+  """Background compiles: at most ``size`` at once, in daemon threads named
+  ``jaxstreams-compile`` that run at the lowest CPU priority and end once
+  nothing is queued. At exit, queued compiles are cancelled and running
+  ones waited for (XLA must not be torn down under a compile)."""
+
+  def __init__(self, size: int):
+    self.size = size
+    self._queue: collections.deque = collections.deque()
+    self._lock = threading.Lock()
+    self._threads: set[threading.Thread] = set()
+
+  def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with self._lock:
+      self._queue.append((future, fn))
+      if len(self._threads) < self.size:
+        thread = threading.Thread(target=self._work, name="jaxstreams-compile",
+                                  daemon=True)
+        self._threads.add(thread)
+        thread.start()
+    return future
+
+  def _work(self) -> None:
+    _lowest_priority()
+    me = threading.current_thread()
+    while True:
+      with self._lock:
+        if not self._queue:
+          self._threads.discard(me)
+          return
+        future, fn = self._queue.popleft()
+      if future.set_running_or_notify_cancel():
+        try:
+          future.set_result(fn())
+        except Exception as error:  # noqa: BLE001 - reported with the way
+          future.set_exception(error)
+
+  def shutdown(self) -> None:
+    with self._lock:
+      queued, threads = list(self._queue), list(self._threads)
+      self._queue.clear()
+    for future, _ in queued:
+      future.cancel()
+    for thread in threads:
+      thread.join()
+
+
+POOL = CompilePool(max(1, _usable_cores() - 1))
+atexit.register(lambda: POOL.shutdown())
+
+
+def _compile(lowered) -> tuple[Any, float]:
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------
+# One signature's choice.
+
+def _copies(dynamic):
+  """Copies of the dynamic arguments: a warm-up never reads, let alone
+  consumes, the caller's arrays."""
+  copy = lambda x: x.copy() if isinstance(x, jax.Array) else x
+  return tree_util.tree_map(copy, dynamic)
+
+
+def _any_deleted(args, kwargs) -> bool:
+  return any(isinstance(x, jax.Array) and x.is_deleted()
+             for x in tree_util.tree_leaves((args, kwargs)))
+
+
+class _Signature:
+  """The choice for one signature of one function: its candidates compiling
+  in the background, then timed in its calls, then decided. ``running`` is
+  the way that serves its calls until then (``inline`` after a first call;
+  the function's way where the signature came after it switched)."""
+
+  def __init__(self, running: gpu.Way, ways: Sequence[gpu.Way],
+               disk_key: str | None, device, started: float):
+    self.running = running
+    self.ways = tuple(ways)
+    self.disk_key = disk_key
+    self.device = device
+    self.started = started
+    self.decision: Decision | None = None
+    self.preset: Decision | None = None   # from disk, its way compiling
+    self.pending: dict[str, concurrent.futures.Future] = {}
+    self.compile_seconds: dict[str, float] = {}
+    self.failed: dict[str, str] = {}
+    self.memory: dict[str, int | None] = {}
+    self.compiled: dict[str, Any] = {}
+    self.rounds: Rounds | None = None
+    self.calls = 1      # of this signature, its first included
+    self._served = None   # the decided way's jax.jit function
+    self._lock = threading.Lock()
+
+  def compile_beside(self, owner, ways: Sequence[gpu.Way], args, kwargs,
+                     lowered_inline) -> None:
+    """Lower ``ways`` here (jax's trace context is this thread's) and
+    compile them in the pool."""
+    for way in ways:
+      try:
+        lowered = (lowered_inline if way.name == "inline" else
+                   owner._jit(way, top_level=True).trace(*args, **kwargs).lower())
+      except Exception as error:  # noqa: BLE001 - a way that cannot lower
+        self.failed[way.name] = f"did not lower: {type(error).__name__}"
+        continue
+      self.pending[way.name] = POOL.submit(functools.partial(_compile, lowered))
+
+  def status(self) -> str:
+    """Where the choice stands, for the plan."""
+    if self.rounds is not None:
+      return (f"the calls run each way in turn, timed: {self.rounds.done} of "
+              f"{self.rounds.total} done")
+    waiting = sorted(w for w, f in self.pending.items() if not f.done())
+    if waiting:
+      return (f"calls run {self.running.name!r} while {', '.join(waiting)} "
+              "compile beside them; then the ways are timed in the calls")
+    return (f"calls run {self.running.name!r}; the ways are compiled and are "
+            "timed from the next call")
+
+  def call(self, chooser: "Chooser", owner, args, kwargs):
+    """Run one top-level call of this signature."""
+    if self.decision is not None:
+      if self._served is None:
+        self._served = owner._jit(gpu.WAYS[self.decision.way], top_level=True)
+      return self._served(*args, **kwargs)
+    if not self._lock.acquire(blocking=False):   # another call is timed now
+      return owner._jit(self.running, top_level=True)(*args, **kwargs)
+    try:
+      self.calls += 1
+      return self._step(chooser, owner, args, kwargs)
+    finally:
+      self._lock.release()
+
+  def _step(self, chooser, owner, args, kwargs):
+    running = owner._jit(self.running, top_level=True)
+    try:
+      name = self._next(chooser, owner, args, kwargs)
+    except Exception as error:  # noqa: BLE001 - choosing never fails a call
+      self._keep_running(chooser, f"timing failed ({_brief(error)})")
+      name = None
+    if name is None:
+      return running(*args, **kwargs)
+    jitted = owner._jit(gpu.WAYS[name], top_level=True)
+    out = []
+
+    def run():
+      out.append(jitted(*args, **kwargs))
+      return out[0]
+
+    try:
+      seconds = time_call(name, run)
+    except Exception as error:  # noqa: BLE001
+      if not out and name == self.running.name:
+        raise                   # the call itself failed, as under jax.jit
+      self._keep_running(chooser, f"timing failed ({name}: {_brief(error)})")
+      if name == self.running.name or _any_deleted(args, kwargs):
+        if out:
+          return out[0]
+        raise
+      return running(*args, **kwargs)
+    self.rounds.record(name, seconds)
+    if self.rounds.next() is None:
+      self._finish(chooser, self._decide())
+    return out[0]
+
+  def _next(self, chooser, owner, args, kwargs) -> str | None:
+    """The way this call is timed on, or None (it runs ``running``)."""
+    if self.rounds is None:
+      if any(not f.done() for f in self.pending.values()):
+        return None
+      for name, future in self.pending.items():
+        try:
+          self.compiled[name], self.compile_seconds[name] = future.result()
+        except Exception as error:  # noqa: BLE001 - a way XLA cannot compile
+          self.failed[name] = f"did not compile: {_brief(error)}"
+      self.pending = {}
+      if self.preset is not None:
+        if self.preset.way in self.compiled:
+          self._finish(chooser, self.preset, store_it=False)
+        else:
+          self._keep_running(chooser, f"the kept way {self.preset.way!r} "
+                             f"{self.failed.get(self.preset.way, 'failed')}")
+        return None
+      self._warm_up(chooser, owner, args, kwargs)
+      if self.rounds is None:
+        return None
+    return self.rounds.next()
+
+  def _warm_up(self, chooser, owner, args, kwargs) -> None:
+    """Run every compiled way once on copies of this call's arguments;
+    start the rounds with those that ran, or decide without them."""
+    self.compiled[self.running.name] = owner._jit(
+        self.running, top_level=True).trace(*args, **kwargs).lower().compile()
+    self.memory = {w: memory_needed(c) for w, c in self.compiled.items()}
+    big = too_big(self.memory, free_device_memory(self.device))
+    self.failed.update(big)
+    if self.running.name in big:
+      self._finish(chooser, Decision(
+          self.running.name, f"kept {self.running.name!r}: it does not fit "
+          "in the device's free memory twice, so no way was run beside it",
+          self._trials({})))
+      return
+    dynamic = owner._spec.dynamic_arguments(args, kwargs)
+    warmup = {}
+    for way in self.ways:
+      compiled = self.compiled.get(way.name)
+      if compiled is None or way.name in self.failed:
+        continue
+      copies = _copies(dynamic)
+      try:
+        warmup[way.name] = time_call(
+            way.name, lambda: compiled(*copies[0], **copies[1]))
+      except Exception as error:  # noqa: BLE001 - a way that cannot run
+        self.failed[way.name] = f"failed to run: {_brief(error)}"
+    self.compiled = {}
+    if self.running.name not in warmup or len(warmup) < 2:
+      self._finish(chooser, Decision(
+          self.running.name, f"kept {self.running.name!r}: no other way "
+          "could be timed", self._trials({})))
+      return
+    self.rounds = Rounds(warmup)
+
+  def _decide(self) -> Decision:
+    per_round = self.rounds.per_round()
+    baseline = "inline" if "inline" in per_round else self.running.name
+    return decide(per_round, baseline=baseline, trials=self._trials)
+
+  def _trials(self, medians: dict[str, float]) -> tuple[Trial, ...]:
+    return tuple(Trial(w.name, medians.get(w.name), self.memory.get(w.name),
+                       self.failed.get(w.name, "")) for w in self.ways)
+
+  def _keep_running(self, chooser, why: str) -> None:
+    self._finish(chooser, Decision(self.running.name, f"kept "
+                                   f"{self.running.name!r}: {why}",
+                                   self._trials({})), store_it=False)
+
+  def _finish(self, chooser, decision: Decision, store_it: bool = True) -> None:
+    if not decision.cached:
+      extra = sum(self.compile_seconds.values())
+      decision = dataclasses.replace(decision, timing=(
+          f"decided at call {self.calls} of this signature, "
+          f"{time.perf_counter() - self.started:.2f} s after its first; "
+          f"{extra:.2f} s of compiles beside the calls"))
+      if store_it and self.disk_key is not None:
+        store(self.disk_key, decision)
+    self.decision = decision
+    self.pending, self.compiled, self.rounds = {}, {}, None
+    chooser.refresh()
+
+
+def _brief(error: Exception) -> str:
+  return f"{type(error).__name__}: {str(error)[:200]}"
+
+
+def _leaf_key(leaf) -> Hashable:
+  shape = getattr(leaf, "shape", None)
+  if shape is None:
+    return type(leaf)
+  return (tuple(shape), getattr(leaf, "dtype", None),
+          bool(getattr(leaf, "weak_type", False)))
+
+
+# ---------------------------------------------------------------------------
+# One function's choices, and what its calls reach.
+
+class Chooser:
+  """The choices of one ``jaxstreams.jit`` function at one stream count
+  (``owner``, held weakly: the owner holds this). It settles the first
+  top-level call, then keeps one choice per signature where the ways are
+  timed, and points the owner's calls at what serves them."""
+
+  def __init__(self, owner):
+    self._owner = weakref.ref(owner)
+    self._lock = threading.RLock()
+    self.static: Choice | None = None      # set by the first top-level call
+    self._signatures: dict[Hashable, _Signature] = {}
+
+  @property
+  def settled(self) -> bool:
+    return self.static is not None
+
+  def settle(self, args, kwargs) -> Callable:
+    """At the first top-level call: choose, point the owner's calls at what
+    serves them, and return the ``jax.jit`` function for this call."""
+    owner = self._owner()
+    with self._lock:
+      if not isinstance(owner.func, FirstCall):   # settled by another thread
+        return owner.func
+      spec = owner._spec
+      if not is_gpu(platform(args, kwargs, spec.jit_kwargs)):
+        # One stream: the program of the way asked for (stream calls lower
+        # in place), without the GPU's compiler options, for every call,
+        # at top level or inside another trace.
+        name = spec.lowering()
+        target = owner._jit(gpu.WAYS["inline" if name == gpu.DEFAULT else name],
+                            top_level=False)
+        owner._point_to(target)
+        return target
+      owner._devices = device_count(args, kwargs, spec.jit_kwargs)
+      plans = []
+
+      def plan():
+        if not plans:
+          plans.append(spec.plan(*args, **kwargs))
+        return plans[0]
+
+      choice = static_choice(spec.lowering(), plan)
+      if choice.timable or choice.way.concurrent:
+        # CONCURRENT graphs take convolutions in where the plan has them.
+        owner._settled_plan = plan()
+      if choice.timable:
+        key = self.key(args, kwargs)
+        if key is not None:
+          way = self._start(owner, key, args, kwargs, plan(), running=None)
+          self.static = choice
+          self.refresh()
+          return owner._jit(way, top_level=True)
+        choice = Choice(choice.way, "not timed: a static argument cannot be "
+                        "hashed")
+      self.static = choice
+      top = owner._jit(choice.way, top_level=True)
+      nested = top if choice.single_stream else owner._nested_jit()
+      owner._point_to(top if top is nested else Switch(top, nested))
+      return top
+
+  def key(self, args, kwargs) -> Hashable | None:
+    """The signature of a call: argument tree, shapes, dtypes and weak
+    types, and static values (None where one cannot be hashed)."""
+    spec = self._owner()._spec
+    dynamic, statics = spec.split_static(args, kwargs)
+    leaves, tree = tree_util.tree_flatten(dynamic)
+    key = (tree, tuple(map(_leaf_key, leaves)), statics)
+    try:
+      hash(key)
+    except TypeError:
+      return None
+    return key
+
+  def _start(self, owner, key, args, kwargs, plan: "StreamPlan",
+             running: gpu.Way | None) -> gpu.Way:
+    """(Holding the lock.) A signature seen for the first time: read its
+    decision from disk, else compile its candidates beside this call.
+    Returns the way this call runs; ``running`` is the way a call of it
+    already ran (None: none did)."""
+    started = time.perf_counter()
+    ways = gpu.candidates(plan)
+    inline = gpu.WAYS["inline"]
+    traced = owner._jit(inline, top_level=True).trace(*args, **kwargs)
+    if traced.jaxpr.effects:
+      way = running or default_way(ways, plan)
+      entry = self._signatures[key] = _Signature(way, ways, None, None, started)
+      entry.decision = Decision(way.name, "not timed: the program has side "
+                                "effects, which a warm-up would repeat")
+      return way
+    lowered = traced.lower()
+    device = first_device(args, kwargs, owner._spec.jit_kwargs)
+    disk_key = cache_key(lowered.as_text(), device.device_kind,
+                         owner._streams, [w.name for w in ways])
+    entry = _Signature(running or inline, ways, disk_key, device, started)
+    self._signatures[key] = entry
+    cached = load(disk_key)
+    if cached is not None and cached.way in {w.name for w in ways}:
+      if running is None or cached.way == running.name:
+        entry.decision = cached
+        return gpu.WAYS[cached.way]
+      entry.preset = cached
+      entry.compile_beside(owner, [gpu.WAYS[cached.way]], args, kwargs, lowered)
+      return running
+    entry.compile_beside(owner, [w for w in ways if w != entry.running],
+                         args, kwargs, lowered)
+    return entry.running
+
+  def call(self, args, kwargs):
+    """A top-level call while some signature's choice is open or the
+    signatures chose different ways."""
+    owner = self._owner()
+    key = self.key(args, kwargs)
+    entry = self._signatures.get(key)
+    if entry is None:
+      with self._lock:
+        entry = self._signatures.get(key)
+        if entry is None:
+          way = self.static.way
+          if key is not None:
+            way = self._start(owner, key, args, kwargs,
+                              owner._spec.plan(*args, **kwargs), running=None)
+            self.refresh()
+      if entry is None:   # this signature's first call, outside the lock
+        return owner._jit(way, top_level=True)(*args, **kwargs)
+    return entry.call(self, owner, args, kwargs)
+
+  def saw(self, args, kwargs, ran: gpu.Way) -> None:
+    """A call that ran ``ran`` had a signature its ``jax.jit`` function had
+    not seen: time the ways for it, if this is new."""
+    try:
+      key = self.key(args, kwargs)
+      if key is None or key in self._signatures:
+        return
+      owner = self._owner()
+      with self._lock:
+        if key not in self._signatures:
+          self._start(owner, key, args, kwargs,
+                      owner._spec.plan(*args, **kwargs), running=ran)
+          self.refresh()
+    except Exception:  # noqa: BLE001 - choosing never fails a call
+      pass
+
+  def refresh(self) -> None:
+    """Point the owner's top-level calls at the one way every signature
+    chose, watching for new signatures; else at the lookup by signature."""
+    owner = self._owner()
+    if owner is None:
+      return
+    with self._lock:
+      ways = {s.decision.way if s.decision else None
+              for s in self._signatures.values()}
+      if len(ways) == 1 and None not in ways:
+        way = gpu.WAYS[ways.pop()]
+        top = owner._jit(way, top_level=True)
+        if not (isinstance(owner.func, Watch) and owner.func.top is top):
+          owner._point_to(Watch(top, owner._nested_jit(), self, way))
+      elif not isinstance(owner.func, BySignature):
+        owner._point_to(BySignature(self._owner))
+
+  def choice_for(self, args, kwargs, plan=None) -> Choice:
+    """How top-level calls with these arguments run now, and why (before
+    the first call: the static choice). ``plan``: their plan, if made."""
+    owner = self._owner()
+    static = self.static or static_choice(
+        owner._spec.lowering(),
+        lambda: plan or owner._spec.plan(*args, **kwargs))
+    if not static.timable:
+      return static
+    entry = self._signatures.get(self.key(args, kwargs))
+    if entry is None:
+      return static
+    decision = entry.decision
+    if decision is None:
+      return Choice(entry.running, "being timed: " + entry.status(),
+                    timable=True)
+    how = ("chosen at an earlier run, kept on disk" if decision.cached else
+           "chosen in this signature's calls" if decision.timing else
+           "chosen at this signature's first call")
+    return Choice(gpu.WAYS[decision.way], how, decision, timable=True)
+
+  def report(self, plan: "StreamPlan", args, kwargs) -> dict[str, str]:
+    """The plan's ``gpu_lowering`` and ``gpu_reason`` for these arguments:
+    the way top-level calls run, how and when it was chosen, and the way
+    of calls traced inside another jit."""
+    if plan.is_single_stream:
+      return {"gpu_lowering": "inline", "gpu_reason": ONE_STREAM}
+    owner = self._owner()
+    choice = self.choice_for(args, kwargs, plan)
+    why = choice.reason
+    if choice.decision is not None:
+      why += ": " + choice.decision.describe()
+    nested_why = (gpu.why_default_nested(plan)
+                  if owner._spec.lowering() == gpu.DEFAULT else
+                  f"inside another jit: {owner._nested_way().name!r} (no "
+                  "compiler options reach a function traced there)")
+    return {"gpu_lowering": choice.way.name,
+            "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}",
+            "in_place": gpu.in_place(plan)}
+
+  def deciding(self, args, kwargs) -> bool:
+    """Whether the way for these arguments is being chosen now (their
+    signature's candidates compiling or being timed)."""
+    entry = self._signatures.get(self.key(args, kwargs))
+    return entry is not None and entry.decision is None
+
+  def wait_compiled(self, args, kwargs) -> dict[str, float]:
+    """Wait for this signature's background compiles; the seconds each
+    took (failed ones left out). For benchmarks and tests."""
+    entry = self._signatures.get(self.key(args, kwargs))
+    if entry is None:
+      return {}
+    pending = dict(entry.pending)
+    concurrent.futures.wait(list(pending.values()))
+    seconds = dict(entry.compile_seconds)
+    seconds.update({w: f.result()[1] for w, f in pending.items()
+                    if not f.cancelled() and f.exception() is None})
+    return seconds
+
+
+class FirstCall:
+  """What a ``StreamJit`` calls until its first top-level call settled the
+  ``jax.jit`` functions. Holds the function weakly: the function holds it."""
+
+  __slots__ = ("ref",)
+
+  def __init__(self, ref):
+    self.ref = ref
+
+  @_compat.api_boundary
+  def __call__(self, *args, **kwargs):
+    me = self.ref()
+    if me._streams is None:
+      return me._by_option()(*args, **kwargs)
+    if not _compat.at_top_level():
+      return me._nested_jit()(*args, **kwargs)
+    return me._chooser.settle(args, kwargs)(*args, **kwargs)
+
+
+class Switch:
+  """Top-level calls to ``top``, calls traced inside another jit (or under
+  ``jax.grad`` / ``jax.vmap``) to ``nested``: jax accepts compiler options
+  only at top level."""
+
+  __slots__ = ("top", "nested")
+
+  def __init__(self, top, nested):
+    self.top, self.nested = top, nested
+
+  @_compat.api_boundary
+  def __call__(self, *args, **kwargs):
+    if _compat.at_top_level():
+      return self.top(*args, **kwargs)
+    return self.nested(*args, **kwargs)
+
+
+class Watch(Switch):
+  """A ``Switch`` whose top-level ``jax.jit`` function is the way every
+  signature so far chose: a call whose signature that function had not seen
+  (an entry more in its call cache, a check that costs a C++ call) is
+  reported to the chooser, which then times the ways for it."""
+
+  __slots__ = ("chooser", "way", "seen")
+
+  def __init__(self, top, nested, chooser: Chooser, way: gpu.Way):
+    super().__init__(top, nested)
+    self.chooser, self.way = chooser, way
+    self.seen = top._cache_size()
+
+  @_compat.api_boundary
+  def __call__(self, *args, **kwargs):
+    if not _compat.at_top_level():
+      return self.nested(*args, **kwargs)
+    out = self.top(*args, **kwargs)
+    seen = self.top._cache_size()
+    if seen != self.seen:
+      grew, self.seen = seen > self.seen, seen
+      if grew:
+        self.chooser.saw(args, kwargs, self.way)
+    return out
+
+
+class BySignature:
+  """Top-level calls looked up by signature (while a choice is open, or
+  where signatures chose different ways); nested calls to the nested way."""
+
+  __slots__ = ("ref",)
+
+  def __init__(self, ref):
+    self.ref = ref
+
+  @_compat.api_boundary
+  def __call__(self, *args, **kwargs):
+    me = self.ref()
+    if not _compat.at_top_level():
+      return me._nested_jit()(*args, **kwargs)
+    return me._chooser.call(args, kwargs)
