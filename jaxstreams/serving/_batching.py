@@ -206,22 +206,35 @@ class Batcher:
     self.helper.notify()
 
   def _lead(self, holder, mine: Request | None) -> None:
-    """Holding the role: dispatch batches until ``mine`` is dispatched (the
-    helper, with no request of its own: one batch), then pass the role on."""
+    """Holding the role: take batches until one holds ``mine`` (the helper,
+    with no request of its own: one batch), pass the role on, and dispatch
+    that batch. The role goes before the dispatch, so that the next batch
+    can form while this one is traced and launched (on XLA:CPU a launch
+    may run the whole program)."""
+    passed = False
     try:
       while True:
         batch = self._take()
+        last = not batch or mine is None or any(r is mine for r in batch)
+        if last:
+          self._pass_role(holder)
+          passed = True
         if batch:
           self._dispatch(batch)
-        if not batch or mine is None or mine.state is DISPATCHED:
+        if last:
           return
     finally:
-      with self.lock:
-        if mine is not None and mine.state is not DISPATCHED:
-          self._withdraw_locked(mine)        # leaving on an exception
-        if self.leader is holder:
-          self.leader = None
-          self._assign_leader_locked()
+      if not passed:                     # leaving on an exception
+        with self.lock:
+          if mine is not None and mine.state is not DISPATCHED:
+            self._withdraw_locked(mine)
+        self._pass_role(holder)
+
+  def _pass_role(self, holder) -> None:
+    with self.lock:
+      if self.leader is holder:
+        self.leader = None
+        self._assign_leader_locked()
 
   def _take(self) -> list[Request]:
     """The next batch, once the policy (module docstring) lets it go."""
