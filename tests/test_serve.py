@@ -449,8 +449,9 @@ def test_program_cache_is_bounded():
     return x + 1
 
   with grouped_serve(f, groups=1, max_programs=2) as server:
-    for n in [1, 2, 3, 1, 2, 3]:
-      assert_equal_results(server(jnp.ones(n)), jnp.ones(n) + 1)
+    for n in [1, 2, 3, 1, 2, 3]:      # submitted: each through the batch path
+      assert_equal_results(server.submit(jnp.ones(n)).result(TIMEOUT),
+                           jnp.ones(n) + 1)
     stats = server.stats()
   assert stats.programs_cached == 2
   assert stats.program_evictions == 4
@@ -912,4 +913,6 @@ def test_inference_example_runs():
   out = proc.stdout
   assert re.search(r"^groups=1: \d+ requests", out, re.M), out
   assert re.search(r"^groups=4: \d+ requests", out, re.M), out
+  assert re.search(r"^two models, groups=4: 48 requests.*mode grouped.*per "
+                   r"model classifier \d+, second \d+$", out, re.M), out
   assert "results equal to jax.jit: yes" in out, out

@@ -8,7 +8,9 @@ callers, waiting on a lock of their own, wake with outputs to wait for.
 So a batch costs one wake per request that another thread dispatched, and
 none for a request whose caller dispatched it; there is no dispatcher thread
 between a caller and the device, and each caller waits for its own results
-(``_completion``) while the device runs.
+(``_completion``) while the device runs. A request that finds the server
+idle (nothing queued or running, nobody dispatching) is a batch of one and
+runs as ``jax.jit`` of its model, with none of a batch's bookkeeping.
 
 When the role holder's own request is dispatched it passes the role to the
 oldest caller still waiting in the queue (or keeps nobody, with the queue
@@ -41,6 +43,12 @@ import concurrent.futures
 import threading
 import time
 from typing import Any
+
+import jax
+
+from jaxstreams import _compat
+
+_ARRAY_TYPE = _compat.ARRAY_TYPE
 
 MAX_IN_FLIGHT = 2       # executions dispatched and not yet finished
 
@@ -82,8 +90,9 @@ class Batch:
 
 class Batcher:
 
-  def __init__(self, programs, groups: int, wait_s: float, workers):
+  def __init__(self, programs, jitted, groups: int, wait_s: float, workers):
     self.programs = programs
+    self.jitted = jitted                 # jax.jit of each model
     self.groups = groups
     self.wait_s = wait_s
     self.workers = workers
@@ -105,6 +114,13 @@ class Batcher:
 
   def call(self, model: int, /, *args, **kwargs):
     """Run one request of model ``model`` and return its outputs (ready)."""
+    with self.lock:
+      alone = self.leader is None and not self.in_flight and not self.pending
+      if alone:                          # an idle server: a batch of one
+        self.in_flight += 1
+        self.requests += 1
+    if alone:
+      return self._run_alone(model, args, kwargs)
     waiter = _thread.allocate_lock()
     waiter.acquire()
     request = Request(model, (args, kwargs), waiter=waiter)
@@ -124,6 +140,25 @@ class Batcher:
       self._abandon(request)
       raise
     return self.completion.finish(request)
+
+  def _run_alone(self, model: int, args: tuple, kwargs: dict):
+    """A request that found nothing queued or running: ``jax.jit`` of its
+    model in its caller's thread, which is what a batch of one would run,
+    with none of a batch's bookkeeping. Its trace is kept as any request's
+    (a model's error while traced is raised here, as in a batch)."""
+    ran = False
+    try:
+      self.programs.traced_for(self.programs.key(model, (args, kwargs)))
+      ran = True
+      output = self.jitted[model](*args, **kwargs)
+      return _block(output)
+    finally:
+      with self.lock:
+        self.in_flight -= 1
+        if ran:
+          self.batches += 1
+          self.batch_sizes[1] += 1
+        self.work.notify()
 
   def _abandon(self, request: Request) -> None:
     """A caller leaves before its request finished (KeyboardInterrupt): out
@@ -359,3 +394,10 @@ class Batcher:
 
 def _order(request: Request) -> int:
   return request.order
+
+
+def _block(output):
+  """``output`` once computed (one array: its own method, the cheapest)."""
+  if type(output) is _ARRAY_TYPE:
+    return output.block_until_ready()
+  return jax.block_until_ready(output)

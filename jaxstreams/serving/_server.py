@@ -119,7 +119,8 @@ class _Core:
     self.admission = Admission(name, queue_size, block, limit)
     self.workers = _workers.Workers(name)
     self.programs = Programs(models, groups, max_programs)
-    self.batcher = Batcher(self.programs, groups, wait_s, self.workers)
+    self.batcher = Batcher(self.programs, self.jitted, groups, wait_s,
+                           self.workers)
     self.completion = Completion(self.batcher, self.programs,
                                  self.admission.wake)
     self.batcher.completion = self.completion
