@@ -151,7 +151,7 @@ class Batcher:
       self.programs.traced_for(self.programs.key(model, (args, kwargs)))
       ran = True
       output = self.jitted[model](*args, **kwargs)
-      return _block(output)
+      return block(output)
     finally:
       with self.lock:
         self.in_flight -= 1
@@ -396,7 +396,7 @@ def _order(request: Request) -> int:
   return request.order
 
 
-def _block(output):
+def block(output):
   """``output`` once computed (one array: its own method, the cheapest)."""
   if type(output) is _ARRAY_TYPE:
     return output.block_until_ready()

@@ -18,8 +18,6 @@ from __future__ import annotations
 import queue
 import threading
 
-import jax
-
 from jaxstreams.serving import _batching
 
 
@@ -41,7 +39,7 @@ class Completion:
     failure = request.batch_error
     if failure is None:
       try:
-        jax.block_until_ready(request.outputs)
+        _batching.block(request.outputs)
       except Exception as e:  # noqa: BLE001 -- the execution failed
         failure = e
       finally:
@@ -58,7 +56,7 @@ class Completion:
         self.fallbacks += 1
     request.outputs = None
     (output,) = self.programs.run((request.key,), [request.payload])
-    return jax.block_until_ready(output)
+    return _batching.block(output)
 
   # -- submitted requests: the complete helper thread ------------------------
 
