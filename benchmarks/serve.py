@@ -40,8 +40,13 @@ Saves benchmarks/results/serve_<platform>[_quick].json and .txt.
 
   python benchmarks/serve.py [--quick] [--models mlp,encoder,dlrm]
       [--threads 1,4,16,64] [--seconds 0.3] [--rounds 5] [--groups 4]
-      [--no-grouped] [--no-vmap] [--no-torch] [--no-control] [--quiet]
-      [--out DIR]
+      [--no-grouped] [--no-vmap] [--no-torch] [--no-control] [--trace]
+      [--quiet] [--out DIR]
+
+``--trace`` profiles threads calling jax.jit and grouped serving at the most
+threads (0.2 s each, every model) and records the kernels per GPU stream
+and the share of kernel time overlapped: on a GPU it shows whether threads
+calling jax.jit run on one compute stream.
 """
 
 from __future__ import annotations
@@ -298,6 +303,20 @@ def bench_model(model, args, info, lines):
 
   result = {"model": model.description, "results_by_threads": rows,
             "skipped": skipped, "goals": _goals(rows)}
+  if args.trace:
+    threads = max(args.thread_counts)
+    result["trace"] = {"threads": threads}
+    for name in ("jax.jit", "grouped"):
+      if name in ways:
+        found = traced(*ways[name], threads, 0.2)
+        result["trace"][name] = found
+        lines.append(f"profiled at {threads} threads, {name}: "
+                     + (found.get("error") or
+                        f"{found['kernels']} kernels, "
+                        f"{found['overlapped_share']:.1%} of kernel time "
+                        f"overlapped, kernels per stream "
+                        f"{found['kernels_by_stream']}"))
+        print(lines[-1], flush=True)
   for name, server in servers.items():
     stats = server.stats()
     server.close()
@@ -317,6 +336,40 @@ def bench_model(model, args, info, lines):
     print(lines[-1], flush=True)
   lines.append("")
   return result
+
+
+def kernels_by_stream(trace: dict) -> dict:
+  """From a Chrome/Perfetto trace: how many device kernels ran on each of
+  the GPU's streams (the trace's lanes of a GPU process)."""
+  gpu_pids = {e["pid"] for e in trace.get("traceEvents", ())
+              if e.get("ph") == "M" and e.get("name") == "process_name"
+              and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+  counts = collections.Counter(
+      f"{e['pid']}/{e.get('tid')}" for e in trace.get("traceEvents", ())
+      if e.get("ph") == "X" and e.get("pid") in gpu_pids)
+  return dict(counts)
+
+
+def traced(call, inputs, threads: int, seconds: float) -> dict:
+  """Clients run under jax.profiler: the share of kernel time during which
+  two or more kernels ran at once, and the kernels per stream. Threads
+  calling jax.jit should show one stream (JAX's GPU clients launch every
+  execution on one compute stream); grouped serving, several."""
+  import glob
+  import gzip
+  import json
+  import tempfile
+  from gpu_levers import kernel_overlap
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+      run_clients(call, inputs, threads, seconds)
+    found = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"),
+                      recursive=True)
+    if not found:
+      return {"error": "no perfetto trace written"}
+    with gzip.open(found[0], "rt") as f:
+      trace = json.load(f)
+  return {**kernel_overlap(trace), "kernels_by_stream": kernels_by_stream(trace)}
 
 
 def _goals(rows):
@@ -352,6 +405,9 @@ def main():
                       help="leave out PyTorch")
   parser.add_argument("--no-control", action="store_true",
                       help="leave out jax.jit', the baseline run again")
+  parser.add_argument("--trace", action="store_true",
+                      help="profile jax.jit and grouped at the most threads: "
+                      "kernel overlap and kernels per GPU stream")
   args = parser.parse_args()
   if args.quick:
     args.models, args.threads, args.seconds, args.rounds = "mlp", "1,16", 0.1, 2

@@ -879,6 +879,22 @@ def test_by_platform_does_not_measure_where_grouping_cannot_pay(
     assert server.stats().mode_reason == "mode='grouped' was asked for"
 
 
+def test_by_platform_keeps_direct_where_measuring_fails(fake_gpu):
+  """Batches of 1 and 2 need two programs, and max_programs=1 keeps one:
+  the trial cannot run, the request still gets its result, and the server
+  says why it stays direct."""
+  x = jnp.ones((1, 8))
+  with jaxstreams.serve(mlp, groups=2, max_programs=1) as server:
+    assert_equal_results(server(x), jax.jit(mlp)(x))
+    assert server.mode == "direct"
+    reason = server.stats().mode_reason
+    assert reason.startswith("kept 'direct': measuring grouped failed "
+                             "(ValueError: warming up 1 request signature"), \
+        reason
+    assert_equal_results(server(x * 2), jax.jit(mlp)(x * 2))
+  assert fake_gpu.runs == {"direct": 0, "grouped": 0}
+
+
 def test_by_platform_trial_after_a_failed_first_request(fake_gpu):
   """A first request that fails is its caller's error; the choice waits for
   a request that runs."""

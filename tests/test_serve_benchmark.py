@@ -167,3 +167,16 @@ def test_vmap_batching_gives_each_client_its_own_result(bench, name):
     for got in results[t]:
       assert np.asarray(got).shape == want.shape
       np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_are_counted_per_gpu_stream_of_a_trace(bench):
+  trace = {"traceEvents": [
+      {"ph": "M", "name": "process_name", "pid": 7,
+       "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "process_name", "pid": 1,
+       "args": {"name": "/host:CPU"}},
+      {"ph": "X", "pid": 7, "tid": 13, "ts": 0, "dur": 5},
+      {"ph": "X", "pid": 7, "tid": 13, "ts": 6, "dur": 5},
+      {"ph": "X", "pid": 7, "tid": 21, "ts": 2, "dur": 5},
+      {"ph": "X", "pid": 1, "tid": 3, "ts": 0, "dur": 50}]}
+  assert bench.kernels_by_stream(trace) == {"7/13": 2, "7/21": 1}

@@ -294,3 +294,22 @@ def test_grouped_batch_of_two_models_is_k_parallel_branches():
   assert len(checks) == k * (k - 1) // 2, graphs.summary()
   assert all(together for _, _, together in checks), graphs.summary()
   assert graphs.parallelism >= 2.0, graphs.summary()
+
+
+def test_close_lets_a_partial_batch_go_at_once():
+  """A caller waiting for its batch to fill (an execution in flight, a long
+  max_batch_wait_ms) is dispatched as soon as the server closes."""
+  m = Models()
+  server = m.serve(groups=4, max_batch_wait_ms=60_000)
+  pool = concurrent.futures.ThreadPoolExecutor(3)
+  held = m.hold(server)
+  waiting = pool.submit(server["b"], b_input(1))
+  assert wait_until(lambda: server._core.batcher.leader is not None, TIMEOUT)
+  assert server._core.batcher.in_flight == 1        # it waits for more
+  closer = pool.submit(server.close, TIMEOUT)
+  assert wait_until(lambda: server._core.batcher.in_flight == 2, TIMEOUT)
+  m.gate.set()
+  held.result(TIMEOUT)
+  assert_equal_results(waiting.result(TIMEOUT), jax.jit(Models.b)(b_input(1)))
+  assert closer.result(TIMEOUT) is True
+  pool.shutdown()

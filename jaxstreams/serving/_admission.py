@@ -11,7 +11,7 @@ without a lock; this module is the locked way for the rest:
   says; on return the request holds a token.
 * ``wake``: a request ended while someone waits for room or for the server
   to drain.
-* ``close``: refuse new requests; with ``join``, wait until every admitted
+* ``close``: refuse new requests; ``drain``: wait until every admitted
   request has ended.
 """
 
@@ -131,19 +131,20 @@ class Admission:
     with self.lock:
       self.space.notify_all()
 
-  def close(self, join: bool, timeout: float | None) -> bool:
-    """Refuse new requests; with ``join``, wait up to ``timeout`` seconds
-    (None: as long as it takes) for the admitted ones to end. Returns
-    whether none is left."""
+  def close(self) -> None:
+    """Refuse new requests from now on."""
     with self.lock:
       self.closing = True
       for endpoint in self.live():
         endpoint._admit_limit = -1
       self._set_must_wake(True)
       self.space.notify_all()
-      if not join:
-        return not self.running()
-      deadline = None if timeout is None else time.monotonic() + timeout
+
+  def drain(self, timeout: float | None) -> bool:
+    """Wait up to ``timeout`` seconds (None: as long as it takes) for the
+    admitted requests to end; returns whether none is left."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self.lock:
       while self.running():
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:

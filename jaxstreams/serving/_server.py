@@ -173,9 +173,10 @@ class _Core:
   # -- the by-platform choice ------------------------------------------------
 
   def deciding_call(self, model: int, *args, **kwargs):
-    """A request while the by-platform choice is due: it runs direct; the
-    first makes the choice first (on its own signature), the others go on
-    meanwhile."""
+    """A request while the by-platform choice is due: it runs direct. The
+    first to get its result makes the choice on its signature before it
+    returns (as ``jaxstreams.jit``'s first call times its ways); the others
+    go on direct meanwhile."""
     output = jax.block_until_ready(self.jitted[model](*args, **kwargs))
     if self.decide_lock.acquire(blocking=False):
       try:
@@ -187,11 +188,17 @@ class _Core:
 
   def _decide(self, examples) -> None:
     """Holding ``decide_lock``: measure, then switch the endpoints."""
-    with self.batcher.uncounted():
-      decision = _choice.decide(self.programs, self.jitted, self.batcher.call,
-                                examples, self.groups)
-    self.mode = decision.way
-    self.mode_reason = _choice.describe(decision, self.groups)
+    try:
+      with self.batcher.uncounted():
+        decision = _choice.decide(self.programs, self.jitted,
+                                  self.batcher.call, examples, self.groups)
+    except Exception as e:  # noqa: BLE001 -- the requests go on, direct
+      self.mode = "direct"
+      self.mode_reason = (f"kept 'direct': measuring grouped failed "
+                          f"({type(e).__name__}: {e})")
+    else:
+      self.mode = decision.way
+      self.mode_reason = _choice.describe(decision, self.groups)
     self.deciding = False
     self._retarget()
 
@@ -244,13 +251,16 @@ class _Core:
   # -- closing and stats -----------------------------------------------------
 
   def close(self, join: bool, timeout: float | None) -> bool:
+    """Refuse new requests and let partial batches go at once; with
+    ``join``, wait up to ``timeout`` seconds for the admitted requests and
+    the helper threads to end."""
     deadline = None if timeout is None else _now() + timeout
-    drained = self.admission.close(join, timeout)
+    self.admission.close()
     self.batcher.close()
-    if not join or not drained:
-      return drained
-    return self.workers.join(None if deadline is None
-                             else max(0.0, deadline - _now()))
+    if not join:
+      return True
+    left = lambda: None if deadline is None else max(0.0, deadline - _now())
+    return self.admission.drain(left()) and self.workers.join(left())
 
   def stats(self) -> ServeStats:
     batching = self.batcher.stats()
