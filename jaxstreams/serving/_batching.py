@@ -12,14 +12,16 @@ between a caller and the device, and each caller waits for its own results
 idle (nothing queued or running, nobody dispatching) is a batch of one and
 runs as ``jax.jit`` of its model, with none of a batch's bookkeeping.
 
-When the role holder's own request is dispatched it passes the role to the
-oldest caller still waiting in the queue (or keeps nobody, with the queue
-empty). At most ``MAX_IN_FLIGHT`` executions are dispatched and unfinished;
-the role holder waits while that many run, which is what makes requests
-arrive together: on a GPU the device runs one execution while the next
-waits, and the queue fills meanwhile. A role holder with room but only part
-of a batch waits up to ``max_batch_wait_ms`` for more while an execution
-runs, never while the device is idle.
+Once the role holder has taken the batch that holds its own request, it
+passes the role to the oldest caller still waiting in the queue (or to
+nobody, with the queue empty) and then launches the batch, so the next
+batch forms while this one is launched. At most ``MAX_IN_FLIGHT``
+executions are dispatched and unfinished; the role holder waits while that
+many run, which is what makes requests arrive together: on a GPU the device
+runs one execution while the next waits, and the queue fills meanwhile. A
+role holder with room but only part of a batch waits up to
+``max_batch_wait_ms`` for more while an execution runs, never while the
+device is idle nor once the server is closing.
 
 ``submit`` (a ``Future``) does no work in the caller's thread: its request
 is queued, and where no caller holds the role a *dispatch* helper thread
