@@ -2,8 +2,9 @@
 
 Multi-Stream TensorFlow's inference mode gives every ``session.run`` a free
 stream group, so many small requests share one GPU at the same time. JAX's
-GPU clients launch every execution of a device on one compute stream, so
-threads calling ``jax.jit`` run one after another there.
+GPU clients launch every execution of a device on one compute stream (as
+read in XLA's sources), so threads calling ``jax.jit`` run one after
+another there.
 ``jaxstreams.serve(f)`` (or ``serve({"a": f, "b": g})`` for several models)
 can run requests that arrive together as one execution in which each
 request is a region on a stream of its own (``mode="grouped"``), or each as

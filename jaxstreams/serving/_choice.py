@@ -4,10 +4,11 @@
 what a plain thread does. *Grouped*: requests that arrive together run as
 one execution, side by side (``_batching``, ``_program``). Grouping can only
 pay where one execution runs several requests at once and threads calling
-``jax.jit`` do not: JAX's GPU clients launch every execution of a device on
-its one compute stream, so programs from several threads run one after
-another, while a batch's requests are parallel branches of one program's
-CUDA graph. It costs the hand-offs between callers and a batch program per
+``jax.jit`` do not: as read in XLA's sources, JAX's GPU clients launch
+every execution of a device on its one compute stream, so programs from
+several threads run one after another (``benchmarks/serve.py --trace``
+checks that on a GPU), while a batch's requests are parallel branches of
+one program's CUDA graph. It costs the hand-offs between callers and a batch program per
 combination of requests.
 
 ``mode="by_platform"`` (the default) decides so:
