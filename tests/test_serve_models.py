@@ -313,3 +313,15 @@ def test_close_lets_a_partial_batch_go_at_once():
   assert_equal_results(waiting.result(TIMEOUT), jax.jit(Models.b)(b_input(1)))
   assert closer.result(TIMEOUT) is True
   pool.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["direct", "grouped"])
+def test_a_server_of_one_model_is_freed_and_closed_with_its_last_reference(
+    mode):
+  import weakref
+  server = jaxstreams.serve(lambda x: x + 1.0, mode=mode)
+  assert_equal_results(server(jnp.ones(2)), jnp.ones(2) + 1.0)
+  core = server._core
+  ref = weakref.ref(server)
+  del server                      # no cycle: gone without a collection
+  assert ref() is None and core.closing
