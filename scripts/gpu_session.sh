@@ -23,6 +23,11 @@
 # FIRSTCALL_MODELS, default the suite's six models ("suite,demo,transformer"
 # adds the demo step and a 12-layer transformer step), FIRSTCALL_ROUNDS
 # paired rounds, default 2: benchmarks/jit_overhead.py).
+# (serve: benchmarks/serve.py, three models at 1 to 64 client threads
+# against jax.jit, vmap batching and PyTorch with a CUDA stream per thread;
+# SERVE_ROUNDS rounds of 0.3 s, default 4: about 90 s of timing plus
+# compiles, run it in a call of its own; --trace profiles jax.jit and grouped
+# at 64 threads: kernels per GPU stream; not yet run on a GPU)
 # (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 2,
 # three times that under 1 ms; sweeplong: 1 to 10 ms, LONG_ROUNDS, default 3)
 #
@@ -138,7 +143,8 @@ for s in "${steps[@]}"; do
     suite)     run_step suite 300 "$py" benchmarks/suite.py --out "$logs" ;;
     levers)    run_step levers 420 "$py" benchmarks/gpu_levers.py --trace \
                  --rounds "${LEVERS_ROUNDS:-9}" --out "$logs" ;;
-    serve)     run_step serve 200 "$py" benchmarks/serve.py --quiet --out "$logs" ;;
+    serve)     run_step serve 480 "$py" benchmarks/serve.py --quiet --trace \
+                 --rounds "${SERVE_ROUNDS:-4}" --out "$logs" ;;
     overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --part per_call \
                  --out "$logs" ;;
     firstcall) run_step firstcall 360 "$py" benchmarks/jit_overhead.py --part first_call \

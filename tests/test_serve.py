@@ -152,14 +152,21 @@ def test_requests_that_arrive_together_share_one_execution():
     held.result(TIMEOUT)
     results(first + batch_after)
     held = gate.hold(server)
-    third = [server.submit(x) for x in (b, a, a)]        # a new combination
+    third = [server.submit(x) for x in (b, a, a)]        # another order
     gate.open()
     held.result(TIMEOUT)
     outs = results(third)
+    held = gate.hold(server)
+    fourth = [server.submit(x) for x in (b, b, a)]       # a new combination
+    gate.open()
+    held.result(TIMEOUT)
+    outs_fourth = results(fourth)
     stats = server.stats()
   assert_equal_results(outs, [jax.jit(mlp)(x) for x in (b, a, a)])
-  assert stats.batch_sizes == {1: 2, 3: 3}
-  # gate alone, (a, b, a) once for two batches, then (b, a, a).
+  assert_equal_results(outs_fourth, [jax.jit(mlp)(x) for x in (b, b, a)])
+  assert stats.batch_sizes == {1: 3, 3: 4}
+  # The gate alone; (a, b, a) for two batches and, put in the same order,
+  # (b, a, a) too; then (b, b, a).
   assert stats.programs_traced == 3
   assert stats.signatures_traced == 3
 
@@ -328,12 +335,15 @@ def test_full_queue_raises_or_blocks_as_chosen():
                         max_batch_wait_ms=60_000) as server:
     held = gate.hold(server)
     queued = []
-    # groups=1 and the gate in flight: one more batch may be dispatched, the
-    # rest waits; fill the queue until it is full.
-    with pytest.raises(jaxstreams.QueueFullError, match="queue is full"):
+    # queue_size bounds a model's requests from admission to result: the
+    # gate request holds one place, so one more fits.
+    with pytest.raises(jaxstreams.QueueFullError,
+                       match="at its limit of 2 requests of this model queued "
+                             "or running") as full:
       for _ in range(10):
         queued.append(server.submit(x))
-    assert 2 <= len(queued) <= 3
+    assert "block=False" in str(full.value)
+    assert len(queued) == 1
     gate.open()
     held.result(TIMEOUT)
     results(queued)
@@ -341,7 +351,8 @@ def test_full_queue_raises_or_blocks_as_chosen():
   with grouped_serve(f, groups=1, queue_size=1, block=0.05,
                         max_batch_wait_ms=60_000) as server:
     held = gate.hold(server)
-    with pytest.raises(jaxstreams.QueueFullError, match="stayed full"):
+    with pytest.raises(jaxstreams.QueueFullError,
+                       match="stayed at its limit of 1 request.*block=0.05"):
       for _ in range(10):
         queued.append(server.submit(x))
     gate.open()
@@ -438,8 +449,9 @@ def test_program_cache_is_bounded():
     return x + 1
 
   with grouped_serve(f, groups=1, max_programs=2) as server:
-    for n in [1, 2, 3, 1, 2, 3]:
-      assert_equal_results(server(jnp.ones(n)), jnp.ones(n) + 1)
+    for n in [1, 2, 3, 1, 2, 3]:      # submitted: each through the batch path
+      assert_equal_results(server.submit(jnp.ones(n)).result(TIMEOUT),
+                           jnp.ones(n) + 1)
     stats = server.stats()
   assert stats.programs_cached == 2
   assert stats.program_evictions == 4
@@ -744,9 +756,9 @@ def test_direct_mode_wait_for_room_times_out_or_ends_with_close(direct_call):
                      match="stayed at its limit of 1 request running at "
                            "once.*for block=0.05 seconds"):
     server(jnp.ones(2))
-  server._core.block = True          # now wait as long as it takes ...
+  server._core.admission.block = True   # now wait as long as it takes ...
   waiting = pool.submit(server, jnp.ones(2))
-  assert wait_until(lambda: server._core.space_waiters == 1, TIMEOUT)
+  assert wait_until(lambda: server._core.admission.space_waiters == 1, TIMEOUT)
   closer = pool.submit(server.close, TIMEOUT)
   # ... until the close: the waiter is refused, the running one finishes.
   with pytest.raises(jaxstreams.ServerClosedError):
@@ -759,24 +771,146 @@ def test_direct_mode_wait_for_room_times_out_or_ends_with_close(direct_call):
   assert (stats.requests, stats.completed, stats.failed) == (1, 1, 0)
 
 
-def test_by_platform_runs_direct_on_a_gpu_too(monkeypatch, direct_call):
-  from jaxstreams.serving import _server
-  monkeypatch.setattr(_server, "_platform", lambda: "gpu")
+# ---------------------------------------------------------------------------
+# The by-platform choice on a GPU, with a fake platform and a fake clock: the
+# trial runs both ways for real (on CPU), and the clock decides.
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """``mode="by_platform"`` sees a GPU; timing is on (conftest turns it off
+  for every test) and the trial's clock is ``clock.seconds[way]``, counting
+  the runs of each way it timed."""
+  from jaxstreams.serving import _choice
+
+  class Clock:
+    seconds = {"direct": 0.02, "grouped": 0.01}
+    runs = {"direct": 0, "grouped": 0}
+
+    def __call__(self, way, run):
+      run()
+      self.runs[way] += 1
+      return self.seconds[way]
+
+  clock = Clock()
+  monkeypatch.setattr(_choice, "platform", lambda: "gpu")
+  monkeypatch.setattr(_choice, "time_way", clock)
+  jaxstreams.config.update("jaxstreams_autotune", True)
+  yield clock
+  jaxstreams.config.reset("jaxstreams_autotune")
+  jaxstreams.config.reset("jaxstreams_autotune_cache")
+
+
+def test_by_platform_on_a_gpu_keeps_grouped_where_it_measured_faster(fake_gpu):
+  x = jnp.ones((1, 8))
   with jaxstreams.serve(mlp, groups=2) as server:
     assert server.mode == "direct"
-    reason = server.stats().mode_reason
-    assert "grouped requests measured slower" in reason, reason
-    assert "mode='grouped'" in reason, reason
-    x = jnp.ones((1, 8))
-    assert_equal_results(server(x), jax.jit(mlp)(x))
-    stats = server.stats()
-  assert stats.direct == 1 and stats.batches == 0
-  assert stats.programs_traced == 0 and stats.completed == 1
-  with jaxstreams.serve(mlp, groups=2, mode="grouped") as server:
+    assert "deciding" in server.stats().mode_reason
+    assert_equal_results(server(x), jax.jit(mlp)(x))   # runs, then measures
     assert server.mode == "grouped"
+    reason = server.stats().mode_reason
+    assert "chose 'grouped': 2.00x of 'direct'" in reason, reason
+    assert "2 client threads" in reason and "mode=grouped" in repr(server)
+    assert fake_gpu.runs["direct"] >= 5 and fake_gpu.runs["grouped"] >= 5
+    traced = server.stats().programs_traced
+    assert traced == 2                 # batches of 1 and 2, before timing
+    for v in (x, x * 2, x * 3):
+      assert_equal_results(server(v), jax.jit(mlp)(v))
+    stats = server.stats()
+  # The trial's own requests are not the server's.
+  assert (stats.requests, stats.completed, stats.direct) == (4, 4, 1)
+  assert sum(k * n for k, n in stats.batch_sizes.items()) == 3
+  assert stats.programs_traced == traced        # nothing new to compile
+
+
+def test_by_platform_on_a_gpu_keeps_direct_unless_grouped_wins_clearly(
+    fake_gpu):
+  fake_gpu.seconds = {"direct": 0.02, "grouped": 0.0199}   # 0.5%: noise
+  x = jnp.ones((1, 8))
+  with jaxstreams.serve(mlp, groups=2) as server:
+    server(x)
+    assert server.mode == "direct"
+    reason = server.stats().mode_reason
+    assert "kept 'direct'" in reason and "gained 0.5%" in reason, reason
+    server(x)
+    stats = server.stats()
+  assert stats.direct == 2 and stats.batches == 0
+
+
+def test_by_platform_on_a_gpu_decides_at_warmup_and_from_the_cache(
+    fake_gpu, tmp_path):
+  jaxstreams.config.update("jaxstreams_autotune_cache",
+                           str(tmp_path / "autotune.json"))
+  spec = jax.ShapeDtypeStruct((1, 8), jnp.float32)
+  with jaxstreams.serve(mlp, groups=3) as server:
+    assert server.warmup(spec) == 3         # batches of 1, 2 and 3
+    assert server.mode == "grouped" and server.stats().requests == 0
+  timed = dict(fake_gpu.runs)
+  with jaxstreams.serve(mlp, groups=3) as again:
+    again.warmup(spec)
+    assert again.mode == "grouped"
+    assert "from the cache" in again.stats().mode_reason
+  assert fake_gpu.runs == timed             # nothing timed the second time
+  with jaxstreams.serve(mlp, groups=2) as other:   # another key: measured
+    other.warmup(spec)
+  assert fake_gpu.runs != timed
+
+
+def test_by_platform_does_not_measure_where_grouping_cannot_pay(
+    fake_gpu, monkeypatch):
+  from jaxstreams.serving import _choice
+  x = jnp.ones((1, 8))
   with jaxstreams.serve(mlp, groups=1) as server:
+    server(x)
     assert server.mode == "direct"
     assert "groups=1" in server.stats().mode_reason
+  jaxstreams.config.update("jaxstreams_autotune", False)
+  with jaxstreams.serve(mlp, groups=2) as server:
+    server(x)
+    assert server.mode == "direct"
+    assert "jaxstreams_autotune is off" in server.stats().mode_reason
+  monkeypatch.setattr(_choice, "platform", lambda: "tpu")
+  jaxstreams.config.update("jaxstreams_autotune", True)
+  with jaxstreams.serve(mlp, groups=2) as server:
+    server(x)
+    assert server.mode == "direct" and "tpu" in server.stats().mode_reason
+  assert fake_gpu.runs == {"direct": 0, "grouped": 0}
+  with jaxstreams.serve(mlp, groups=2, mode="grouped") as server:
+    assert server.mode == "grouped"
+    assert server.stats().mode_reason == "mode='grouped' was asked for"
+
+
+def test_by_platform_keeps_direct_where_measuring_fails(fake_gpu):
+  """Batches of 1 and 2 need two programs, and max_programs=1 keeps one:
+  the trial cannot run, the request still gets its result, and the server
+  says why it stays direct."""
+  x = jnp.ones((1, 8))
+  with jaxstreams.serve(mlp, groups=2, max_programs=1) as server:
+    assert_equal_results(server(x), jax.jit(mlp)(x))
+    assert server.mode == "direct"
+    reason = server.stats().mode_reason
+    assert reason.startswith("kept 'direct': measuring grouped failed "
+                             "(ValueError: warming up 1 request signature"), \
+        reason
+    assert_equal_results(server(x * 2), jax.jit(mlp)(x * 2))
+  assert fake_gpu.runs == {"direct": 0, "grouped": 0}
+
+
+def test_by_platform_trial_after_a_failed_first_request(fake_gpu):
+  """A first request that fails is its caller's error; the choice waits for
+  a request that runs."""
+  def f(x):
+    if x.shape == (3,):
+      raise ValueError("no threes")
+    return x * 2.0
+
+  with jaxstreams.serve(f, groups=2) as server:
+    with pytest.raises(ValueError, match="no threes"):
+      server(jnp.ones(3))
+    assert server.mode == "direct" and "deciding" in server.stats().mode_reason
+    assert_equal_results(server(jnp.ones(2)), jnp.ones(2) * 2.0)
+    assert server.mode == "grouped"
+    stats = server.stats()
+  assert (stats.requests, stats.completed, stats.failed) == (2, 1, 1)
 
 
 # ---------------------------------------------------------------------------
@@ -795,4 +929,6 @@ def test_inference_example_runs():
   out = proc.stdout
   assert re.search(r"^groups=1: \d+ requests", out, re.M), out
   assert re.search(r"^groups=4: \d+ requests", out, re.M), out
+  assert re.search(r"^two models, groups=4: 48 requests.*mode grouped.*per "
+                   r"model classifier \d+, second \d+$", out, re.M), out
   assert "results equal to jax.jit: yes" in out, out

@@ -1,8 +1,9 @@
-// jaxstreams.serve's request in direct mode: `jax.jit(f)` called and waited
-// for in the caller's thread, with the server's admission and counts.
+// jaxstreams.serve's request as the caller makes it: admitted, run and counted
+// in the caller's thread. It calls its target (`jax.jit(f)` in direct mode,
+// the batcher in grouped mode) and, where `_wait` is set, waits for the result.
 //
-// A direct-mode server is an instance of this type (a Python subclass that
-// adds the server's methods), so a call of the server is the call below. The
+// A server (or one model's endpoint) is an instance of this type (a Python
+// subclass that adds the server's methods), so a call of it is the call below. The
 // same object is written in Python in jaxstreams/serving/_direct.py (used
 // where this module is not built); that file says what each part is for.
 // This one exists for speed: after each execution the interpreter's code and
@@ -27,7 +28,7 @@ namespace {
 
 struct DirectCall {
   PyObject_HEAD
-  PyObject* jitted;        // jax.jit(f)
+  PyObject* target;        // jax.jit(f), or the batcher's call (settable)
   PyObject* array_type;    // jax.Array's concrete type: one array, one wait
   PyObject* block_tree;    // jax.block_until_ready, for any other output
   PyObject* admit_slowly;  // the server's locked way: refuses, or waits for room
@@ -38,6 +39,7 @@ struct DirectCall {
   Py_ssize_t failed;       // of those, the ones that raised
   Py_ssize_t admit_limit;  // most requests admitted without admit_slowly
   char must_wake;          // call wake when a request ends
+  char wait;               // wait for the target's result (settable)
 };
 
 PyObject* CallNoArgs(PyObject* callable) {
@@ -66,7 +68,7 @@ PyObject* Wake(DirectCall* self, PyObject* out) {
 
 PyObject* DirectCallCall(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<DirectCall*>(obj);
-  if (self->jitted == nullptr) {  // made by __new__ alone
+  if (self->target == nullptr) {  // made by __new__ alone
     PyErr_SetString(PyExc_TypeError, "DirectCall: not initialized");
     return nullptr;
   }
@@ -77,8 +79,15 @@ PyObject* DirectCallCall(PyObject* obj, PyObject* args, PyObject* kwargs) {
     if (admitted == nullptr) return nullptr;  // refused: holds no token
     Py_DECREF(admitted);                      // admitted: holds a token
   }
-  PyObject* out = PyObject_Call(self->jitted, args, kwargs);
-  if (out != nullptr) {
+  // The target and the flag as this request found them: another thread may
+  // replace the target while this call runs inside it (the GIL is released
+  // in jax), so the call holds a reference of its own.
+  PyObject* target = self->target;
+  const char wait = self->wait;
+  Py_INCREF(target);
+  PyObject* out = PyObject_Call(target, args, kwargs);
+  Py_DECREF(target);
+  if (out != nullptr && wait) {
     PyObject* ready =
         Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(self->array_type)
             ? PyObject_CallMethodObjArgs(out, self->block_name, nullptr)
@@ -96,12 +105,12 @@ PyObject* DirectCallCall(PyObject* obj, PyObject* args, PyObject* kwargs) {
 }
 
 int DirectCallInit(PyObject* obj, PyObject* args, PyObject* kwargs) {
-  static const char* keywords[] = {"jitted", "array_type", "block_tree",
+  static const char* keywords[] = {"target", "array_type", "block_tree",
                                    "admit_slowly", "wake", nullptr};
   auto* self = reinterpret_cast<DirectCall*>(obj);
-  PyObject *jitted, *array_type, *block_tree, *admit_slowly, *wake;
+  PyObject *target, *array_type, *block_tree, *admit_slowly, *wake;
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO:DirectCall",
-                                   const_cast<char**>(keywords), &jitted,
+                                   const_cast<char**>(keywords), &target,
                                    &array_type, &block_tree, &admit_slowly,
                                    &wake)) {
     return -1;
@@ -110,14 +119,14 @@ int DirectCallInit(PyObject* obj, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_TypeError, "DirectCall: array_type must be a type");
     return -1;
   }
-  if (self->jitted != nullptr) {  // __init__ again would reset the counts
+  if (self->target != nullptr) {  // __init__ again would reset the counts
     PyErr_SetString(PyExc_TypeError, "DirectCall: already initialized");
     return -1;
   }
   self->block_name = PyUnicode_InternFromString("block_until_ready");
   if (self->block_name == nullptr) return -1;
-  Py_INCREF(jitted);
-  self->jitted = jitted;
+  Py_INCREF(target);
+  self->target = target;
   Py_INCREF(array_type);
   self->array_type = array_type;
   Py_INCREF(block_tree);
@@ -127,13 +136,14 @@ int DirectCallInit(PyObject* obj, PyObject* args, PyObject* kwargs) {
   Py_INCREF(wake);
   self->wake = wake;
   self->admit_limit = PY_SSIZE_T_MAX;
+  self->wait = 1;
   return 0;
 }
 
 int DirectCallTraverse(PyObject* obj, visitproc visit, void* arg) {
   auto* self = reinterpret_cast<DirectCall*>(obj);
   Py_VISIT(Py_TYPE(obj));  // a heap type: its instances hold it
-  Py_VISIT(self->jitted);
+  Py_VISIT(self->target);
   Py_VISIT(self->array_type);
   Py_VISIT(self->block_tree);
   Py_VISIT(self->admit_slowly);
@@ -143,7 +153,7 @@ int DirectCallTraverse(PyObject* obj, visitproc visit, void* arg) {
 
 int DirectCallClear(PyObject* obj) {
   auto* self = reinterpret_cast<DirectCall*>(obj);
-  Py_CLEAR(self->jitted);
+  Py_CLEAR(self->target);
   Py_CLEAR(self->array_type);
   Py_CLEAR(self->block_tree);
   Py_CLEAR(self->admit_slowly);
@@ -203,13 +213,15 @@ PyMemberDef kMembers[] = {
     {"_failed", T_PYSSIZET, offsetof(DirectCall, failed), READONLY, nullptr},
     {"_admit_limit", T_PYSSIZET, offsetof(DirectCall, admit_limit), 0, nullptr},
     {"_must_wake", T_BOOL, offsetof(DirectCall, must_wake), 0, nullptr},
+    {"_wait", T_BOOL, offsetof(DirectCall, wait), 0, nullptr},
+    {"_target", T_OBJECT_EX, offsetof(DirectCall, target), 0, nullptr},
     {nullptr, 0, 0, 0, nullptr},
 };
 
 PyType_Slot kSlots[] = {
     {Py_tp_doc, const_cast<char*>(
-        "DirectCall(jitted, array_type, block_tree, admit_slowly, wake): "
-        "a direct-mode request of jaxstreams.serve (see "
+        "DirectCall(target, array_type, block_tree, admit_slowly, wake): "
+        "a request of jaxstreams.serve (see "
         "jaxstreams/serving/_direct.py).")},
     {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
     {Py_tp_init, reinterpret_cast<void*>(DirectCallInit)},

@@ -334,6 +334,22 @@ def decide(per_round: dict[str, list[float]], *, baseline: str,
                   f"{baseline!r}, won {wins} of {rounds} rounds", trials(medians))
 
 
+def time_interleaved(runs: dict[str, Callable[[], Any]], *, baseline: str,
+                     timer: Callable[[str, Callable[[], Any]], float] | None = None,
+                     rounds: int = ROUNDS) -> Decision:
+  """Time the ways ``runs`` (way -> one call) here and now, a warm-up call
+  each then interleaved ``Rounds``, and decide by the rule (``decide``).
+  For callers that can run every way at once, as serve's trial does; a
+  function's calls are timed one call at a time instead."""
+  clock = timer or time_call
+  warmup = {w: clock(w, run) for w, run in runs.items()}
+  timed = Rounds(warmup, rounds)
+  while (way := timed.next()) is not None:
+    timed.record(way, clock(way, runs[way]))
+  return decide(timed.per_round(), baseline=baseline, trials=lambda medians: tuple(
+      Trial(w, medians.get(w), None) for w in runs))
+
+
 # ---------------------------------------------------------------------------
 # The decisions on disk.
 

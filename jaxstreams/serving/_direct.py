@@ -1,11 +1,16 @@
-"""A request of a direct-mode server: ``jax.jit(f)`` called and waited for
-in the caller's thread, with the server's admission and counts.
+"""A request as the caller makes it: admitted, run and counted in the
+caller's thread. In direct mode it calls ``jax.jit(f)`` and waits for the
+result; in grouped mode it calls the batcher (``_batching``), which returns
+results already waited for.
 
-``DirectCall`` is that request as an object: a direct-mode server is one
-(``_server._make_server``), so that calling the server is the request, with
-no Python frame on the way. The server's core keeps its lock, its
-conditions and its policy and hands this object two callbacks for the rare
-ways:
+``DirectCall`` is that request as an object: a server (or, for several
+models, each model's endpoint) is one (``_server``), so that calling it is
+the request, with no Python frame on the way. ``_target`` is what it calls
+and ``_wait`` whether it waits for the result; both may be changed while
+requests run (the by-platform choice switches a server from direct to
+grouped), and a request uses the ones it read when it started. The
+server's admission (``_admission``) keeps its lock, its conditions and its
+policy and hands this object two callbacks for the rare ways:
 
 * ``admit_slowly()``: a request that finds ``_admit_limit`` requests
   running (the server's ``queue_size``, or -1 once it is closing) goes the
@@ -49,10 +54,11 @@ class PyDirectCall:
   atomic); ``admit_slowly`` runs under the server's lock and takes this one
   inside it, never the other way round."""
 
-  def __init__(self, jitted: Callable, array_type: type,
+  def __init__(self, target: Callable, array_type: type,
                block_tree: Callable, admit_slowly: Callable[[], None],
                wake: Callable[[], None]):
-    self._jitted = jitted
+    self._target = target
+    self._wait = True
     self._array_type = array_type
     self._block_tree = block_tree
     self._admit_slowly = admit_slowly
@@ -84,8 +90,11 @@ class PyDirectCall:
       self._admit_slowly()
     ok = False
     try:
-      out = self._jitted(*args, **kwargs)
-      if type(out) is self._array_type:
+      wait = self._wait
+      out = self._target(*args, **kwargs)
+      if not wait:
+        pass
+      elif type(out) is self._array_type:
         out.block_until_ready()
       else:
         self._block_tree(out)

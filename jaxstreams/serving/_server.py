@@ -1,177 +1,79 @@
-"""``jaxstreams.serve``: a request batcher whose batches run on stream groups.
+"""``jaxstreams.serve``: many threads' requests for one model or several.
 
-Two ways to run a request, chosen by ``mode`` (see ``serve``):
+A request's path, one module each:
 
-* *direct*: the caller's own thread calls ``jax.jit(f)``, exactly what a
-  plain thread would do: no hand-off, no batching program. The request is
-  a ``DirectCall`` object (_direct.py; in C where it was built) that
-  counts it and admits it without a lock.
-  ``mode="by_platform"`` picks it, from the platform and ``groups`` alone
-  (nothing is measured), where stream groups cannot pay: a platform that
-  runs one stream (XLA:CPU), ``groups=1``, and every GPU measured so far (an
-  H100 with jax 0.11.2, where grouped requests lost at every thread count).
-  Being no slower than doing without comes first: a batch of requests on
-  XLA:CPU runs them one after another anyway, after two thread hand-offs
-  they did not need.
-* *grouped*: the request path below.
+1. ``_admission``: may it enter (``queue_size``, ``block``, closing)?
+2. ``_direct``: the request object a caller calls (C, or its Python twin);
+   in *direct* mode it runs ``jax.jit(f)`` and that is the whole path.
+3. ``_batching`` (grouped mode): callers form batches of up to ``groups``
+   requests and dispatch them themselves.
+4. ``_program``: a batch is one execution of a program in which each
+   request is a region on a stream of its own: side by side on a GPU.
+5. ``_completion``: each request waits for its own outputs, and is rerun
+   alone where its batch failed.
 
-How a grouped request travels, and why each step is there:
-
-1. ``submit`` puts it on a bounded queue (back-pressure: a full queue blocks
-   the caller or raises ``QueueFullError``) and returns a ``Future``.
-2. The *dispatch* thread takes up to ``groups`` queued requests. It never
-   waits while nothing is running (an idle device should not idle longer);
-   while a batch is running it waits up to ``max_batch_wait_ms`` for more,
-   so that under load requests arrive together and share an execution.
-   (A synchronous call that finds nothing running or queued skips the
-   queue and runs in the caller's thread: two thread hand-offs would cost a
-   lone small request more than its execution.)
-3. Each request's *signature* (pytree structure, and shape, dtype and weak
-   type of each leaf) is traced once: ``f`` becomes a jaxpr. A Python
-   exception raised by ``f`` here reaches that request's caller and nobody
-   else: the request leaves the batch before the batch is built.
-4. The batch runs as one call of a ``jaxstreams.jit`` program made for its
-   combination of signatures (an LRU cache of ``max_programs`` programs).
-   Batch slot ``r`` runs on stream group ``r``, which is compute stream
-   ``r + 1`` of a ``streams=groups + 1`` program: every request is an
-   annotated region of its own (k requests, k distinct stream annotations),
-   and stream 0, the main stream, only passes results through.
-5. The *completion* thread waits for the batch's results and hands each
-   caller its own. If the batched execution fails (compile or run time),
-   the requests of that batch are run again one by one, so that each caller
-   gets its own result or its own error.
-
-Each request's whole computation is one opaque equation (the
-``jaxstreams_serve_request`` primitive) placed in its group's
-``jaxstreams.stream`` block. That is what *flattens* any ``stream()`` blocks
-inside ``f``: the planner sees one equation per request, so the request runs
-whole on its group's stream, whatever ids ``f`` names (they are not even
-range-checked against ``groups``). Keeping them would need streams per
-group, which XLA:GPU does not have: a group is one compute stream.
+``_choice`` decides between direct and grouped (``mode="by_platform"``);
+this module puts the parts together behind the public ``Server``.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import functools
 import itertools
 import numbers
-import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
-import jax.extend.core as jcore
 from jax import tree_util
-from jax.interpreters import mlir
 
 from jaxstreams import _checks, _compat, _workers
+from jaxstreams._jit import spec_of
 from jaxstreams.runtime import _loader
-from jaxstreams.serving import _direct
-from jaxstreams._jit import jit as _streams_jit, spec_of
-from jaxstreams._signature import signature as _leaf_signatures, traced_signature
-from jaxstreams._trace import trace
-from jaxstreams.partition.cut import part_jaxpr
-from jaxstreams.tag import stream as _stream
+from jaxstreams.serving import _choice, _direct
+from jaxstreams.serving._admission import (Admission, QueueFullError,
+                                           ServerClosedError)
+from jaxstreams.serving._batching import Batcher
+from jaxstreams.serving._completion import Completion
+from jaxstreams.serving._program import Programs
 
-__all__ = ["QueueFullError", "ServeStats", "Server", "ServerClosedError",
-           "serve"]
+__all__ = ["ModelStats", "QueueFullError", "ServeStats", "Server",
+           "ServerClosedError", "serve"]
 
-
-class ServerClosedError(RuntimeError):
-  """A request was submitted to a server that is closed or closing."""
-
-
-class QueueFullError(queue.Full):
-  """The request queue is full and the server was made with ``block=False``
-  (or the ``block`` timeout ran out). A ``queue.Full``, so code that already
-  catches that keeps working."""
+MODES = _choice.MODES
+THREAD_PREFIX = "jaxstreams-serve"
+_server_ids = itertools.count(1)
+_ARRAY_TYPE = _compat.ARRAY_TYPE
 
 
-# ---------------------------------------------------------------------------
-# One request's computation as one equation.
-
-class _Traced:
-  """``f`` traced for one request signature. Identity-hashed, so that it can
-  be a primitive parameter, and opaque to the planner: the jaxpr sits in an
-  attribute, where ``jaxprs_in_params`` does not look, so tags inside ``f``
-  are invisible and the request is placed whole."""
-
-  __slots__ = ("closed", "consts", "out_tree", "__weakref__")
-
-  def __init__(self, closed, out_tree):
-    # The constants f closes over (model weights, typically) become leading
-    # operands rather than constants baked into each request's code: the k
-    # requests of a batch then share one copy of them instead of k.
-    jaxpr = closed.jaxpr
-    self.closed = part_jaxpr([*jaxpr.constvars, *jaxpr.invars], jaxpr.outvars,
-                             jaxpr.eqns)
-    self.consts = list(closed.consts)
-    self.out_tree = out_tree
-
-  def __repr__(self) -> str:
-    return f"<served request: {len(self.closed.jaxpr.eqns)} equations>"
-
-
-_request_p = jcore.Primitive("jaxstreams_serve_request")
-_request_p.multiple_results = True
-
-
-@_request_p.def_impl
-def _request_impl(*args, traced: _Traced):
-  return jcore.jaxpr_as_fun(traced.closed)(*args)
-
-
-@_request_p.def_effectful_abstract_eval
-def _request_abstract_eval(*avals, traced: _Traced):
-  del avals
-  return traced.closed.out_avals, traced.closed.effects
-
-
-def _request_lowering(ctx, *args, traced: _Traced):
-  # Inline: the program XLA gets for a request is the one jax.jit(f) gives,
-  # inside the request's region call, so results are jax.jit's.
-  return mlir.lower_fun(jcore.jaxpr_as_fun(traced.closed),
-                        multiple_results=True)(ctx, *args)
-
-
-mlir.register_lowering(_request_p, _request_lowering)
-
-
-def _signature(request) -> tuple:
-  """What decides the traced program: the pytree structure and each leaf's
-  shape, dtype, weak type and sharding (``jaxstreams._signature``). Raises TypeError
-  for a leaf jax.jit would refuse."""
-  leaves, treedef = tree_util.tree_flatten(request)
-  return treedef, _leaf_signatures(leaves)
-
-
-# ---------------------------------------------------------------------------
-# Requests, stats, the LRU.
-
-@dataclasses.dataclass
-class _Request:
-  payload: tuple                          # (args, kwargs)
-  future: concurrent.futures.Future
-  signature: tuple | None = None
+@dataclasses.dataclass(frozen=True)
+class ModelStats:
+  """One model's counts: requests admitted, completed, failed (its own
+  error) and cancelled (a future cancelled before its batch was built)."""
+  requests: int
+  completed: int
+  failed: int
+  cancelled: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeStats:
   """Counters of a server, for tests and monitoring (not timings).
 
-  ``signatures_traced``: times ``f`` was traced (once per request signature
-  while cached). ``programs_traced``: batched programs traced (once per
-  combination of signatures while cached). ``batch_sizes``: requests per
-  execution -> number of executions. ``fallbacks``: batches rerun one by
-  one after a failed execution. ``mode``: how requests run, ``"direct"``
-  (each in its caller's thread as ``jax.jit(f)``) or ``"grouped"``;
-  ``mode_reason`` says why. ``direct``: requests run as plain ``jax.jit(f)``
-  calls in their caller's thread (in direct mode; 0 in grouped mode).
+  ``requests``, ``completed``, ``failed``, ``cancelled``: over every model;
+  ``models``: the same per model name. ``direct``: requests run as plain
+  ``jax.jit`` calls in their caller's thread. ``batches``, ``batch_sizes``
+  (requests per execution -> executions): grouped executions.
+  ``signatures_traced``: times a model was traced (once per request
+  signature while cached). ``programs_traced``: batch programs traced (once
+  per combination of request signatures while cached). ``fallbacks``:
+  batches rerun request by request after their execution failed. ``mode``:
+  ``"direct"`` or ``"grouped"``; ``mode_reason`` says why (with the
+  measurements, where they decided).
   """
   requests: int
   completed: int
@@ -186,463 +88,8 @@ class ServeStats:
   mode: str = "grouped"
   mode_reason: str = ""
   direct: int = 0
-
-
-class _LRU:
-  def __init__(self, bound: int):
-    self.bound = bound
-    self.items: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-    self.evictions = 0
-
-  def get(self, key):
-    value = self.items.get(key)
-    if value is not None:
-      self.items.move_to_end(key)
-    return value
-
-  def put(self, key, value) -> None:
-    self.items[key] = value
-    self.items.move_to_end(key)
-    while len(self.items) > self.bound:
-      self.items.popitem(last=False)
-      self.evictions += 1
-
-
-# ---------------------------------------------------------------------------
-# Direct or grouped.
-
-MODES = ("by_platform", "direct", "grouped")
-
-
-def _platform() -> str:
-  """The platform requests run on (a function, so tests can pretend)."""
-  return jax.default_backend()
-
-
-def _resolve_mode(mode: str, groups: int) -> tuple[str, str]:
-  """``(mode, why)``: ``"direct"`` where stream groups cannot pay, which so
-  far is everywhere it was measured."""
-  if mode != "by_platform":
-    return mode, f"mode={mode!r} was asked for"
-  platform = _platform()
-  if platform == "cpu":
-    return "direct", ("XLA:CPU runs one stream: grouped requests would run "
-                      "one after another anyway, after two thread hand-offs")
-  if groups == 1:
-    return "direct", "groups=1: no two requests can run side by side"
-  return "direct", (f"on {platform} grouped requests measured slower than "
-                    "threads calling jax.jit (an H100, jax 0.11.2: 0.36x-0.53x "
-                    "of their throughput at 4 to 64 threads); "
-                    "mode='grouped' runs them grouped")
-
-
-# ---------------------------------------------------------------------------
-# The server's state, shared by the server object and its threads.
-
-_MAX_IN_FLIGHT = 2      # batches dispatched and not yet handed back
-_server_ids = itertools.count(1)
-THREAD_PREFIX = "jaxstreams-serve"
-
-
-class _Core:
-  """Everything the worker threads need. The threads hold this, never the
-  ``Server``, so dropping the last ``Server`` reference lets it be collected,
-  and its finalizer closes this core and the threads end."""
-
-  def __init__(self, fun: Callable, groups: int, wait_s: float,
-               queue_size: int | None, block: bool | float,
-               max_programs: int, name: str, mode: str = "grouped"):
-    self.fun = fun
-    self.mode, self.mode_reason = _resolve_mode(mode, groups)
-    self.jitted = jax.jit(fun)
-    self.groups = groups
-    self.wait_s = wait_s
-    self.queue_size = queue_size
-    self.block = block
-    self.name = name
-    self.lock = threading.Lock()
-    self.work = threading.Condition(self.lock)     # queue grew / batch done
-    self.space = threading.Condition(self.lock)    # queue shrank / closing
-    self.pending: collections.deque[_Request] = collections.deque()
-    self.in_flight = 0           # grouped: batches (and lone requests) running
-    self.space_waiters = 0       # callers blocked in _wait_for_space
-    # Direct mode: a request admitted at once takes no lock; the DirectCall
-    # object (_direct.py) counts it. The lock only on the way of a refusal,
-    # a wait for room, or a close.
-    self.limit = _direct.MAX_SSIZE if queue_size is None else queue_size
-    self.direct = self.mode == "direct"
-    # Direct mode's server object, a DirectCall (set by _make_server). Its
-    # _admit_limit: the most requests admitted without the lock (-1 once
-    # closing, so that every request takes the locked way and is refused
-    # there); its _must_wake: whether a request that ends must wake a
-    # caller waiting for room or a close() waiting for the running ones.
-    self.direct_call = None
-    self.closing = False
-    self.workers = _workers.Workers(name)
-    self.done: queue.SimpleQueue = queue.SimpleQueue()
-    # Caches, guarded by their own lock (tracing happens under it).
-    self.cache_lock = threading.RLock()
-    self.traced = _LRU(max_programs * groups)
-    self.programs = _LRU(max_programs)
-    self.counts = collections.Counter()
-    self.batch_sizes: collections.Counter[int] = collections.Counter()
-
-  # -- submission ------------------------------------------------------------
-
-  def submit(self, payload: tuple) -> concurrent.futures.Future:
-    if self.mode == "direct":
-      return self._submit_direct(payload)
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    with self.lock:
-      self._check_open()
-      if self.queue_size is not None and len(self.pending) >= self.queue_size:
-        self._wait_for_space(lambda: len(self.pending) >= self.queue_size)
-      self.pending.append(_Request(payload, future))
-      self.counts["requests"] += 1
-      if not self.workers.threads:
-        self.workers.start("dispatch", self._dispatch_loop)
-        self.workers.start("complete", self._complete_loop)
-      self.work.notify_all()
-    return future
-
-  def _check_open(self) -> None:
-    if self.closing:
-      raise ServerClosedError(
-          f"{self.name} is closed: it finishes the requests it had queued and "
-          "takes no new ones. Make a new server with jaxstreams.serve(...).")
-
-  def _wait_for_space(self, full: Callable[[], bool]) -> None:
-    """Back-pressure (called holding the lock while ``full()``): wait for
-    room as ``block`` says, or raise QueueFullError."""
-    if self.block is False:
-      raise QueueFullError(
-          f"{self.name}: {self._full_what('is')} and the server was made "
-          "with block=False. Retry later, or make it with a larger "
-          "queue_size or block=True.")
-    deadline = None if self.block is True else time.monotonic() + self.block
-    self.space_waiters += 1
-    self._set_must_wake(True)
-    try:
-      while full() and not self.closing:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-          raise QueueFullError(
-              f"{self.name}: {self._full_what('stayed')} for "
-              f"block={self.block} seconds.")
-        self.space.wait(remaining)
-    finally:
-      self.space_waiters -= 1
-      self._set_must_wake(self.space_waiters > 0 or self.closing)
-    self._check_open()
-
-  def _set_must_wake(self, value: bool) -> None:
-    if self.direct_call is not None:
-      self.direct_call._must_wake = value
-
-  def _full_what(self, verb: str) -> str:
-    """What is full, truthfully per mode: in direct mode no request waits in
-    a queue, the callers' own threads run them, ``queue_size`` at most."""
-    if self.mode == "direct":
-      requests = "request" if self.queue_size == 1 else "requests"
-      return (f"the server {verb} at its limit of {self.queue_size} {requests} "
-              "running at once (direct mode: queue_size bounds the requests "
-              "in flight in their callers' threads)")
-    return (f"the request queue {verb} full ({self.queue_size} requests "
-            "waiting)")
-
-  # -- direct mode: the caller's thread runs jax.jit(f) --------------------
-  # A call is the server object, a DirectCall (see _direct.py); these are
-  # its slow ways and submit().
-
-  def _admit_slowly(self) -> None:
-    """A direct request that found the server closing or full: refuse it,
-    or wait for room as ``block`` says; on return it holds its token."""
-    with self.lock:
-      self._check_open()
-      taken = self.direct_call._take(self.limit)
-      if taken:
-        return
-
-      def full() -> bool:
-        nonlocal taken
-        taken = self.direct_call._take(self.limit)
-        return not taken
-
-      try:
-        self._wait_for_space(full)
-      except BaseException:
-        if taken:               # room came, and so did a close
-          self.direct_call._release()
-        raise
-
-  def _wake(self) -> None:
-    """A direct request ended while callers wait for room or close() waits
-    for the running ones."""
-    with self.lock:
-      self.space.notify_all()
-      self.work.notify_all()
-
-  def _submit_direct(self, payload: tuple) -> concurrent.futures.Future:
-    # Dispatched in the caller's thread as jax.jit would be; the future is
-    # settled on return and holds jax.jit's (asynchronously computed)
-    # result or the caller's own error.
-    args, kwargs = payload
-    direct = self.direct_call
-    if not direct._take(direct._admit_limit):
-      self._admit_slowly()
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    ok = False
-    try:
-      future.set_result(self.jitted(*args, **kwargs))
-      ok = True
-    except Exception as e:  # noqa: BLE001 -- this caller's own error
-      future.set_exception(e)
-    finally:
-      direct._finish(ok)
-      if direct._must_wake:
-        self._wake()
-    return future
-
-  # -- closing ---------------------------------------------------------------
-
-  def close(self, join: bool, timeout: float | None) -> bool:
-    with self.lock:
-      self.closing = True
-      if self.direct_call is not None:
-        self.direct_call._admit_limit = -1
-      self._set_must_wake(True)
-      self.work.notify_all()
-      self.space.notify_all()
-    if not join:
-      return True
-    deadline = None if timeout is None else time.monotonic() + timeout
-    if self.mode == "direct":
-      with self.lock:   # drain: wait for the requests running in callers
-        while self.direct_call._running:
-          remaining = None if deadline is None else deadline - time.monotonic()
-          if remaining is not None and remaining <= 0:
-            return False
-          self.work.wait(remaining)
-      return True
-    return self.workers.join(timeout)
-
-  # -- the dispatch thread ---------------------------------------------------
-
-  def _take_batch(self) -> list[_Request] | None:
-    with self.lock:
-      while not self.pending and not self.closing:
-        self.work.wait()
-      if not self.pending:
-        return None                                   # closing and drained
-      deadline = time.monotonic() + self.wait_s
-      while True:
-        now = time.monotonic()
-        can_run = self.in_flight < _MAX_IN_FLIGHT
-        if can_run and (len(self.pending) >= self.groups or self.closing
-                        or self.in_flight == 0 or now >= deadline):
-          break
-        self.work.wait(deadline - now if can_run and now < deadline else 0.05)
-      batch = [self.pending.popleft()
-               for _ in range(min(self.groups, len(self.pending)))]
-      self.in_flight += 1
-      self.space.notify_all()
-    return [r for r in batch if r.future.set_running_or_notify_cancel()]
-
-  def _dispatch_loop(self) -> None:
-    while True:
-      batch = self._take_batch()
-      if batch is None:
-        self.done.put(None)
-        return
-      try:
-        self.done.put(self._dispatch(batch))
-      except BaseException as e:  # a bug of ours: fail the batch, keep serving
-        for request in batch:
-          if not request.future.done():
-            self._fail(request, e)
-        self.done.put(([], None))
-
-  def call_grouped(self, *args, **kwargs):
-    """A synchronous request. When nothing is running or queued, the caller's
-    own thread runs it (a batch of one), skipping two thread hand-offs that
-    would cost a lone request more than its execution; otherwise it queues
-    and joins the next batch like any other."""
-    payload = (args, kwargs)
-    with self.lock:
-      inline = (not self.closing and not self.pending
-                and self.in_flight == 0)
-      if inline:
-        self.in_flight += 1
-        self.counts["requests"] += 1
-    if not inline:
-      return self.submit(payload).result()
-    request = _Request(payload, concurrent.futures.Future())
-    request.future.set_running_or_notify_cancel()
-    try:
-      runnable, outputs = self._dispatch([request])
-      if runnable:
-        self._settle(runnable, outputs)
-    finally:
-      with self.lock:
-        self.in_flight -= 1
-        self.work.notify_all()
-    return request.future.result()
-
-  def _dispatch(self, batch: list[_Request]) -> tuple[list[_Request], Any]:
-    """Trace what is new, and start one execution for the batch. Returns
-    the requests in the execution and its outputs (or its exception)."""
-    runnable = []
-    for request in batch:
-      try:
-        request.signature = _signature(request.payload)
-        self.traced_for(request.signature)   # f's own trace errors: here
-      except BaseException as e:  # noqa: BLE001 -- this caller's error, even a
-        # KeyboardInterrupt raised by f: it must not fail the rest of the batch
-        self._fail(request, e)
-        continue
-      runnable.append(request)
-    if not runnable:
-      return [], None
-    try:
-      fn = self.program_for(tuple(r.signature for r in runnable))
-      outputs = fn(*(r.payload for r in runnable))
-    except Exception as e:  # noqa: BLE001 -- settled per request later
-      outputs = e
-    return runnable, outputs
-
-  # -- the completion thread -------------------------------------------------
-
-  def _complete_loop(self) -> None:
-    while True:
-      item = self.done.get()
-      if item is None:
-        return
-      batch, outputs = item
-      try:
-        if batch:
-          self._settle(batch, outputs)
-      finally:
-        with self.lock:
-          self.in_flight -= 1
-          self.work.notify_all()
-
-  def _settle(self, batch: list[_Request], outputs) -> None:
-    if not isinstance(outputs, Exception):
-      try:
-        jax.block_until_ready(outputs)
-      except Exception as e:  # noqa: BLE001
-        outputs = e
-    with self.lock:                 # one lock for the batch's counts
-      self.counts["batches"] += 1
-      self.batch_sizes[len(batch)] += 1
-      if not isinstance(outputs, Exception):
-        self.counts["completed"] += len(batch)
-    if not isinstance(outputs, Exception):
-      for request, output in zip(batch, outputs):
-        request.future.set_result(output)
-      return
-    if len(batch) == 1:
-      self._fail(batch[0], outputs)
-      return
-    # One request (or the combination) broke the execution: rerun each alone
-    # so that each caller gets its own result or its own error.
-    with self.lock:
-      self.counts["fallbacks"] += 1
-    for request in batch:
-      try:
-        (output,) = self.program_for((request.signature,))(request.payload)
-        jax.block_until_ready(output)
-      except Exception as e:  # noqa: BLE001
-        self._fail(request, e)
-      else:
-        self._succeed(request, output)
-
-  def _succeed(self, request: _Request, output) -> None:
-    with self.lock:
-      self.counts["completed"] += 1
-    request.future.set_result(output)
-
-  def _fail(self, request: _Request, error: BaseException) -> None:
-    with self.lock:
-      self.counts["failed"] += 1
-    request.future.set_exception(error)
-
-  # -- programs --------------------------------------------------------------
-
-  def traced_for(self, signature: tuple) -> _Traced:
-    """``f`` traced for one request signature (cached)."""
-    with self.cache_lock:
-      traced = self.traced.get(signature)
-      if traced is not None:
-        return traced
-      treedef, avals = signature
-      args, kwargs = tree_util.tree_unflatten(
-          treedef, [leaf.struct() for leaf in avals])
-      self.counts["signatures_traced"] += 1
-      closed, _, out_tree = trace(self.fun, args, kwargs)
-      traced = _Traced(closed, out_tree)
-      self.traced.put(signature, traced)
-      return traced
-
-  def batch_function(self, counted: bool = False):
-    """A fresh ``jaxstreams.jit`` function of ``*requests`` (each an
-    ``(args, kwargs)`` pair) that runs request ``r`` on stream group ``r``.
-    Fresh, so that evicting it from the LRU frees what jax.jit keeps for it."""
-    core_ref = weakref.ref(self)
-    groups = self.groups
-
-    def run_batch(*requests):
-      core = core_ref()
-      if len(requests) > groups:
-        raise ValueError(f"a batch holds at most groups={groups} requests, "
-                         f"got {len(requests)}")
-      if counted:
-        with core.cache_lock:
-          core.counts["programs_traced"] += 1
-      results = []
-      for slot, request in enumerate(requests):
-        leaves, _ = tree_util.tree_flatten(request)
-        traced = core.traced_for(_signature_of_traced(request))
-        with _stream(slot + 1):
-          out = _request_p.bind(*traced.consts, *leaves, traced=traced)
-        results.append(tree_util.tree_unflatten(traced.out_tree, out))
-      return tuple(results)
-
-    run_batch.__name__ = run_batch.__qualname__ = f"serve_{_name(self.fun)}"
-    # The groups are regions: they run the way jaxstreams_gpu_lowering says,
-    # side by side in XLA's CUDA graph by default (jaxstreams.lower.gpu).
-    return _streams_jit(run_batch, streams=groups + 1)
-
-  def program_for(self, key: tuple):
-    with self.cache_lock:
-      fn = self.programs.get(key)
-      if fn is None:
-        fn = self.batch_function(counted=True)
-        self.programs.put(key, fn)
-      return fn
-
-  def stats(self) -> ServeStats:
-    with self.lock, self.cache_lock:
-      c = self.counts
-      d = self.direct_call
-      finished, failed, running = ((d._finished, d._failed, d._running)
-                                   if d is not None else (0, 0, 0))
-      direct = finished + running                # direct mode's requests
-      return ServeStats(
-          requests=c["requests"] + direct,
-          completed=c["completed"] + finished - failed,
-          failed=c["failed"] + failed,
-          batches=c["batches"], batch_sizes=dict(sorted(self.batch_sizes.items())),
-          signatures_traced=c["signatures_traced"],
-          programs_traced=c["programs_traced"],
-          programs_cached=len(self.programs.items),
-          program_evictions=self.programs.evictions,
-          fallbacks=c["fallbacks"], mode=self.mode,
-          mode_reason=self.mode_reason,
-          direct=direct)
-
-
-_ARRAY_TYPE = _compat.ARRAY_TYPE
+  cancelled: int = 0
+  models: dict[str, ModelStats] = dataclasses.field(default_factory=dict)
 
 
 @functools.cache
@@ -652,50 +99,276 @@ def _direct_call_type() -> type:
   return _direct.native(_loader.search_dirs()) or _direct.PyDirectCall
 
 
-def _signature_of_traced(request) -> tuple:
-  """``_signature`` of a request whose leaves are tracers of the batch trace
-  (their avals are the concrete requests' avals)."""
-  leaves, treedef = tree_util.tree_flatten(request)
-  return treedef, traced_signature(leaves)
+# ---------------------------------------------------------------------------
+# The parts put together.
+
+class _Core:
+  """Everything a server's requests share. Its helper threads hold the
+  batcher and completion, never this core nor a server, so dropping the last
+  server reference lets it be collected; its finalizer closes this core."""
+
+  def __init__(self, models: list[tuple[str, Callable]], groups: int,
+               wait_s: float, queue_size: int | None, block: bool | float,
+               max_programs: int, name: str, mode: str):
+    self.models = models
+    self.names = [model_name for model_name, _ in models]
+    self.jitted = [jax.jit(fun) for _, fun in models]
+    self.groups = groups
+    self.name = name
+    limit = _direct.MAX_SSIZE if queue_size is None else queue_size
+    self.admission = Admission(name, queue_size, block, limit)
+    self.workers = _workers.Workers(name)
+    self.programs = Programs(models, groups, max_programs)
+    self.batcher = Batcher(self.programs, self.jitted, groups, wait_s,
+                           self.workers)
+    self.completion = Completion(self.batcher, self.programs,
+                                 self.admission.wake)
+    self.batcher.completion = self.completion
+    start = _choice.start(mode, groups)
+    self.mode, self.mode_reason = start.mode, start.reason
+    self.deciding = start.measure       # a trial is due (by_platform, GPU)
+    self.decide_lock = threading.Lock()
+    self.warmed: list[tuple[int, tuple]] = []   # (model, payload) examples
+    self.admission.grouped = self.mode == "grouped"
+
+  @property
+  def block(self):
+    return self.admission.block
+
+  @property
+  def closing(self) -> bool:
+    return self.admission.closing
+
+  def add_endpoint(self, model: int, cls: type):
+    target, wait = self._target(model)
+    admit = _AdmitSlowly(self.admission)
+    endpoint = cls(target, _ARRAY_TYPE, jax.block_until_ready, admit,
+                   self.admission.wake)
+    endpoint._wait = wait
+    admit.endpoint = weakref.proxy(endpoint)
+    endpoint._admit_limit = self.admission.limit
+    endpoint._core = self
+    endpoint._model = model
+    self.admission.add(endpoint)
+    return endpoint
+
+  def _target(self, model: int) -> tuple[Callable, bool]:
+    """What an endpoint calls in the current mode, and whether it waits."""
+    if self.deciding:
+      return functools.partial(self.deciding_call, model), False
+    if self.mode == "grouped":
+      return functools.partial(self.batcher.call, model), False
+    return self.jitted[model], True
+
+  def _retarget(self) -> None:
+    self.admission.grouped = self.mode == "grouped"
+    for endpoint in self.admission.live():
+      # A request that starts during the switch may pair the old target
+      # with the new flag: results are right either way (a direct result
+      # is then returned before it is computed, as jax.jit returns it).
+      target, wait = self._target(endpoint._model)
+      endpoint._target = target
+      endpoint._wait = wait
+
+  # -- the by-platform choice ------------------------------------------------
+
+  def deciding_call(self, model: int, *args, **kwargs):
+    """A request while the by-platform choice is due: it runs direct. The
+    first to get its result makes the choice on its signature before it
+    returns (as ``jaxstreams.jit``'s first call times its ways); the others
+    go on direct meanwhile."""
+    output = jax.block_until_ready(self.jitted[model](*args, **kwargs))
+    if self.decide_lock.acquire(blocking=False):
+      try:
+        if self.deciding:
+          self._decide([(model, (args, kwargs))])
+      finally:
+        self.decide_lock.release()
+    return output
+
+  def _decide(self, examples) -> None:
+    """Holding ``decide_lock``: measure, then switch the endpoints."""
+    try:
+      with self.batcher.uncounted():
+        decision = _choice.decide(self.programs, self.jitted,
+                                  self.batcher.call, examples, self.groups)
+    except Exception as e:  # noqa: BLE001 -- the requests go on, direct
+      self.mode = "direct"
+      self.mode_reason = (f"kept 'direct': measuring grouped failed "
+                          f"({type(e).__name__}: {e})")
+    else:
+      self.mode = decision.way
+      self.mode_reason = _choice.describe(decision, self.groups)
+    self.deciding = False
+    self._retarget()
+
+  def warmup(self, examples: list[tuple[int, tuple]]) -> int:
+    """Compile what ``examples`` (``(model, (args, kwargs))``) need and,
+    where the choice is due, make it now. Returns the batch programs
+    compiled."""
+    examples = [(model, _materialize(payload)) for model, payload in examples]
+    for model, (args, kwargs) in examples:
+      jax.block_until_ready(self.jitted[model](*args, **kwargs))
+    with self.decide_lock:
+      before = self.programs.stats()["programs_traced"]
+      self.warmed.extend(examples)
+      if self.deciding:
+        self._decide(examples)
+      if self.mode == "grouped":
+        self.programs.warm([self.programs.key(model, payload)
+                            for model, payload in self.warmed])
+      return self.programs.stats()["programs_traced"] - before
+
+  # -- submit ----------------------------------------------------------------
+
+  def submit(self, endpoint, model: int, args: tuple,
+             kwargs: dict) -> concurrent.futures.Future:
+    if not endpoint._take(endpoint._admit_limit):
+      self.admission.admit_slowly(endpoint)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    if self.mode == "grouped" and not self.deciding:
+      try:
+        self.batcher.submit(model, (args, kwargs), future, endpoint)
+      except BaseException:
+        endpoint._release()
+        raise
+      return future
+    # Direct: dispatched in the caller's thread as jax.jit would be; the
+    # future is settled on return and holds jax.jit's (asynchronously
+    # computed) result or the caller's own error.
+    ok = False
+    try:
+      future.set_result(self.jitted[model](*args, **kwargs))
+      ok = True
+    except Exception as e:  # noqa: BLE001 -- this caller's own error
+      future.set_exception(e)
+    finally:
+      endpoint._finish(ok)
+      if endpoint._must_wake:
+        self.admission.wake()
+    return future
+
+  # -- closing and stats -----------------------------------------------------
+
+  def close(self, join: bool, timeout: float | None) -> bool:
+    """Refuse new requests and let partial batches go at once; with
+    ``join``, wait up to ``timeout`` seconds for the admitted requests and
+    the helper threads to end."""
+    deadline = None if timeout is None else _now() + timeout
+    self.admission.close()
+    self.batcher.close()
+    if not join:
+      return True
+    left = lambda: None if deadline is None else max(0.0, deadline - _now())
+    return self.admission.drain(left()) and self.workers.join(left())
+
+  def stats(self) -> ServeStats:
+    batching = self.batcher.stats()
+    programs = self.programs.stats()
+    per_model = {}
+    for endpoint in self.admission.live():
+      finished, failed, running = (endpoint._finished, endpoint._failed,
+                                   endpoint._running)
+      cancelled = batching["cancelled"].get(endpoint._model, 0)
+      per_model[self.names[endpoint._model]] = ModelStats(
+          requests=finished + running + cancelled,
+          completed=finished - failed, failed=failed, cancelled=cancelled)
+    total = lambda field: sum(getattr(s, field) for s in per_model.values())
+    return ServeStats(
+        requests=total("requests"), completed=total("completed"),
+        failed=total("failed"), batches=batching["batches"],
+        batch_sizes=batching["batch_sizes"],
+        signatures_traced=programs["signatures_traced"],
+        programs_traced=programs["programs_traced"],
+        programs_cached=programs["programs_cached"],
+        program_evictions=programs["program_evictions"],
+        fallbacks=self.completion.fallbacks, mode=self.mode,
+        mode_reason=self.mode_reason,
+        direct=total("requests") - batching["requests"],
+        cancelled=total("cancelled"), models=per_model)
 
 
-def _name(fun) -> str:
-  return getattr(fun, "__name__", None) or type(fun).__name__
+class _AdmitSlowly:
+  """An endpoint's way into the admission's locked path. The endpoint is
+  passed as a weak proxy: admission is reachable from helper threads, which
+  must not keep a server alive."""
+
+  __slots__ = ("admission", "endpoint")
+
+  def __init__(self, admission: Admission):
+    self.admission = admission
+    self.endpoint = None
+
+  def __call__(self) -> None:
+    self.admission.admit_slowly(self.endpoint)
+
+
+def _now() -> float:
+  return time.monotonic()
+
+
+def _materialize(payload: tuple) -> tuple:
+  """An ``(args, kwargs)`` request with each ``jax.ShapeDtypeStruct`` leaf
+  replaced by zeros of its shape, dtype and sharding."""
+  def leaf(x):
+    if not isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    zeros = jax.numpy.zeros(x.shape, x.dtype)
+    sharding = getattr(x, "sharding", None)
+    return zeros if sharding is None else jax.device_put(zeros, sharding)
+  return tree_util.tree_map(leaf, payload)
 
 
 # ---------------------------------------------------------------------------
-# The public object.
+# The public objects.
 
-class Server:
-  """A thread-safe callable serving ``f``; made by ``jaxstreams.serve``.
-
-  ``server(*args, **kwargs)`` waits for and returns ``f(*args, **kwargs)``,
-  run with whatever requests arrive with it (in grouped mode; with none
-  running or queued, it runs at once in the calling thread);
-  ``server.submit(...)`` returns a ``concurrent.futures.Future`` instead.
-  Use it as a context manager, or call ``close()``: the queued requests are
-  finished, new ones raise ``ServerClosedError``, and the worker threads
-  end. The threads also end when the server is garbage-collected.
-
-  No ``__call__`` here, and no Python frame on the way of a request: a
-  direct-mode server is also a ``DirectCall`` (_direct.py), whose call is
-  the request; a grouped one is a ``functools.partial`` of
-  ``call_grouped`` (see ``_make_server``).
-  """
+class _Endpoint:
+  """One model of a server, as callers call it: ``endpoint(*args,
+  **kwargs)`` returns the model's result, ``submit`` a future. Every
+  instance is also a ``DirectCall`` (_direct.py), whose call is the request:
+  no Python frame between a caller and ``jax.jit`` in direct mode."""
 
   def submit(self, *args, **kwargs) -> concurrent.futures.Future:
-    """Queue ``f(*args, **kwargs)``; the future holds its result or error.
+    """Queue a request; the future holds its result or its own error.
 
     Raises ``ServerClosedError`` once the server is closing, and
-    ``QueueFullError`` when the queue is full and the server does not block.
+    ``QueueFullError`` when the model has ``queue_size`` requests in the
+    server and the server does not block.
     """
-    return self._core.submit((args, kwargs))
+    return self._core.submit(self, self._model, args, kwargs)
+
+  def warmup(self, *args, **kwargs) -> int:
+    """Compile ahead what requests of this signature run: ``jax.jit`` of
+    the model and, in grouped mode, every batch program of up to ``groups``
+    requests of the signatures warmed so far (all models). Arguments may be
+    arrays or ``jax.ShapeDtypeStruct`` (run on zeros: each program runs
+    once). With ``mode="by_platform"`` on a GPU, the first warmup makes the
+    choice between direct and grouped. Returns the batch programs compiled;
+    ``ValueError`` where they would not fit in ``max_programs``."""
+    return self._core.warmup([(self._model, (args, kwargs))])
+
+  @property
+  def model_name(self) -> str:
+    return self._core.names[self._model]
+
+
+class Server:
+  """A thread-safe server made by ``jaxstreams.serve``.
+
+  Serving one function, the server is callable: ``server(*args, **kwargs)``
+  waits for and returns ``f(*args, **kwargs)``, and ``server.submit(...)``
+  returns a ``concurrent.futures.Future``. Serving a dict of functions,
+  ``server[name]`` is that model's endpoint, with the same call and
+  ``submit``. Use it as a context manager, or call ``close()``: admitted
+  requests are finished, new ones raise ``ServerClosedError``, and the
+  helper threads end. They also end when the server is garbage-collected.
+  """
 
   def close(self, timeout: float | None = None) -> bool:
-    """Refuse new requests, finish the queued ones, and stop the threads.
+    """Refuse new requests, finish the admitted ones, and stop the threads.
 
     Waits up to ``timeout`` seconds (``None``: until done) and returns
-    whether the threads have ended. Calling it again is harmless.
+    whether everything has ended. Calling it again is harmless.
     """
     return self._core.close(True, timeout)
 
@@ -714,21 +387,36 @@ class Server:
     return self._core.mode
 
   @property
+  def models(self) -> tuple[str, ...]:
+    """The names of the models served."""
+    return tuple(self._core.names)
+
+  @property
   def queued(self) -> int:
-    """Requests waiting for the dispatcher (not those already running)."""
-    return len(self._core.pending)
+    """Grouped requests waiting for a batch (not those already running)."""
+    return len(self._core.batcher.pending)
 
   def stats(self) -> ServeStats:
-    """Counters: requests, batches and their sizes, traces, evictions."""
+    """Counters: requests (in all and per model), batches and their sizes,
+    traces, evictions, the mode and why."""
     return self._core.stats()
 
-  def batch_function(self):
-    """The ``jaxstreams.jit`` function one execution runs, for inspection:
-    it takes up to ``groups`` requests, each an ``(args, kwargs)`` pair, and
-    has ``.plan``, ``.trace`` and ``.lower`` (e.g.
-    ``fn.trace(*reqs).lower(lowering_platforms=("cuda",)).as_text()`` shows
-    one annotated call per request)."""
-    return self._core.batch_function()
+  def batch_function(self, models=None):
+    """The ``jaxstreams.jit`` function one grouped execution runs, for
+    inspection: it takes up to ``groups`` requests, each an ``(args,
+    kwargs)`` pair, request ``r`` for model ``models[r]`` (a sequence of
+    model names; None: the first model for every request), and has
+    ``.plan``, ``.trace`` and ``.lower`` (``fn.trace(*reqs).lower(
+    lowering_platforms=("cuda",))`` given to ``jaxstreams.xla_graphs`` shows
+    the requests as parallel branches of the GPU's graph)."""
+    if models is None:
+      return self._core.programs.batch_function()
+    names = self._core.names
+    if isinstance(models, str) or not all(m in names for m in models):
+      raise ValueError(f"batch_function: models must be a sequence of model "
+                       f"names from {tuple(names)}, got {models!r}")
+    return self._core.programs.batch_function(
+        tuple(names.index(m) for m in models))
 
   def __enter__(self) -> "Server":
     return self
@@ -741,98 +429,137 @@ class Server:
                     "threads and locks; make another with jaxstreams.serve")
 
   def __repr__(self) -> str:
+    core = self._core
     state = "closed" if self.closed else "open"
-    return (f"<jaxstreams.serve {_name(self._core.fun)}: groups="
-            f"{self._core.groups}, mode={self._core.mode}, {state}>")
+    reason = core.mode_reason
+    return (f"<jaxstreams.serve {', '.join(core.names)}: groups="
+            f"{core.groups}, mode={core.mode} ({reason}), {state}>")
 
 
-class _GroupedServer(Server, functools.partial):
-  __slots__ = ()
+class _MultiServer(Server):
+  """A server of several models: ``server[name]`` is one model's endpoint."""
+
+  def __getitem__(self, name: str):
+    endpoints = self._endpoints
+    if name not in endpoints:
+      raise KeyError(f"{self._core.name} serves the models "
+                     f"{tuple(endpoints)}, not {name!r}")
+    return endpoints[name]
+
+  def __call__(self, *args, **kwargs):
+    raise TypeError(f"a server of several models ({', '.join(self.models)}) "
+                    "is not called itself: call one model's endpoint, "
+                    f"server[{self.models[0]!r}](...)")
+
+  def submit(self, *args, **kwargs):
+    raise TypeError(f"a server of several models ({', '.join(self.models)}) "
+                    "takes requests at each model's endpoint: "
+                    f"server[{self.models[0]!r}].submit(...)")
+
+  def warmup(self, examples: Mapping[str, tuple]) -> int:
+    """``warmup`` for several models at once: ``examples`` maps model names
+    to a tuple of positional arguments each (``server[name].warmup`` takes
+    keywords too). With ``mode="by_platform"`` on a GPU the choice is made
+    on all of them together. Returns the batch programs compiled."""
+    if not isinstance(examples, Mapping) or not all(
+        name in self._endpoints and isinstance(args, tuple)
+        for name, args in examples.items()):
+      raise TypeError(f"warmup takes a dict of model name -> tuple of "
+                      f"arguments, names from {self.models}; got {examples!r}")
+    names = self._core.names
+    return self._core.warmup([(names.index(name), (args, {}))
+                              for name, args in examples.items()])
 
 
 @functools.cache
-def _direct_server_type(direct_call: type) -> type:
-  return type("_DirectServer", (Server, direct_call),
-              {"__module__": __name__, "__slots__": ()})
-
-
-def _make_server(core: _Core) -> Server:
-  """The server object. In direct mode it is the DirectCall itself (a
-  request is one C call, see _direct.py); it and the core refer to each
-  other, and with no thread to stop it needs no finalizer. A grouped
-  server's finalizer closes its core, whose threads then end."""
-  if core.direct:
-    self = _direct_server_type(_direct_call_type())(
-        core.jitted, _ARRAY_TYPE, jax.block_until_ready, core._admit_slowly,
-        core._wake)
-    self._admit_limit = core.limit
-    core.direct_call = self
-  else:
-    self = _GroupedServer(_Core.call_grouped, core)
-    weakref.finalize(self, core.close, False, None)
-  self._core = core
-  functools.update_wrapper(self, core.fun, updated=())
-  return self
+def _endpoint_type(direct_call: type, server: bool) -> type:
+  bases = (Server, _Endpoint, direct_call) if server else (_Endpoint, direct_call)
+  return type("_Server" if server else "_ModelEndpoint", bases,
+              {"__module__": __name__})
 
 
 def _unwrap(fun: Callable) -> Callable:
   """A ``jaxstreams.jit`` function is served as its Python function: its
-  stream blocks are flattened into the request's group like any others, and
-  its annotated calls must not nest inside the request's region call."""
+  stream blocks are flattened into the request's region like any others,
+  and its annotated calls must not nest inside the request's region."""
   spec = spec_of(fun)
   return fun if spec is None else spec.array_function("jaxstreams.serve")
 
 
-def serve(fun: Callable | None = None, *, groups: int = 4,
-          max_batch_wait_ms: float = 1.0, queue_size: int | None = 1024,
-          block: bool | float = True, max_programs: int = 64,
-          mode: str = "by_platform"):
-  """Serve ``fun`` to many threads, running concurrent requests on streams.
+def _models_of(fun) -> list[tuple[str, Callable]]:
+  if isinstance(fun, Mapping):
+    if not fun:
+      raise ValueError("jaxstreams.serve: the dict of models is empty; give "
+                       "it name -> function pairs")
+    models = []
+    for name, model in fun.items():
+      if not isinstance(name, str):
+        raise TypeError(f"jaxstreams.serve: model names must be strings, got "
+                        f"{name!r} of type {type(name).__name__}")
+      if not callable(model):
+        raise TypeError(f"jaxstreams.serve: model {name!r} must be a "
+                        f"callable, got {model!r} of type "
+                        f"{type(model).__name__}")
+      models.append((name, _unwrap(model)))
+    return models
+  if not callable(fun):
+    raise TypeError(f"jaxstreams.serve expects a callable or a dict of name "
+                    f"-> callable, got {fun!r} of type {type(fun).__name__}")
+  return [(_name(fun), _unwrap(fun))]
 
-  Usable as ``jaxstreams.serve(f, groups=4)`` or ``@jaxstreams.serve(...)``.
 
-  Requests that arrive together (at most ``groups``) run in one execution
-  in which request ``r`` of the batch runs on stream group ``r`` (compute
-  stream ``r + 1`` of a ``jaxstreams.jit(streams=groups + 1)`` program; the
-  main stream only passes results through). Each caller gets exactly what
-  ``jax.jit(fun)(*args, **kwargs)`` gives (bitwise on CPU), or its own
-  exception.
+def _name(fun) -> str:
+  return getattr(fun, "__name__", None) or type(fun).__name__
+
+
+def serve(fun: Callable | Mapping[str, Callable] | None = None, *,
+          groups: int = 4, max_batch_wait_ms: float = 1.0,
+          queue_size: int | None = 1024, block: bool | float = True,
+          max_programs: int = 64, mode: str = "by_platform"):
+  """Serve ``fun`` (or a dict of name -> function) to many threads.
+
+  Usable as ``jaxstreams.serve(f)``, ``jaxstreams.serve({"a": f, "b": g})``
+  or ``@jaxstreams.serve(...)``. Each caller gets exactly what
+  ``jax.jit(f)(*args, **kwargs)`` gives (bitwise on CPU), or its own
+  exception. Requests run one of two ways (``server.mode``):
+
+  * ``"direct"``: each request is ``jax.jit(f)`` in its caller's thread,
+    as a plain thread would run it. Nothing queues: ``queue_size`` bounds
+    the requests running at once, and ``submit`` runs the request in the
+    caller's thread and returns a settled future.
+  * ``"grouped"``: requests that arrive together (at most ``groups``, of
+    any models and shapes) run as one execution in which each request is a
+    region on a stream of its own: on a GPU, parallel branches of the
+    program's CUDA graph. One program is compiled per combination of
+    request signatures (models, shapes, dtypes), at most ``max_programs``
+    kept; ``warmup`` compiles them ahead.
 
   Arguments:
-    groups: stream groups, and so the most requests in one execution.
-    max_batch_wait_ms: how long the dispatcher may wait for more requests
-      while an execution is running. With nothing running it never waits:
-      a lone request starts at once.
-    queue_size: requests that may wait (``None``: unbounded).
-    block: what ``submit`` / a call does on a full queue: ``True`` waits for
-      room, ``False`` raises ``QueueFullError``, a number waits that many
-      seconds and then raises it.
-    max_programs: compiled batch programs kept (one per combination of
-      request signatures, least recently used dropped first); up to
-      ``max_programs * groups`` traced request signatures are kept too.
-    mode: ``"by_platform"`` (the default) chooses from the platform and
-      ``groups``, without measuring: it runs each request in its caller's
-      thread as ``jax.jit(fun)`` where stream groups cannot pay: XLA:CPU,
-      which runs one stream, ``groups=1``, and so far every GPU measured (an
-      H100 with jax 0.11.2: grouped requests reached 0.36x-0.53x of the
-      throughput of threads calling ``jax.jit``). ``"direct"`` and
-      ``"grouped"`` force one way. In direct mode nothing queues:
-      ``queue_size`` bounds the requests running at once, ``submit``
-      dispatches in the caller's thread and returns a settled future, and
-      ``close()`` waits for running requests. ``server.mode`` and
-      ``stats().mode_reason`` say what was chosen and why.
+    groups: the most requests in one grouped execution.
+    max_batch_wait_ms: how long a grouped batch may wait for more requests
+      while an execution is running. With nothing running it never waits.
+    queue_size: requests of one model that may be in the server at once
+      (``None``: unbounded).
+    block: what a call or ``submit`` does when ``queue_size`` is reached:
+      ``True`` waits for room, ``False`` raises ``QueueFullError``, a number
+      waits that many seconds and then raises it.
+    max_programs: grouped batch programs kept (least recently used dropped
+      first); up to ``max_programs * groups`` traced request signatures too.
+    mode: ``"by_platform"`` (the default) runs direct on XLA:CPU and every
+      platform without several streams, and with ``groups=1``; on a GPU it
+      measures both ways at the first request (or ``warmup``) and keeps
+      grouped only where it measured faster (``jaxstreams.serving._choice``).
+      ``"direct"`` and ``"grouped"`` force one way. ``stats().mode_reason``
+      and the repr say what was chosen and why.
 
-  ``stream()`` blocks inside ``fun`` are flattened: a request runs whole on
-  its group's stream, whatever ids ``fun`` names. A ``jaxstreams.jit``
-  function is served as its Python function. Work with side effects
-  (``jax.debug.print``, ordered callbacks) runs on the main stream, as in
-  ``jaxstreams.jit``.
-
-  Exceptions: a Python exception raised by ``fun`` while it is traced for a
-  request's shapes goes to that caller only; if a batched execution fails,
-  its requests are rerun one by one so each caller gets its own result or
-  error. Worker threads start with the first request and end on ``close()``,
-  on leaving a ``with`` block, or when the server is garbage-collected.
+  ``stream()`` blocks inside a model are flattened: a request runs whole on
+  its region's stream. A ``jaxstreams.jit`` function is served as its Python
+  function. Exceptions: a Python exception raised by a model while traced
+  for a request goes to that caller only; a batch whose execution fails is
+  rerun request by request, so each caller gets its own result or error.
+  Helper threads (grouped ``submit`` only) start with the first ``submit``
+  and end on ``close()``, on leaving a ``with`` block, or when the server is
+  garbage-collected.
   """
   groups = _checks.integer(groups, name="groups", context="jaxstreams.serve",
                            minimum=1)
@@ -863,10 +590,21 @@ def serve(fun: Callable | None = None, *, groups: int = 4,
                            max_batch_wait_ms=max_batch_wait_ms,
                            queue_size=queue_size, block=block,
                            max_programs=max_programs, mode=mode)
-  if not callable(fun):
-    raise TypeError(f"jaxstreams.serve expects a callable, got {fun!r} of "
-                    f"type {type(fun).__name__}")
+  models = _models_of(fun)
   name = f"{THREAD_PREFIX}-{next(_server_ids)}"
-  core = _Core(_unwrap(fun), groups, max_batch_wait_ms / 1000.0, queue_size,
-               block, max_programs, name, mode)
-  return _make_server(core)
+  core = _Core(models, groups, max_batch_wait_ms / 1000.0, queue_size, block,
+               max_programs, name, mode)
+  if isinstance(fun, Mapping):
+    server = _MultiServer()
+    server._core = core
+    kind = _endpoint_type(_direct_call_type(), False)
+    server._endpoints = {}
+    for model, (model_name, _) in enumerate(models):
+      endpoint = core.add_endpoint(model, kind)
+      endpoint._server = server          # an endpoint keeps its server alive
+      server._endpoints[model_name] = endpoint
+  else:
+    server = core.add_endpoint(0, _endpoint_type(_direct_call_type(), True))
+    functools.update_wrapper(server, fun, updated=())
+  weakref.finalize(server, core.close, False, None)
+  return server
