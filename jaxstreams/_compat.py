@@ -813,7 +813,10 @@ def quiet_cuda_plugin_without_gpu() -> bool:
     return False
   if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/nvidiactl"):
     return False
-  if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+  try:
+    if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+      return False
+  except ModuleNotFoundError:   # no jax_plugins package at all
     return False
   from jax._src import xla_bridge
   if xla_bridge._backends:   # too late: a backend is running

@@ -186,3 +186,25 @@ def test_the_view_s_plugin_leaves_a_cpu_program_quiet():
                           env={**env, "JAX_PLATFORMS": "cpu,cuda"},
                           capture_output=True, text=True, timeout=120)
   assert chosen.stdout.split()[-1] == "cpu,cuda"   # the user's choice stands
+
+
+def test_jaxstreams_imports_where_no_plugin_is_installed():
+  """No jax_plugins package at all (no CUDA plugin): importing jaxstreams
+  leaves the platforms alone."""
+  import os
+  import subprocess
+  import sys
+  code = "\n".join([
+      "import importlib.abc, sys",
+      "class Hidden(importlib.abc.MetaPathFinder):",
+      "  def find_spec(self, name, path=None, target=None):",
+      "    if name == 'jax_plugins' or name.startswith('jax_plugins.'):",
+      "      raise ModuleNotFoundError(name)",
+      "sys.meta_path.insert(0, Hidden())",
+      "import jax, jaxstreams",
+      "print(jax.config.jax_platforms)"])
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  run = subprocess.run([sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert run.stdout.split() == ["None"]
