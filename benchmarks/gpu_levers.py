@@ -6,16 +6,24 @@ each model's program compiled every way, timed in interleaved rounds:
 * ``jax.jit`` with XLA's defaults (the reference), with XLA's CONCURRENT
   command-buffer scheduling, and with command buffers off (no CUDA graphs);
 * ``jaxstreams.jit`` forced to each way (``gpu_lowering=``: ``inline``,
-  ``concurrent``, ``streams``, ``streams_concurrent``);
+  ``concurrent``, ``loops``, ``loops_concurrent``, ``streams``,
+  ``streams_concurrent``);
 * ``jaxstreams.jit`` as it runs by default: its first calls on a GPU time
   the candidates and keep the fastest (the decision, the first call's time
   and the calls it took are recorded; the autotune cache is off for the
   run, so it really times).
 
-Models: K independent chains of small matmuls (the case streams exist for),
-the suite's Inception-style, DLRM-style (training) and MLP-bank models at one
-size each, the demo's two-tower training step, and a negative control (one
-chain, nothing to overlap). Method: every program compiled ahead of time; a
+Models (``--models suite``, the default): K independent chains of small
+matmuls (the case streams exist for), the suite's Inception-style,
+DLRM-style (training) and MLP-bank models at one size each, the demo's
+two-tower training step, and a negative control (one chain, nothing to
+overlap). ``--models loops``: towers of loops, which XLA runs outside its
+CUDA graphs (a CLIP-style dual encoder of two 12-layer scanned transformer
+towers, forward and training step; a bank of GRUs in ``lax.scan``; an
+ensemble of RK4 solves in ``fori_loop``) and the Inception-style model
+(convolutions); each tower workload also as PyTorch on the same weights,
+on one stream and with a ``torch.cuda.Stream`` per tower
+(``workloads/torch_towers.py``; where PyTorch sees a GPU). Method: every program compiled ahead of time; a
 sample is ``calls`` calls each ended by ``block_until_ready``; ``--rounds``
 rounds in alternating order; reported: each program's median ms and the
 paired ratio jax.jit (defaults) / program (above 1: faster).
@@ -24,11 +32,13 @@ Overlap evidence (``--trace``): each program run under ``jax.profiler``; from
 the trace, the share of GPU kernel time during which another kernel ran too
 (0 where everything ran in sequence).
 
-  python benchmarks/gpu_levers.py [--rounds 15] [--trace] [--quick] [--out DIR]
+  python benchmarks/gpu_levers.py [--models suite|loops|NAMES] [--rounds 15]
+                                 [--trace] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import json
@@ -44,7 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 "..", "examples"))
 import _common  # noqa: E402
-from workloads import common, control, dlrm, inception, mlp_bank  # noqa: E402
+from workloads import (common, control, dlrm, dual_encoder, gru_bank,  # noqa: E402
+                       inception, mlp_bank, ode_ensemble, torch_towers)
 
 import jaxstreams  # noqa: E402
 from jaxstreams.lower import gpu  # noqa: E402
@@ -103,8 +114,31 @@ MODELS = [
     ("control", control_model, dict(placement="one stream", n=512, batch=512,
                                     depth=8)),
 ]
+# Towers of loops (XLA runs a loop outside its CUDA graphs) and the
+# Inception-style model (convolutions, outside its graphs by default), each
+# against PyTorch with a CUDA stream per tower where it is installed:
+# --models loops.
+LOOP_MODELS = [
+    ("dual_encoder", dual_encoder.model, dict(
+        batch=32, width=512, heads=8, layers=12, patches=50, tokens=32,
+        mode="forward")),
+    ("dual_encoder_train", dual_encoder.model, dict(
+        batch=32, width=512, heads=8, layers=12, patches=50, tokens=32,
+        mode="train")),
+    ("gru_bank", gru_bank.model, dict(models=4, batch=16, inputs=64,
+                                      hidden=256, steps=64, mode="forward")),
+    ("ode_ensemble", ode_ensemble.model, dict(members=4, batch=64, dim=32,
+                                              width=256, steps=50)),
+    ("inception", inception.model, dict(batch=8, hw=17, channels=64, blocks=4)),
+]
 QUICK_SIZES = {"chains": dict(chains=2, depth=2, n=16, batch=4),
-               "demo": dict(towers=2, width=16, depth=1, batch=4)}
+               "demo": dict(towers=2, width=16, depth=1, batch=4),
+               "dual_encoder": dual_encoder.sizes(quick=True)[0],
+               "gru_bank": dict(gru_bank.sizes(quick=True)[0], mode="forward"),
+               "ode_ensemble": ode_ensemble.sizes(quick=True)[0]}
+# The PyTorch model of each tower workload (torch_towers.NAMES).
+_TORCH = {"dual_encoder": "dual_encoder", "dual_encoder_train": "dual_encoder",
+          "gru_bank": "gru_bank", "ode_ensemble": "ode_ensemble"}
 
 
 def compile_ways(make_fn, args):
@@ -138,13 +172,57 @@ def compile_ways(make_fn, args):
   return ways, chosen
 
 
-def sampler(compiled, args, calls):
+def sampler(run, calls, wait=jax.block_until_ready):
+  """A sample: ``calls`` calls of ``run`` (no arguments), each waited for
+  with ``wait``; milliseconds per call."""
   def sample():
     start = time.perf_counter()
     for _ in range(calls):
-      jax.block_until_ready(compiled(*args))
+      wait(run())
     return (time.perf_counter() - start) / calls * 1e3
   return sample
+
+
+def torch_ways(name: str, size: dict, args) -> dict:
+  """The PyTorch anchors of a tower workload on the GPU (one stream, a
+  stream per tower): name -> a step of no arguments; none where PyTorch or
+  its CUDA is missing (and why, in the second result)."""
+  if name not in _TORCH:
+    return {}, None
+  problem = torch_towers.problem("cuda")
+  if problem is not None:
+    return {}, problem
+  return {f"pytorch, {label}": torch_towers.build(
+      _TORCH[name], size, args, device="cuda", streams=streams)
+      for label, streams in (("one stream", False),
+                             ("a stream per tower", True))}, None
+
+
+def _torch_wait(out):
+  import torch
+  del out
+  torch.cuda.synchronize()
+
+
+def torch_overlap(step, calls: int) -> dict:
+  """Kernel overlap of a PyTorch step from torch.profiler's trace."""
+  import torch
+  with tempfile.TemporaryDirectory() as folder:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+      for _ in range(calls):
+        step()
+      torch.cuda.synchronize()
+    path = os.path.join(folder, "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+      trace = json.load(f)
+  for event in trace.get("traceEvents", ()):   # kernels into one "GPU" pid
+    if event.get("cat") == "kernel":
+      event["pid"] = "gpu"
+  trace["traceEvents"].append({"ph": "M", "name": "process_name", "pid": "gpu",
+                               "args": {"name": "gpu"}})
+  return kernel_overlap(trace)
 
 
 def kernel_overlap(trace: dict) -> dict:
@@ -192,14 +270,27 @@ def main():
   p.add_argument("--target-ms", type=float, default=20.0)
   p.add_argument("--trace", action="store_true",
                  help="profile each program and report kernel overlap")
+  p.add_argument("--models", default="suite",
+                 help="'suite' (the six models), 'loops' (towers of loops and "
+                 "the Inception-style model, with PyTorch anchors), or names "
+                 "joined by commas")
   args_ = p.parse_args()
   if jax.default_backend() != "gpu" and not args_.quick:
     raise SystemExit("gpu_levers.py measures XLA:GPU options: it needs a GPU "
                      "(--quick runs it anywhere, to check that it works)")
   # Time the candidates at every default function's first call.
   jaxstreams.config.update("jaxstreams_autotune_cache", "none")
-  models = ([(n, m, QUICK_SIZES[n]) for n, m, _ in MODELS if n in QUICK_SIZES]
-            if args_.quick else MODELS)
+  every = {n: (n, m, size) for n, m, size in MODELS + LOOP_MODELS}
+  chosen_names = ([n for n, _, _ in MODELS] if args_.models == "suite" else
+                  [n for n, _, _ in LOOP_MODELS] if args_.models == "loops" else
+                  args_.models.split(","))
+  unknown = [n for n in chosen_names if n not in every]
+  if unknown:
+    raise SystemExit(f"gpu_levers.py: unknown model(s) {unknown}; known: "
+                     f"{', '.join(every)}")
+  models = [every[n] for n in chosen_names]
+  if args_.quick:
+    models = [(n, m, QUICK_SIZES[n]) for n, m, _ in models if n in QUICK_SIZES]
   rounds = 3 if args_.quick else args_.rounds
   result = {"machine": _common.machine(), "rounds": rounds, "cases": []}
   lines = [f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
@@ -216,10 +307,17 @@ def main():
     calls = max(1, min(500, int(args_.target_ms / max(once_ms, 1e-3))))
     for compiled in ways.values():
       jax.block_until_ready(compiled(*args))
-    samples = _common.rounds(
-        {w: sampler(c, args, calls) for w, c in ways.items()}, rounds)
+    anchors, no_torch = torch_ways(name, size, args)
+    for step in anchors.values():
+      _torch_wait(step())
+    runs = {w: sampler(functools.partial(c, *args), calls)
+            for w, c in ways.items()}
+    runs.update({w: sampler(step, calls, _torch_wait)
+                 for w, step in anchors.items()})
+    samples = _common.rounds(runs, rounds)
     case = {"model": name, "size": size, "calls_per_sample": calls,
-            "default_chose": chosen, "ways": {}}
+            "default_chose": chosen, "ways": {},
+            "pytorch": no_torch or "timed"}
     lines.append(f"\n{name} {size}\n  default chose {chosen['way']!r} "
                  f"(first call {chosen['first_call_s']:.2f} s, decided after "
                  f"{chosen['calls_to_decide']} calls, {chosen['decided_s']:.2f} s): "
@@ -239,11 +337,25 @@ def main():
                  else f"  trace: {entry['overlap'].get('error')}")
       case["ways"][way] = entry
       lines.append(line)
+    for way, step in anchors.items():
+      ms = sorted(samples[way])[len(samples[way]) // 2]
+      ratio = _common.paired(samples["jax.jit"], samples[way])
+      entry = {"median_ms": ms, "ratio_vs_jax_jit": ratio,
+               "samples_ms": samples[way]}
+      line = f"  {way:32s} {ms:8.3f} ms  {ratio:6.3f}x"
+      if args_.trace:
+        entry["overlap"] = torch_overlap(step, min(calls, 20))
+        line += f"  kernels overlapped {entry['overlap']['overlapped_share']:5.1%}"
+      case["ways"][way] = entry
+      lines.append(line)
+    if no_torch is not None:
+      lines.append(f"  (PyTorch anchors not run: {no_torch})")
     result["cases"].append(case)
   text = "\n".join(lines) + "\n"
   print(text)
   suffix = "_quick" if args_.quick else ""
-  path = _common.save(args_.out, f"gpu_levers_{jax.default_backend()}_jax"
+  which = "" if args_.models == "suite" else "_" + args_.models.replace(",", "+")
+  path = _common.save(args_.out, f"gpu_levers{which}_{jax.default_backend()}_jax"
                       f"{jax.__version__}{suffix}", result, text)
   print("saved", path)
 

@@ -6,8 +6,8 @@
 #   bash scripts/gpu_session.sh                 # every step, in order
 #   bash scripts/gpu_session.sh build tests     # only the steps named
 #
-# Steps: info probe build gputests tests sanitizer suite levers serve
-#        overhead firstcall sweep sweeplong prefetch demo
+# Steps: info probe build gputests tests sanitizer suite levers towers loops
+#        fixtures serve overhead firstcall sweep sweeplong prefetch demo
 #
 # One call runs at most 10 minutes and a session may get as little as 15
 # in all, machine starts included, so a session runs them in parts. On an
@@ -18,6 +18,18 @@
 # now 2 rounds, 6 under 1 ms).
 # (levers: every GPU way of the suite's programs, the default's own choice
 # and kernel overlap from a profiler trace: benchmarks/gpu_levers.py).
+# (towers: the dual encoder of two scanned transformer towers, forward and
+# training step; loops: the GRU bank, the ODE ensemble and the
+# Inception-style model; both benchmarks/gpu_levers.py --models ..., with
+# PyTorch on the same weights, one stream and a stream per tower, and kernel
+# overlap from traces, TOWERS_ROUNDS / LOOPS_ROUNDS rounds, default 5; not
+# yet run on a GPU).
+# (fixtures: XLA's command-buffer log and thunk dump of the tests' programs
+# compiled on this GPU, into $LOGS/fixtures/jax<version>; copy them to
+# benchmarks/results/gpu/fixtures, where tests/test_gpu_fixtures.py checks
+# the deviceless view against them on every CI run.)
+# (With PYTHON set to another interpreter, every step runs on its jax: jax
+# 0.12 travels to the GPU machine as wheel parts, scripts/gpu_wheels.sh.)
 # (overhead: the per-call cost only; firstcall: jaxstreams.jit's first call
 # against jax.jit's and the calls and seconds until it chose its way, for
 # FIRSTCALL_MODELS, default the suite's six models ("suite,demo,transformer"
@@ -103,7 +115,8 @@ step_build() {
 
 export GPU_TEST_FILES="tests/test_gpu_core.py tests/test_runtime_gpu.py
   tests/test_gpu_compile.py tests/test_xla_schedule.py tests/test_gpu_graphs.py
-  tests/test_xla_graph.py tests/test_autotune.py tests/test_gpu_lowering.py"
+  tests/test_xla_graph.py tests/test_autotune.py tests/test_gpu_lowering.py
+  tests/test_loops.py"
 
 step_gputests() {  # the GPU tests on their own, one process, full tracebacks
   JAXSTREAMS_REQUIRE_GPU=1 "$py" -X faulthandler -m pytest -p no:cacheprovider \
@@ -128,7 +141,7 @@ step_sanitizer() {
 
 export py
 export -f step_info step_probe step_build step_gputests step_tests step_sanitizer
-all_steps=(info probe build gputests tests sanitizer suite levers serve overhead firstcall sweep sweeplong prefetch demo)
+all_steps=(info probe build gputests tests sanitizer suite levers towers loops fixtures serve overhead firstcall sweep sweeplong prefetch demo)
 steps=("$@")
 [ ${#steps[@]} = 0 ] && steps=("${all_steps[@]}")
 for s in "${steps[@]}"; do
@@ -143,6 +156,14 @@ for s in "${steps[@]}"; do
     suite)     run_step suite 300 "$py" benchmarks/suite.py --out "$logs" ;;
     levers)    run_step levers 420 "$py" benchmarks/gpu_levers.py --trace \
                  --rounds "${LEVERS_ROUNDS:-9}" --out "$logs" ;;
+    towers)    run_step towers 540 "$py" benchmarks/gpu_levers.py --trace \
+                 --models dual_encoder,dual_encoder_train \
+                 --rounds "${TOWERS_ROUNDS:-5}" --out "$logs" ;;
+    loops)     run_step loops 540 "$py" benchmarks/gpu_levers.py --trace \
+                 --models gru_bank,ode_ensemble,inception \
+                 --rounds "${LOOPS_ROUNDS:-5}" --out "$logs" ;;
+    fixtures)  run_step fixtures 300 "$py" benchmarks/xla_fixtures.py \
+                 --out "$logs/fixtures" ;;
     serve)     run_step serve 480 "$py" benchmarks/serve.py --quiet --trace \
                  --rounds "${SERVE_ROUNDS:-4}" --out "$logs" ;;
     overhead)  run_step overhead 120 "$py" benchmarks/jit_overhead.py --part per_call \

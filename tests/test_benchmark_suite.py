@@ -14,7 +14,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SUITE = ROOT / "benchmarks" / "suite.py"
-WORKLOADS = {"inception", "dlrm", "mlp_bank", "staging", "control"}
+WORKLOADS = {"inception", "dlrm", "mlp_bank", "dual_encoder", "gru_bank",
+             "ode_ensemble", "staging", "control"}
 STANDARD = ("jax.jit", "XLA CONCURRENT", "compute_on")
 
 

@@ -4,6 +4,8 @@ Each module has ``NAME``, ``sizes(quick)`` (a list of size dicts) and
 ``build(size, streams, key)`` returning a ``common.Case``.
 """
 
-from . import control, dlrm, inception, mlp_bank, staging
+from . import (control, dlrm, dual_encoder, gru_bank, inception, mlp_bank,
+               ode_ensemble, staging)
 
-WORKLOADS = [inception, dlrm, mlp_bank, staging, control]
+WORKLOADS = [inception, dlrm, mlp_bank, dual_encoder, gru_bank, ode_ensemble,
+             staging, control]

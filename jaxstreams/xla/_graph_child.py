@@ -5,8 +5,9 @@ XLA reads its logging settings (``TF_CPP_VMODULE``) once, when the process
 first logs, so the log that lists each CUDA graph's commands and edges can
 only be turned on in a process started with it; the parent starts this
 module so, hands it the program on stdin as JSON (``module``: StableHLO
-text, ``compiler_options``, ``target_name``, ``target_config``,
-``devices``: the node's GPUs, one per partition) and reads
+text, ``compiler_options``, ``target_name`` (``local``: this machine's own
+GPUs), ``target_config``, ``devices``: the node's GPUs, one per partition)
+and reads
 XLA's log from its stderr. On stdout, as one JSON line: the compiled HLO
 text and XLA's dumps of the program's thunk sequence (which command is
 which HLO instruction) and buffer assignment (which buffers each reads and
@@ -25,9 +26,13 @@ def main() -> None:
   request = json.loads(sys.stdin.read())
   from jaxstreams import _compat
   from jaxstreams.xla import target
-  gpu = target.target_from_config(request["target_name"],
-                                  request["target_config"],
-                                  request.get("devices", 1))
+  if request["target_name"] == "local":   # this machine's own GPUs
+    import jax
+    devices = jax.devices("cuda")[:request.get("devices", 1)]
+  else:
+    devices = list(target.target_from_config(
+        request["target_name"], request["target_config"],
+        request.get("devices", 1)).mesh.devices.flat)
   try:   # register the runtime's FFI targets, for programs that call them
     from jaxstreams.runtime import _loader
     _loader.load()
@@ -35,8 +40,8 @@ def main() -> None:
     pass
   with tempfile.TemporaryDirectory(prefix="jaxstreams-graph-") as dump:
     options = dict(request["compiler_options"], xla_dump_to=dump)
-    executable = _compat.compile_module_text(
-        request["module"], gpu.mesh.devices.flat, options)
+    executable = _compat.compile_module_text(request["module"], devices,
+                                             options)
     files = {}
     # The thunk sequence as it runs: XLA dumps it after its thunk passes
     # where those changed it (they make the command buffers), else as

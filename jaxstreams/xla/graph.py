@@ -353,24 +353,42 @@ def _regions_text(regions) -> str:
 def xla_graphs(lowered: Any, *, target: Any = "h100",
                compiler_options: dict | None = None, plan=None,
                timeout: float = 600) -> XlaGraphs:
-  """The CUDA graphs XLA:GPU builds for ``lowered``, compiled for a GPU in a
-  child process: no GPU needed, and none of this process's devices used.
-  The CUDA plugin must be installed at jaxlib's version (as for
-  ``gpu_target``).
+  """What XLA:GPU launches for ``lowered`` (its CUDA graphs, and everything
+  else in order), compiled in a child process: no GPU needed, and none of
+  this process's devices used. The CUDA plugin must be installed at
+  jaxlib's version (as for ``gpu_target``).
 
   ``lowered`` is a program lowered for CUDA: ``f.trace(*args).lower(
   lowering_platforms=("cuda",))`` on any machine, or ``f.lower(*args)`` of
   arguments on a GPU or on ``gpu_target(...).abstract``. It is compiled with
   the compiler options its own ``compile()`` would use, plus
   ``compiler_options``. ``target``: "h100" (default), "h200", the path of a
-  GpuTargetConfigProto text file, or a ``GpuTarget``. With the function's
-  ``plan``, ``compare()`` checks the plan's pairs of regions. A program
-  partitioned over several devices is compiled for a node of that many
-  GPUs; the graphs are one device's.
+  GpuTargetConfigProto text file, a ``GpuTarget``, or "local": this
+  machine's own GPU (XLA autotunes there, as the program's own compile
+  does). With the function's ``plan``, ``compare()`` checks the plan's
+  pairs of regions. A program partitioned over several devices is compiled
+  for a node of that many GPUs; the graphs are one device's.
   """
+  texts = capture(lowered, target=target, compiler_options=compiler_options,
+                  timeout=timeout)
+  return read_graphs(**texts, plan=plan)
+
+
+def capture(lowered: Any, *, target: Any = "h100",
+            compiler_options: dict | None = None,
+            timeout: float = 600) -> dict[str, str | None]:
+  """XLA's own text for ``lowered`` compiled for ``target`` (see
+  ``xla_graphs``): its command-buffer log (``log``), thunk dump
+  (``sequence``, ``metadata``), compiled HLO (``hlo``) and buffer
+  assignment (``buffers``), which ``read_graphs`` reads. Kept as JSON,
+  they are fixtures: a GPU's own compile, checked later against a
+  deviceless one."""
   from jaxstreams.xla import target as targets
+  local = isinstance(target, str) and target == "local"
   if isinstance(target, targets.GpuTarget):
     name, config_text = target.name, target.config_text
+  elif local:
+    name, config_text = "local", ""
   else:
     name, config_text = targets.target_config(target)
   options = {**_compat.lowered_compiler_options(lowered), **(compiler_options or {})}
@@ -382,10 +400,11 @@ def xla_graphs(lowered: Any, *, target: Any = "h100",
                         "devices": int(partitions.group(1)) if partitions else 1})
   package_root = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0",
-             TF_CPP_VMODULE=LOG_MODULES,
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=LOG_MODULES,
              PYTHONPATH=os.pathsep.join(
                  [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+  if not local:
+    env["JAX_PLATFORMS"] = "cpu"
   result = subprocess.run([sys.executable, "-m", "jaxstreams.xla._graph_child"],
                           input=request, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -397,8 +416,9 @@ def xla_graphs(lowered: Any, *, target: Any = "h100",
   except (ValueError, IndexError):
     raise GraphLogError("the child process printed no result:\n"
                         + result.stdout[-2000:]) from None
-  return read_graphs(result.stderr, out["sequence"], out["metadata"],
-                     out["hlo"], out.get("buffers"), plan)
+  return {"log": result.stderr, "sequence": out["sequence"],
+          "metadata": out["metadata"], "hlo": out["hlo"],
+          "buffers": out.get("buffers")}
 
 
 def _option_text(value) -> Any:
