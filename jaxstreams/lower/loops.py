@@ -88,9 +88,10 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
   # The XLA of jaxlib 0.10 and 0.11 does not schedule stream calls itself:
   # it may put a call's done right after its start, and then the bodies run
   # one after the other. One barrier over every body's operands and one over
-  # every body's results make all the starts come before any done.
+  # every body's results (a main-stream body's too) make all the starts
+  # come before any done, and the main-stream body run between them.
   pinned = (not _compat.XLA_SCHEDULES_STREAM_CALLS
-            and sum(m.on_stream for m in members) > 1)
+            and any(m.on_stream for m in members))
   if out_of_graphs:
     from jaxstreams.runtime import _loader
     out_of_graphs = {"cpu", "cuda"} <= set(_loader.available_platforms())
