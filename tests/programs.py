@@ -304,3 +304,20 @@ def run_example(name, *flags, env=None):
       f"{name} exited with {proc.returncode}\nstdout:\n{proc.stdout}\n"
       f"stderr:\n{proc.stderr[-4000:]}")
   return proc.stdout
+
+
+def load_benchmark(name: str):
+  """``benchmarks/<name>.py`` as a module, with sys.path as it was: a script
+  puts its own directory first (for _common), which would otherwise stay
+  there for every test after this one (benchmarks/ holds modules named
+  serve, prefetch)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      f"_benchmark_{name}", ROOT / "benchmarks" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  saved = list(sys.path)
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path[:] = saved
+  return module

@@ -3,7 +3,6 @@ made-up step times, and every script but the suite (test_benchmark_suite.py)
 run at about its smallest. Correctness only: no timing is asserted.
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -14,25 +13,14 @@ import jax
 import jaxstreams
 import pytest
 from jaxstreams.lower import gpu
-from programs import gpu_target_problem, require_gpu_target
+from programs import gpu_target_problem, load_benchmark, require_gpu_target
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
 
 def _load(name):
-  """The script as a module, with sys.path as it was: a script puts its own
-  directory first (for _common), which would otherwise stay there for every
-  test after this one (benchmarks/ holds modules named serve, prefetch)."""
-  spec = importlib.util.spec_from_file_location(
-      f"_benchmark_{name}", BENCHMARKS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  saved = list(sys.path)
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    sys.path[:] = saved
-  return module
+  return load_benchmark(name)
 
 
 @pytest.fixture(scope="module")

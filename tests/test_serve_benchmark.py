@@ -9,7 +9,6 @@ structure only, never timings.
 """
 
 import contextlib
-import importlib.util
 import pathlib
 import sys
 import threading
@@ -20,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from programs import load_benchmark
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -27,15 +28,7 @@ BENCHMARKS = ROOT / "benchmarks"
 @pytest.fixture(scope="module")
 def bench():
   """benchmarks/serve.py as a module, with sys.path as it was."""
-  spec = importlib.util.spec_from_file_location("_benchmark_serve_models_test",
-                                                BENCHMARKS / "serve.py")
-  module = importlib.util.module_from_spec(spec)
-  saved = list(sys.path)
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    sys.path[:] = saved
-  return module
+  return load_benchmark("serve")
 
 
 class FakeTensor(np.ndarray):

@@ -133,24 +133,17 @@ def _short(exc: BaseException) -> str:
 
 def annotated_calls(jitted, args) -> dict[str, int] | None:
   """Calls annotated with a stream in the program lowered for CUDA (this works
-  on any machine), counted by stream; None when lowering for CUDA fails."""
+  on any machine), counted by stream; None when lowering for CUDA fails.
+  Every function of the module counts: jaxstreams emits a group of loops as
+  one loop whose body (a function of its own) calls each tower's body on
+  its stream. A compute_on body repeats the annotation on the calls nested
+  in it, so its counts are not calls made at top level; which streams are
+  used is what compares."""
   try:
     text = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   except Exception:  # noqa: BLE001 - a missing count is reported as null
     return None
-  # Only the calls made by the entry function: a compute_on body repeats the
-  # annotation on every op inside it, nested calls included.
-  lines = text.splitlines()
-  start = next((i for i, l in enumerate(lines)
-                if "func.func public @main" in l), None)
-  if start is None:
-    return None
-  body = []
-  for line in lines[start + 1:]:
-    if line.startswith("  }"):
-      break
-    body.append(line)
-  counts = collections.Counter(_ANNOTATED_CALL.findall("\n".join(body)))
+  counts = collections.Counter(_ANNOTATED_CALL.findall(text))
   return {k: counts[k] for k in sorted(counts, key=int)}
 
 
@@ -236,6 +229,15 @@ def standard_candidates(make_fn: Callable[[Callable], Callable], args,
 
 
 STANDARD_BASELINES = ["jax.jit", "XLA CONCURRENT", "compute_on"]
+
+
+def standard_case(workload: str, size: dict, make_fn, args, streams: int,
+                  notes: str) -> "Case":
+  """The case of a model timed against the standard baselines."""
+  return Case(workload=workload, size=size, candidate="jaxstreams",
+              baselines=list(STANDARD_BASELINES),
+              candidates=standard_candidates(make_fn, args, streams),
+              notes=notes)
 
 
 def normal(key, shape, scale=1.0):

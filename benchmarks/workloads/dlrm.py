@@ -101,8 +101,6 @@ def model(size, streams, key):
 
 def build(size, streams, key):
   fn, args = model(size, streams, key)
-  return common.Case(
-      workload=NAME, size=size, candidate="jaxstreams",
-      baselines=list(common.STANDARD_BASELINES),
-      candidates=common.standard_candidates(fn, args, streams),
-      notes=f"{size['towers']} towers over streams 0..{streams - 1}")
+  return common.standard_case(
+      NAME, size, fn, args, streams,
+      f"{size['towers']} towers over streams 0..{streams - 1}")

@@ -132,10 +132,8 @@ def model(size, streams, key):
 
 def build(size, streams, key):
   fn, args = model(size, streams, key)
-  return common.Case(
-      workload=NAME, size=size, candidate="jaxstreams",
-      baselines=list(common.STANDARD_BASELINES),
-      candidates=common.standard_candidates(fn, args, streams),
-      notes=f"two {size['layers']}-layer scanned towers ({size['mode']}) on "
-            f"streams {common.stream_for(1, streams)} and "
-            f"{common.stream_for(2, streams)}")
+  return common.standard_case(
+      NAME, size, fn, args, streams,
+      f"two {size['layers']}-layer scanned towers ({size['mode']}) on "
+      f"streams {common.stream_for(1, streams)} and "
+      f"{common.stream_for(2, streams)}")

@@ -77,9 +77,7 @@ def model(size, streams, key):
 
 def build(size, streams, key):
   fn, args = model(size, streams, key)
-  return common.Case(
-      workload=NAME, size=size, candidate="jaxstreams",
-      baselines=list(common.STANDARD_BASELINES),
-      candidates=common.standard_candidates(fn, args, streams),
-      notes=f"{size['models']} GRUs of {size['steps']} steps ({size['mode']}) "
-            f"over streams 0..{min(streams, size['models']) - 1}")
+  return common.standard_case(
+      NAME, size, fn, args, streams,
+      f"{size['models']} GRUs of {size['steps']} steps ({size['mode']}) "
+      f"over streams 0..{min(streams, size['models']) - 1}")

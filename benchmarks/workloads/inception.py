@@ -88,9 +88,7 @@ def model(size, streams, key):
 
 def build(size, streams, key):
   fn, args = model(size, streams, key)
-  return common.Case(
-      workload=NAME, size=size, candidate="jaxstreams",
-      baselines=list(common.STANDARD_BASELINES),
-      candidates=common.standard_candidates(fn, args, streams),
-      notes=f"{BRANCHES} branches per block on streams "
-            f"{sorted({common.stream_for(i, streams) for i in range(BRANCHES)})}")
+  return common.standard_case(
+      NAME, size, fn, args, streams,
+      f"{BRANCHES} branches per block on streams "
+      f"{sorted({common.stream_for(i, streams) for i in range(BRANCHES)})}")

@@ -71,9 +71,7 @@ def model(size, streams, key):
 
 def build(size, streams, key):
   fn, args = model(size, streams, key)
-  return common.Case(
-      workload=NAME, size=size, candidate="jaxstreams",
-      baselines=list(common.STANDARD_BASELINES),
-      candidates=common.standard_candidates(fn, args, streams),
-      notes=f"{size['members']} RK4 solves of {size['steps']} steps over "
-            f"streams 0..{min(streams, size['members']) - 1}")
+  return common.standard_case(
+      NAME, size, fn, args, streams,
+      f"{size['members']} RK4 solves of {size['steps']} steps over "
+      f"streams 0..{min(streams, size['members']) - 1}")

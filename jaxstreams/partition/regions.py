@@ -107,41 +107,17 @@ def partition(program: ExposedProgram, eqn_streams: Sequence[int]
 
 
 def _visiting_order(sources, groups) -> tuple[list[int], list[tuple[int, ...]]]:
-  """The equations in an order that respects their data (Kahn's algorithm,
-  program order among the ready ones) with each group's scans next to each
-  other, and the groups kept: a group whose scans cannot sit together (one
-  feeds work that a scan of another group needs, and the other way round)
-  is dropped. Without groups, program order."""
+  """The equations in an order that respects their data (program order
+  among the ready ones) with each group's scans next to each other, and
+  the groups kept (``_grouped_order``). Without groups, program order."""
   count = len(sources)
-  groups = list(groups)
   if not groups:
-    return list(range(count)), groups
-  while True:
-    leader = list(range(count))
-    for group in groups:
-      for i in group:
-        leader[i] = group[0]
-    members = {group[0]: group for group in groups}
-    indegree = [0] * count
-    users: list[list[int]] = [[] for _ in range(count)]
-    for i, srcs in enumerate(sources):
-      for p in set(leader[j] for j in srcs):
-        if p != leader[i]:
-          users[p].append(leader[i])
-          indegree[leader[i]] += 1
-    ready = [i for i in range(count) if leader[i] == i and indegree[i] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-      node = heapq.heappop(ready)
-      order.extend(members.get(node, (node,)))
-      for user in users[node]:
-        indegree[user] -= 1
-        if indegree[user] == 0:
-          heapq.heappush(ready, user)
-    if len(order) == count:
-      return order, groups
-    groups.pop()
+    return list(range(count)), []
+  succ: list[set[int]] = [set() for _ in range(count)]
+  for i, srcs in enumerate(sources):
+    for p in srcs:
+      succ[p].add(i)
+  return _grouped_order(count, succ, groups)
 
 
 def _add_ancestors(ancestors: list[int], region: int, pred_regions,
@@ -167,11 +143,9 @@ def _add_ancestors(ancestors: list[int], region: int, pred_regions,
 
 def _topological_order(count, program, region_of, groups=()
                        ) -> tuple[list[int], list[tuple[int, ...]]]:
-  """Regions sorted so each comes after those it reads from (Kahn's
-  algorithm, ties broken by creation order), the regions of each of
-  ``groups`` next to each other; and the groups kept. A group that would
-  close a cycle once its regions sit together (one of them feeds work that
-  another group's region needs, and the other way round) is dropped."""
+  """Regions sorted so each comes after those it reads from (ties broken by
+  creation order), the regions of each of ``groups`` next to each other;
+  and the groups kept (``_grouped_order``)."""
   succ: list[set[int]] = [set() for _ in range(count)]
   for index, sources in enumerate(program.sources):
     mine = region_of[index]
@@ -179,6 +153,17 @@ def _topological_order(count, program, region_of, groups=()
       theirs = region_of[p]
       if theirs != mine:
         succ[theirs].add(mine)
+  return _grouped_order(count, succ, groups)
+
+
+def _grouped_order(count: int, succ: list[set[int]], groups
+                   ) -> tuple[list[int], list[tuple[int, ...]]]:
+  """Nodes ``0..count-1`` (``succ[i]``: the nodes that need ``i``) in an
+  order that respects ``succ``, lowest number first among the ready ones
+  (Kahn's algorithm), each group's nodes next to each other, and the groups
+  kept. A group that would close a cycle once its nodes sit together (one
+  of them feeds work that a node of another group needs, and the other way
+  round) is dropped, the last first."""
   groups = list(groups)
   while True:
     order = _kahn(count, succ, groups)
