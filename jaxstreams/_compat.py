@@ -78,13 +78,23 @@ REGION_ATTRIBUTE = "jaxstreams_region"
 ORDER_ATTRIBUTE = "jaxstreams_order"
 
 
-def stream_call(fn: Callable[..., Any], stream_id: int,
-                region: int) -> Callable[..., Any]:
+# Marks a region call that the installed XLA:GPU cannot compile: lowering
+# it for a GPU raises jaxstreams.LoweringError with the attribute's text
+# (on CPU it runs in place, as every region does there).
+REFUSED_ATTRIBUTE = "jaxstreams_refused"
+
+
+def stream_call(fn: Callable[..., Any], stream_id: int, region: int,
+                refused: str | None = None) -> Callable[..., Any]:
   """``fn`` as one non-inlineable call that XLA:GPU runs on stream
-  ``stream_id``, tagged with the index of the plan ``region`` it is."""
-  return _xla_metadata_call(fn, **{STREAM_ANNOTATION: str(stream_id),
-                                   "inlineable": "false",
-                                   REGION_ATTRIBUTE: str(region)})
+  ``stream_id``, tagged with the index of the plan ``region`` it is.
+  ``refused``: why XLA:GPU cannot compile it (lowering it for a GPU then
+  raises that)."""
+  attributes = {STREAM_ANNOTATION: str(stream_id), "inlineable": "false",
+                REGION_ATTRIBUTE: str(region)}
+  if refused is not None:
+    attributes[REFUSED_ATTRIBUTE] = refused
+  return _xla_metadata_call(fn, **attributes)
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -560,6 +570,9 @@ def _install_gpu_region_lowering() -> None:
 
   def gpu_rule(ctx, *args, jaxpr, **params):
     metadata = _metadata_of(params)
+    if REFUSED_ATTRIBUTE in metadata:
+      from jaxstreams.lower.limits import LoweringError
+      raise LoweringError(metadata[REFUSED_ATTRIBUTE])
     if REGION_ATTRIBUTE not in metadata or _PREPARED_ATTRIBUTE in metadata:
       return default_rule(ctx, *args, jaxpr=jaxpr, **params)
     run = _prepared_call(jaxpr, {**metadata, _PREPARED_ATTRIBUTE: "1"})

@@ -70,7 +70,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxstreams import _compat, config
 from jaxstreams.assign.cost import COLLECTIVES
-from jaxstreams.lower.limits import LoweringError, region_hazard
+from jaxstreams.lower.limits import region_hazard
 from jaxstreams.lower.loops import emit_group
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
@@ -115,7 +115,8 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
 
   A region that the installed XLA cannot compile as a stream call
   (``jaxstreams.lower.limits``) is emitted in place; with ``strict`` (a way
-  the user asked for) it is a ``LoweringError`` instead."""
+  the user asked for) lowering it for a GPU is a ``LoweringError``
+  instead."""
   program = plan.program
   graph = plan.graph
   # Profiled, regions are calls too, except where calls cannot compile (the
@@ -137,13 +138,14 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
   loop_groups = ({group[0]: group for group in graph.loops}
                  if gpu_lowering in FUSING_PROGRAMS else {})
   grouped = {r for group in loop_groups.values() for r in group}
-  aside = (_in_place(plan, grouped, gpu_lowering,
-                     strict and gpu_lowering == "streams")
-           if stream_calls else {})
+  aside, refused = (_in_place(plan, grouped, gpu_lowering,
+                              strict and gpu_lowering == "streams")
+                    if stream_calls else ({}, {}))
   waits = _collective_waits(plan) if stream_calls else {}
   keys = combiner_keys(waits)
   order = (_Sequencer.for_plan(plan, env, keys)
-           if stream_calls and not loop_groups and not aside else None)
+           if stream_calls and not loop_groups and not aside and not refused
+           else None)
   packings = (_packed_for_collectives(plan, waits) if stream_calls
               and order is None and _compat.XLA_SCHEDULES_STREAM_CALLS else {})
 
@@ -166,7 +168,7 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
     with jax.named_scope(REGION_SCOPE.format(index=index)):
       _emit_region(plan, index, env, order, profile,
                    stream_calls and index not in aside, body_calls, keys,
-                   packings.get(index))
+                   packings.get(index), refused.get(index))
   if profile:
     from jaxstreams.runtime import profile as profiling
     profiling.completion_token()
@@ -177,11 +179,14 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
 
 
 def _in_place(plan: PartitionedProgram, grouped, way: str,
-              strict: bool) -> dict[int, str]:
+              strict: bool) -> tuple[dict[int, str], dict[int, str]]:
   """The off-main regions (not run as one loop) that the installed XLA
-  cannot compile as stream calls, and why; with ``strict``, a
-  ``LoweringError`` naming the first."""
-  found = {}
+  cannot compile as stream calls: ``(in place, refused)``, each by region
+  with why. By default such a region runs in place; with ``strict`` (a way
+  asked for) it stays a call, marked so that lowering it for a GPU raises
+  a ``LoweringError`` naming it (on CPU it runs in place like every
+  region)."""
+  aside, refused = {}, {}
   for index, stream in enumerate(plan.graph.streams):
     if stream == 0 or index in grouped:
       continue
@@ -189,20 +194,23 @@ def _in_place(plan: PartitionedProgram, grouped, way: str,
     if why is None:
       continue
     if strict:
-      raise LoweringError(
+      refused[index] = (
           f"{plan.function_name}: gpu_lowering={way!r} cannot run region "
           f"R{index} (stream {stream}) as a stream call: {why}. Leave "
           "gpu_lowering at its default (such a region then runs in place, "
           "independent loops side by side), or use 'loops' or 'inline'.")
-    found[index] = why
-  return found
+    else:
+      aside[index] = why
+  return aside, refused
 
 
 def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
                  profile: bool, stream_calls: bool, body_calls: bool,
-                 keys: dict[int, str], packing: "_Packing | None") -> None:
+                 keys: dict[int, str], packing: "_Packing | None",
+                 refused: str | None = None) -> None:
   """Emit region ``index`` into ``env`` (or through ``order``); a call with
-  a ``packing`` returns its outputs in one buffer, unpacked after it."""
+  a ``packing`` returns its outputs in one buffer, unpacked after it; a
+  call ``refused`` raises that when lowered for a GPU."""
   graph = plan.graph
   stream = graph.streams[index]
   if order is not None and stream == 0:
@@ -227,7 +235,7 @@ def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
     if packing is not None:
       unpacked = fn
       fn = lambda *xs: [packing.pack(unpacked(*xs))]
-    fn = _compat.stream_call(fn, xla_stream(plan, stream), index)
+    fn = _compat.stream_call(fn, xla_stream(plan, stream), index, refused)
   results = fn(*inputs)
   if stream != 0 and stream_calls and packing is not None:
     results = [packing.unpack(results[0], v) for v in graph.outputs[index]]
