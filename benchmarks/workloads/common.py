@@ -28,7 +28,7 @@ import jaxstreams
 
 CONCURRENT_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 GPU_ONLY = "n/a: needs a GPU backend"
-_ANNOTATED_CALL = re.compile(r'= call @\S+.*?_xla_stream_annotation = "(\d+)"')
+_ANNOTATED_CALL = re.compile(r'= (?:func\.)?call @\S+.*?_xla_stream_annotation = "(\d+)"')
 
 
 # Where the suite reads XLA's schedule of a candidate. On a GPU: from the
