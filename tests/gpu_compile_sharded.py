@@ -17,7 +17,10 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+# The checkout last: the installed jaxstreams (with its native libraries)
+# comes first, as in the tests; a checkout that is not installed still runs.
+sys.path.append(str(ROOT))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

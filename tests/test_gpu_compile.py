@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from jaxstreams import _compat
 from jaxstreams._compat import XLA_SCHEDULES_STREAM_CALLS
 from programs import require_gpu_target
 
@@ -210,6 +211,11 @@ def test_one_towers_gradient_all_reduce_runs_while_the_other_tower_computes(
              for _, _, running in found), report["graph_summary"]
 
 
+@pytest.mark.xfail(
+    _compat.jaxlib_version() >= (0, 12), strict=True,
+    reason="jaxlib 0.12: every stream call's operands pass an optimization "
+           "barrier (no constant may reach a call), and XLA's scheduler then "
+           "runs the all-gathers before both towers (docs/xla.md)")
 def test_an_all_gather_is_in_flight_while_a_tower_runs_on_its_stream(eight_gpus):
   """Collectives beside compute: with each tower on a stream of its own, XLA
   runs one tower while the other tower's weights are still being gathered

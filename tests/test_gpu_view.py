@@ -245,10 +245,20 @@ _BODIES_IN_SEQUENCE = pytest.mark.xfail(
            "after the other (docs/xla.md)")
 
 
+# jaxlib 0.12 schedules stream calls itself, and in the GRU bank's training
+# step puts the forward loop's off-main body's done before the main-stream
+# body (the stacked outputs' updates wait on it); the barriers that would
+# pin it make XLA 0.12 exhaust memory on the dual encoder (docs/xla.md).
+_FORWARD_BODY_FIRST = pytest.mark.xfail(
+    _compat_jaxlib() >= (0, 12), strict=True,
+    reason="jaxlib 0.12 runs the GRU bank's forward loop bodies one after "
+           "the other (docs/xla.md)")
+
+
 @pytest.mark.parametrize("name", [
     "demo", "dlrm", "inception", "mlp_bank", "control",
-    pytest.param("dual_encoder", marks=_BODIES_IN_SEQUENCE), "gru_bank",
-    "ode_ensemble"])
+    pytest.param("dual_encoder", marks=_BODIES_IN_SEQUENCE),
+    pytest.param("gru_bank", marks=_FORWARD_BODY_FIRST), "ode_ensemble"])
 def test_the_view_reads_every_program_of_the_suite(name):
   fn, args, streams = _program(name)
   graphs, plan = _view(fn, args, streams)

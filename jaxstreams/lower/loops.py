@@ -89,7 +89,11 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
   # it may put a call's done right after its start, and then the bodies run
   # one after the other. One barrier over every body's operands and one over
   # every body's results (a main-stream body's too) make all the starts
-  # come before any done, and the main-stream body run between them.
+  # come before any done, and the main-stream body run between them. Not on
+  # 0.12: there the same barriers make XLA exhaust memory compiling a
+  # training step of scanned transformer towers (24 GB, deviceless), and
+  # its own scheduler overlaps the bodies, except where the stacked
+  # outputs' updates wait on a body (docs/xla.md).
   pinned = (not _compat.XLA_SCHEDULES_STREAM_CALLS
             and any(m.on_stream for m in members))
   if out_of_graphs:

@@ -405,7 +405,10 @@ def capture(lowered: Any, *, target: Any = "h100",
                  [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
   if not local:
     env["JAX_PLATFORMS"] = "cpu"
-  result = subprocess.run([sys.executable, "-m", "jaxstreams.xla._graph_child"],
+  # -P: the working directory (a source checkout without built native
+  # libraries, say) must not shadow the jaxstreams this process imported,
+  # whose FFI handlers the compile needs; package_root comes first instead.
+  result = subprocess.run([sys.executable, "-P", "-m", "jaxstreams.xla._graph_child"],
                           input=request, env=env, capture_output=True,
                           text=True, timeout=timeout)
   if result.returncode != 0:
