@@ -115,6 +115,22 @@ def test_a_gradient_taken_outside_runs_the_towers_side_by_side():
   assert len(graphs.loops) == 2
 
 
+def test_the_view_compiles_with_the_jaxstreams_this_process_runs(
+    tmp_path, monkeypatch):
+  """The view compiles in a child process, which must import the jaxstreams
+  this process imported (its FFI handlers included), whatever the working
+  directory holds: a source checkout without built libraries there once
+  shadowed the installed package, and the loop programs failed in CI."""
+  fake = tmp_path / "jaxstreams"
+  fake.mkdir()
+  (fake / "__init__.py").write_text(
+      "raise ImportError('the jaxstreams of the working directory')\n")
+  monkeypatch.chdir(tmp_path)
+  fn, args, streams = _program("scan_towers")
+  graphs, _ = _view(fn, args, streams)
+  assert graphs.loops, graphs.summary()
+
+
 def test_a_chain_of_loops_stays_one_chain():
   """Loops that need each other's results cannot run side by side: no
   group, and no pair of regions in flight together."""
