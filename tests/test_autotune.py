@@ -13,7 +13,7 @@ import pytest
 
 import jaxstreams
 from jaxstreams import _compat
-from jaxstreams.lower import choose, gpu
+from jaxstreams.lower import choose, compile_pool, gpu, timing
 from programs import (assert_equal_results, one_chain, random_inputs,
                       two_towers, wait_until)
 
@@ -47,12 +47,12 @@ def _clock(fastest=None, seconds=10e-3):
 def _decide(clock):
   """Warm up, then run the rounds, as a function's calls do."""
   run = lambda: jnp.ones(2)
-  rounds = choose.Rounds({w: clock(w, run) for w in clock.seconds})
+  rounds = timing.Rounds({w: clock(w, run) for w in clock.seconds})
   while (way := rounds.next()) is not None:
     rounds.record(way, clock(way, run))
-  trials = lambda medians: tuple(choose.Trial(w, medians.get(w), None)
+  trials = lambda medians: tuple(timing.Trial(w, medians.get(w), None)
                                  for w in clock.seconds)
-  return choose.decide(rounds.per_round(), baseline="inline", trials=trials)
+  return timing.decide(rounds.per_round(), baseline="inline", trials=trials)
 
 
 def test_the_fastest_way_is_kept_when_it_clearly_wins():
@@ -63,7 +63,7 @@ def test_the_fastest_way_is_kept_when_it_clearly_wins():
   assert {t.way: t.seconds for t in decision.trials} == pytest.approx(
       {"inline": 1e-3, "concurrent": 0.5e-3, "streams_concurrent": 0.8e-3})
   # A round of each gives every way at least ROUND_SECONDS of calls.
-  assert clock.calls["concurrent"] == 1 + choose.ROUNDS * 10
+  assert clock.calls["concurrent"] == 1 + timing.ROUNDS * 10
 
 
 def test_jax_jit_s_program_stays_unless_beaten_beyond_noise():
@@ -80,7 +80,7 @@ def test_jax_jit_s_program_stays_unless_beaten_beyond_noise():
 
 
 def test_rounds_interleave_the_ways_in_a_rotating_order():
-  rounds = choose.Rounds({"inline": 1.0, "concurrent": 1.0, "streams": 1.0},
+  rounds = timing.Rounds({"inline": 1.0, "concurrent": 1.0, "streams": 1.0},
                          rounds=3)
   order = []
   while (way := rounds.next()) is not None:
@@ -154,7 +154,7 @@ def _names():
 def test_the_first_call_runs_jax_jit_s_program_and_compiles_the_others_beside_it(
     on_a_gpu, monkeypatch, compiles):
   clock = _clock()
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
@@ -173,7 +173,7 @@ def test_the_calls_after_it_time_the_ways_and_switch_once(on_a_gpu, monkeypatch,
                                                           compiles):
   fastest = _names()[-1]
   clock = _clock(fastest)
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
   f = jaxstreams.jit(_towers(), streams=3)
   switches = []
   point_to = f._point_to
@@ -184,15 +184,15 @@ def test_the_calls_after_it_time_the_ways_and_switch_once(on_a_gpu, monkeypatch,
   f._chooser.wait_compiled(args, {})
   calls = _call_until_decided(f, args, expected)
   # A warm-up of each way, then ROUNDS rounds of one call of each.
-  assert clock.calls == {w: 1 + choose.ROUNDS for w in _names()}
-  assert calls == choose.ROUNDS * len(_names())
+  assert clock.calls == {w: 1 + timing.ROUNDS for w in _names()}
+  assert calls == timing.ROUNDS * len(_names())
   chosen = f._jit(gpu.WAYS[fastest], top_level=True)
   assert [type(t).__name__ for t in switches] == ["BySignature", "Watch"]
   assert f.func.top is chosen
   for _ in range(3):
     assert_equal_results(f(*args), expected)
   assert len(switches) == 2 and sum(clock.calls.values()) == (
-      len(_names()) * (1 + choose.ROUNDS))      # nothing timed any more
+      len(_names()) * (1 + timing.ROUNDS))      # nothing timed any more
   # Calls traced inside another jit go to the nested way.
   assert_equal_results(jax.jit(lambda *a: f(*a))(*args), expected)
   # Every program was compiled once: the chosen one serves calls from the
@@ -213,7 +213,7 @@ def test_the_cache_is_read_before_anything_is_compiled(on_a_gpu, monkeypatch,
                                                        compiles):
   fastest = _names()[-1]
   clock = _clock(fastest)
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
   args = _args()
   expected = jax.jit(two_towers)(*args)
   first = jaxstreams.jit(_towers(), streams=3)
@@ -226,11 +226,11 @@ def test_the_cache_is_read_before_anything_is_compiled(on_a_gpu, monkeypatch,
   compiles.clear()
   clock.calls.clear()
   read_at = []
-  load = choose.load
-  monkeypatch.setattr(choose, "load",
+  load = timing.load
+  monkeypatch.setattr(timing, "load",
                       lambda key: (read_at.append(len(compiles)), load(key))[1])
   submitted = []
-  monkeypatch.setattr(choose.POOL, "submit", lambda fn: submitted.append(fn))
+  monkeypatch.setattr(compile_pool.POOL, "submit", lambda fn: submitted.append(fn))
   again = jaxstreams.jit(_towers(), streams=3)
   assert_equal_results(again(*args), expected)
   assert read_at == [0]
@@ -242,7 +242,7 @@ def test_the_cache_is_read_before_anything_is_compiled(on_a_gpu, monkeypatch,
 
 def test_the_choice_is_per_signature(on_a_gpu, monkeypatch):
   clock = _clock("concurrent")
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
   f = jaxstreams.jit(_towers(), streams=3)
   small, large = _args(8), _args(32)
   f(*small)
@@ -274,7 +274,7 @@ def test_the_choice_is_per_signature(on_a_gpu, monkeypatch):
 
 
 def test_a_first_call_that_fails_leaves_nothing_half_done(on_a_gpu, monkeypatch):
-  monkeypatch.setattr(choose, "time_call", _clock())
+  monkeypatch.setattr(timing, "time_call", _clock())
 
   def picky(x, w1, w2):
     if x.shape[0] != 8:
@@ -292,7 +292,7 @@ def test_a_first_call_that_fails_leaves_nothing_half_done(on_a_gpu, monkeypatch)
 
 
 def test_concurrent_compiles_are_bounded():
-  pool = choose.CompilePool(2)
+  pool = compile_pool.CompilePool(2)
   running, most, lock = [0], [0], threading.Lock()
   release = threading.Event()
 
@@ -317,14 +317,14 @@ def test_concurrent_compiles_are_bounded():
 
 
 def test_a_function_s_compiles_go_through_the_bounded_pool(on_a_gpu, monkeypatch):
-  monkeypatch.setattr(choose, "time_call", _clock())
-  pool = choose.CompilePool(1)
+  monkeypatch.setattr(timing, "time_call", _clock())
+  pool = compile_pool.CompilePool(1)
   submitted = []
 
   def submit(fn):
     submitted.append(fn)
     return pool.submit(fn)
-  monkeypatch.setattr(choose.POOL, "submit", submit)
+  monkeypatch.setattr(compile_pool.POOL, "submit", submit)
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
   f(*args)
@@ -337,7 +337,7 @@ def test_only_the_candidates_are_compiled(on_a_gpu, monkeypatch, compiles):
   is never compiled."""
   two = (gpu.WAYS["inline"], gpu.WAYS["concurrent"])
   monkeypatch.setattr(gpu, "candidates", lambda plan=None: two)
-  monkeypatch.setattr(choose, "time_call", _clock("concurrent"))
+  monkeypatch.setattr(timing, "time_call", _clock("concurrent"))
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
   f(*args)
@@ -349,11 +349,11 @@ def test_only_the_candidates_are_compiled(on_a_gpu, monkeypatch, compiles):
 
 def test_a_candidate_that_does_not_compile_never_fails_a_call(on_a_gpu, monkeypatch):
   clock = _clock(_names()[-1])
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
 
   def broken(lowered):
     raise RuntimeError("XLA refused")
-  monkeypatch.setattr(choose, "_compile", broken)
+  monkeypatch.setattr(compile_pool, "compile_lowered", broken)
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
   expected = jax.jit(two_towers)(*args)
@@ -375,7 +375,7 @@ def test_a_candidate_that_fails_to_run_never_runs_a_call(on_a_gpu, monkeypatch):
     if way == "concurrent":
       raise RuntimeError("the kernel failed")
     return good(way, run)
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
   expected = jax.jit(two_towers)(*args)
@@ -397,7 +397,7 @@ def test_timing_that_fails_never_fails_a_call(on_a_gpu, monkeypatch):
       return warm_ups(way, run)
     run()
     raise RuntimeError("the clock broke")
-  monkeypatch.setattr(choose, "time_call", broken)
+  monkeypatch.setattr(timing, "time_call", broken)
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
   expected = jax.jit(two_towers)(*args)
@@ -412,20 +412,20 @@ def test_timing_that_fails_never_fails_a_call(on_a_gpu, monkeypatch):
 
 def test_a_way_that_would_not_fit_is_not_run(on_a_gpu, monkeypatch):
   clock = _clock("concurrent")
-  monkeypatch.setattr(choose, "time_call", clock)
-  monkeypatch.setattr(choose, "free_device_memory", lambda device: 1000)
+  monkeypatch.setattr(timing, "time_call", clock)
+  monkeypatch.setattr(timing, "free_device_memory", lambda device: 1000)
   # XLA's estimate: 5000 bytes for concurrent's program, sizes[""] for
   # every other.
   sizes, concurrent = {"": 100}, set()
-  compile_ = choose._compile
+  compile_ = compile_pool.compile_lowered
 
   def compile_and_note(lowered):
     compiled, seconds = compile_(lowered)
     if _compat.lowered_compiler_options(lowered) == gpu.CONCURRENT_GRAPHS:
       concurrent.add(id(compiled))
     return compiled, seconds
-  monkeypatch.setattr(choose, "_compile", compile_and_note)
-  monkeypatch.setattr(choose, "memory_needed", lambda compiled: (
+  monkeypatch.setattr(compile_pool, "compile_lowered", compile_and_note)
+  monkeypatch.setattr(timing, "memory_needed", lambda compiled: (
       5000 if id(compiled) in concurrent else sizes[""]))
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
@@ -451,14 +451,14 @@ def test_a_way_that_would_not_fit_is_not_run(on_a_gpu, monkeypatch):
 
 def test_donated_arguments_stay_safe(on_a_gpu, monkeypatch):
   clock = _clock("concurrent")
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
 
   def step(x, w1, w2):
     return x * two_towers(x, w1, w2)
 
   f = jaxstreams.jit(step, streams=3, donate_argnums=0)
   _, w1, w2 = _args()
-  for n in range(3 + choose.ROUNDS * len(_names())):
+  for n in range(3 + timing.ROUNDS * len(_names())):
     x = _args()[0]
     expected = jax.jit(step)(x, w1, w2)
     out = f(x, w1, w2)        # warm-ups ran on copies of their own
@@ -471,7 +471,7 @@ def test_donated_arguments_stay_safe(on_a_gpu, monkeypatch):
 
 def test_a_program_with_side_effects_is_not_timed(on_a_gpu, monkeypatch, compiles):
   clock = _clock()
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
   seen = []
 
   def noisy_towers(x, w1, w2):
@@ -489,7 +489,7 @@ def test_a_program_with_side_effects_is_not_timed(on_a_gpu, monkeypatch, compile
 
 def test_nothing_is_timed_where_nothing_can_differ(on_a_gpu, monkeypatch, compiles):
   clock = _clock()
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
   one_stream = jaxstreams.jit(lambda x: jnp.sin(x) * 2, streams=3)
   one_stream(jnp.ones(4))
   assert one_stream.func is one_stream._jit(gpu.WAYS["inline"], top_level=True)
@@ -508,7 +508,7 @@ def test_nothing_is_timed_where_nothing_can_differ(on_a_gpu, monkeypatch, compil
 
 def test_the_option_turns_it_off(on_a_gpu, monkeypatch, compiles):
   clock = _clock()
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
   jaxstreams.config.update("jaxstreams_autotune", False)
   f = jaxstreams.jit(_towers(), streams=3)
   f(*_args())
@@ -519,7 +519,7 @@ def test_the_option_turns_it_off(on_a_gpu, monkeypatch, compiles):
 
 
 def test_ahead_of_time_gets_the_chosen_program_and_options(on_a_gpu, monkeypatch):
-  monkeypatch.setattr(choose, "time_call", _clock("inline"))
+  monkeypatch.setattr(timing, "time_call", _clock("inline"))
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
   before = f.lower(*args)   # nothing timed yet: the top-level default
@@ -533,7 +533,7 @@ def test_ahead_of_time_gets_the_chosen_program_and_options(on_a_gpu, monkeypatch
 
 def test_static_arguments_are_passed_to_the_candidates(on_a_gpu, monkeypatch):
   clock = _clock("concurrent")
-  monkeypatch.setattr(choose, "time_call", clock)
+  monkeypatch.setattr(timing, "time_call", clock)
 
   def scaled(x, w1, w2, n):
     return two_towers(x, w1, w2) * n
@@ -543,7 +543,7 @@ def test_static_arguments_are_passed_to_the_candidates(on_a_gpu, monkeypatch):
   args = _args()
   assert_equal_results(f(*args, n=3), reference(*args, n=3))
   f._chooser.wait_compiled(args, {"n": 3})
-  for _ in range(choose.ROUNDS * len(_names())):
+  for _ in range(timing.ROUNDS * len(_names())):
     assert_equal_results(f(*args, n=3), reference(*args, n=3))
   assert _decision(f, args, {"n": 3}).way == "concurrent"
   assert _decision(f, args, {"n": 4}) is None      # another signature
@@ -553,7 +553,7 @@ def test_every_way_shares_one_trace_per_signature(on_a_gpu, monkeypatch):
   """The candidates, the chosen way, the nested way and ``plan`` are jax.jit
   functions of their own, each traced by jax; the user's function is
   traced once per signature all the same, as under one jax.jit."""
-  monkeypatch.setattr(choose, "time_call", _clock())
+  monkeypatch.setattr(timing, "time_call", _clock())
   traces = []
 
   def step(x, w1, w2):
@@ -583,7 +583,7 @@ def test_every_way_shares_one_trace_per_signature(on_a_gpu, monkeypatch):
 def test_jax_clear_caches_clears_the_shared_plans(on_a_gpu, monkeypatch):
   """After ``jax.clear_caches()`` jax.jit traces again and sees what the
   function reads now; so does every program of a jaxstreams.jit function."""
-  monkeypatch.setattr(choose, "time_call", _clock())
+  monkeypatch.setattr(timing, "time_call", _clock())
   scale = {"now": 2.0}
 
   def step(x, w1, w2):

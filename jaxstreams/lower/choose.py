@@ -23,7 +23,7 @@ The first call costs what ``jax.jit``'s does:
   autotuner times kernels. A timed call waits for its result. A call is
   never split between ways, and each compile is jax's own: the chosen way
   serves later calls from the program compiled in the background.
-* ``inline`` is kept unless another way beats it by ``MIN_GAIN`` in the
+* ``inline`` is kept unless another way beats it by ``timing.MIN_GAIN`` in the
   median and in most rounds: the default is never slower than ``jax.jit``
   beyond noise. Then the function switches, once, to the chosen way's
   ``jax.jit`` function (its C++ fast path, as before).
@@ -50,38 +50,22 @@ and when and how it was chosen.
 
 from __future__ import annotations
 
-import atexit
-import collections
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
-import json
-import math
-import os
-import pathlib
-import statistics
-import sys
-import tempfile
 import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import jax
-import jaxlib
 from jax import tree_util
 
 from jaxstreams import _compat, config
-from jaxstreams.lower import gpu
+from jaxstreams.lower import compile_pool, gpu, timing
 
 if TYPE_CHECKING:
   from jaxstreams.partition import StreamPlan
-
-MIN_GAIN = 0.03        # a way must beat inline by this share of its time
-ROUNDS = 5             # interleaved rounds of every candidate
-ROUND_SECONDS = 0.005  # each candidate's share of a round, at least one call
-MAX_CALLS = 50         # calls per candidate per round, at most
 
 ONE_STREAM = "one stream: the program jax.jit builds"
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
@@ -143,7 +127,7 @@ class Choice:
   """How top-level calls run on a GPU, and why."""
   way: gpu.Way
   reason: str
-  decision: "Decision | None" = None
+  decision: "timing.Decision | None" = None
   single_stream: bool = False   # nothing off the main stream: one program
   timable: bool = False         # the ways are timed, per signature
 
@@ -200,302 +184,6 @@ def static_choice(lowering: str, plan: Callable[[], "StreamPlan"]) -> Choice:
 
 
 # ---------------------------------------------------------------------------
-# The timing rule.
-
-@dataclasses.dataclass(frozen=True)
-class Trial:
-  """One candidate's result: median seconds per call (None: not run),
-  XLA's memory estimate of its compiled program, and why it was not run."""
-  way: str
-  seconds: float | None
-  memory_bytes: int | None
-  skipped: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """A signature's way, why, and when it was decided (``timing``: the
-  calls it took and the compiles beside them)."""
-  way: str
-  reason: str
-  trials: tuple[Trial, ...] = ()
-  cached: bool = False
-  timing: str = ""
-
-  def describe(self) -> str:
-    parts = []
-    for t in self.trials:
-      memory = (f", {t.memory_bytes / 2**20:.1f} MiB" if t.memory_bytes is not None
-                else "")
-      if t.seconds is None:
-        parts.append(f"{t.way}: not run ({t.skipped}{memory})")
-      else:
-        parts.append(f"{t.way} {t.seconds * 1e6:.1f} us{memory}")
-    timed = "; ".join(parts)
-    return (self.reason + (f" [{timed}]" if timed else "")
-            + (f" ({self.timing})" if self.timing else "")
-            + (" (decided earlier, from the cache)" if self.cached else ""))
-
-
-def memory_needed(compiled) -> int | None:
-  """Device bytes a warm-up run needs: its own copies of the arguments, its
-  temporaries and outputs, less what outputs alias (XLA's memory
-  analysis); None where XLA does not say."""
-  try:
-    stats = compiled.memory_analysis()
-  except Exception:   # not every backend implements it
-    return None
-  if stats is None:
-    return None
-  return int(stats.temp_size_in_bytes + stats.output_size_in_bytes
-             + stats.argument_size_in_bytes - stats.alias_size_in_bytes)
-
-
-def free_device_memory(device) -> int | None:
-  try:
-    stats = device.memory_stats()
-  except Exception:   # a compile target's device, or no statistics
-    return None
-  if not stats or "bytes_limit" not in stats:
-    return None
-  return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-
-
-def too_big(memory: dict[str, int | None], free_bytes: int | None
-            ) -> dict[str, str]:
-  """The ways whose warm-up would not fit in ``free_bytes``, and why."""
-  if free_bytes is None:
-    return {}
-  return {w: f"needs {m / 2**20:.1f} MiB, {free_bytes / 2**20:.1f} MiB free"
-          for w, m in memory.items() if m is not None and m > free_bytes}
-
-
-def time_call(way: str, run: Callable[[], Any]) -> float:
-  """Seconds of one call of ``run`` (a call of candidate ``way``), its
-  results waited for. The one clock of timing: tests replace it."""
-  start = time.perf_counter()
-  jax.block_until_ready(run())
-  return time.perf_counter() - start
-
-
-class Rounds:
-  """Interleaved rounds of timed calls, fed one call at a time: in round
-  ``r`` every way runs ``calls[way]`` calls in a row, the ways in an order
-  rotated by ``r``, so drift hits them alike. ``warmup`` (a first call
-  of each way) sizes a way's share of a round to ``ROUND_SECONDS``."""
-
-  def __init__(self, warmup: dict[str, float], rounds: int = ROUNDS):
-    ways = list(warmup)
-    self.calls = {w: max(1, min(MAX_CALLS, math.ceil(ROUND_SECONDS / max(t, 1e-9))))
-                  for w, t in warmup.items()}
-    self.count = rounds
-    self._schedule = [(r, w) for r in range(rounds)
-                      for w in ways[r % len(ways):] + ways[:r % len(ways)]
-                      for _ in range(self.calls[w])]
-    self._times = {w: [[] for _ in range(rounds)] for w in ways}
-    self.done = 0
-    self.total = len(self._schedule)
-
-  def next(self) -> str | None:
-    """The way the next timed call runs; None once every round is done."""
-    return self._schedule[self.done][1] if self.done < len(self._schedule) else None
-
-  def record(self, way: str, seconds: float) -> None:
-    r, expected = self._schedule[self.done]
-    assert way == expected, (way, expected)
-    self._times[way][r].append(seconds)
-    self.done += 1
-
-  def per_round(self) -> dict[str, list[float]]:
-    """Each way's median call in each round."""
-    return {w: [statistics.median(t) for t in times]
-            for w, times in self._times.items()}
-
-
-def decide(per_round: dict[str, list[float]], *, baseline: str,
-           trials: Callable[[dict[str, float]], tuple[Trial, ...]]) -> Decision:
-  """The rule: the fastest way in the median of its rounds, if it beats
-  ``baseline`` by ``MIN_GAIN`` and in most rounds; else ``baseline``.
-  ``trials(medians)`` reports every way."""
-  medians = {w: statistics.median(v) for w, v in per_round.items()}
-  best = min(medians, key=medians.get)
-  rounds = len(per_round[baseline])
-  if best == baseline:
-    return Decision(baseline, f"kept {baseline!r}: no way ran faster",
-                    trials(medians))
-  base = medians[baseline]
-  wins = sum(b < a for a, b in zip(per_round[baseline], per_round[best]))
-  gain = 1 - medians[best] / base
-  if gain < MIN_GAIN or wins * 2 <= rounds:
-    return Decision(baseline, f"kept {baseline!r}: the fastest, {best!r}, "
-                    f"gained {gain:.1%} and won {wins} of {rounds} rounds "
-                    f"(needs {MIN_GAIN:.0%} and most rounds)", trials(medians))
-  return Decision(best, f"chose {best!r}: {base / medians[best]:.2f}x of "
-                  f"{baseline!r}, won {wins} of {rounds} rounds", trials(medians))
-
-
-def time_interleaved(runs: dict[str, Callable[[], Any]], *, baseline: str,
-                     timer: Callable[[str, Callable[[], Any]], float] | None = None,
-                     rounds: int = ROUNDS) -> Decision:
-  """Time the ways ``runs`` (way -> one call) here and now, a warm-up call
-  each then interleaved ``Rounds``, and decide by the rule (``decide``).
-  For callers that can run every way at once, as serve's trial does; a
-  function's calls are timed one call at a time instead."""
-  clock = timer or time_call
-  warmup = {w: clock(w, run) for w, run in runs.items()}
-  timed = Rounds(warmup, rounds)
-  while (way := timed.next()) is not None:
-    timed.record(way, clock(way, runs[way]))
-  return decide(timed.per_round(), baseline=baseline, trials=lambda medians: tuple(
-      Trial(w, medians.get(w), None) for w in runs))
-
-
-# ---------------------------------------------------------------------------
-# The decisions on disk.
-
-_CACHE_LOCK = threading.Lock()
-
-
-def cache_path() -> pathlib.Path | None:
-  """Where decisions are kept (the ``jaxstreams_autotune_cache`` option);
-  None where it is ``none``."""
-  value = config.read("jaxstreams_autotune_cache")
-  if value == "none":
-    return None
-  if value:
-    return pathlib.Path(value).expanduser()
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-      os.path.expanduser("~"), ".cache")
-  return pathlib.Path(root) / "jaxstreams" / "autotune.json"
-
-
-def cache_key(program_text: str, device_kind: str, streams: int,
-              ways: Sequence[str]) -> str:
-  digest = hashlib.sha256(program_text.encode()).hexdigest()[:32]
-  return (f"{digest}|streams={streams}|{','.join(ways)}|{device_kind}|"
-          f"jax {jax.__version__}|jaxlib {jaxlib.__version__}")
-
-
-def load(key: str) -> Decision | None:
-  path = cache_path()
-  if path is None or not path.exists():
-    return None
-  try:
-    entry = json.loads(path.read_text()).get(key)
-    if not entry:
-      return None
-    trials = tuple(Trial(**t) for t in entry.get("trials", ()))
-    return Decision(entry["way"], entry["reason"], trials, cached=True,
-                    timing=entry.get("timing", ""))
-  except (OSError, ValueError, TypeError, KeyError, AttributeError):
-    return None   # an unreadable cache is an empty one
-
-
-def store(key: str, decision: Decision) -> None:
-  """Add ``decision`` to the cache file (written whole, then renamed, so a
-  reader never sees half a file). A cache that cannot be written is
-  skipped: the decision still holds for this process."""
-  path = cache_path()
-  if path is None:
-    return
-  with _CACHE_LOCK:
-    try:
-      path.parent.mkdir(parents=True, exist_ok=True)
-      try:
-        entries = json.loads(path.read_text())
-      except (OSError, ValueError):
-        entries = {}
-      entries[key] = {"way": decision.way, "reason": decision.reason,
-                      "trials": [dataclasses.asdict(t) for t in decision.trials],
-                      "timing": decision.timing}
-      fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-")
-      with os.fdopen(fd, "w") as f:
-        json.dump(entries, f, indent=1)
-      os.replace(tmp, path)
-    except OSError:
-      pass
-
-
-# ---------------------------------------------------------------------------
-# Compiling in the background.
-
-def _lowest_priority() -> None:
-  """Run the calling thread at the lowest CPU priority. Linux keeps a nice
-  value per thread (and a compiler it starts inherits it); elsewhere the
-  value is the process's, which is left alone."""
-  if sys.platform.startswith("linux"):
-    try:
-      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-      pass
-
-
-def _usable_cores() -> int:
-  try:
-    return len(os.sched_getaffinity(0))
-  except (AttributeError, OSError):
-    return os.cpu_count() or 1
-
-
-class CompilePool:
-  """Background compiles: at most ``size`` at once, in daemon threads named
-  ``jaxstreams-compile`` that run at the lowest CPU priority and end once
-  nothing is queued. At exit, queued compiles are cancelled and running
-  ones waited for (XLA must not be torn down under a compile)."""
-
-  def __init__(self, size: int):
-    self.size = size
-    self._queue: collections.deque = collections.deque()
-    self._lock = threading.Lock()
-    self._threads: set[threading.Thread] = set()
-
-  def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    with self._lock:
-      self._queue.append((future, fn))
-      if len(self._threads) < self.size:
-        thread = threading.Thread(target=self._work, name="jaxstreams-compile",
-                                  daemon=True)
-        self._threads.add(thread)
-        thread.start()
-    return future
-
-  def _work(self) -> None:
-    _lowest_priority()
-    me = threading.current_thread()
-    while True:
-      with self._lock:
-        if not self._queue:
-          self._threads.discard(me)
-          return
-        future, fn = self._queue.popleft()
-      if future.set_running_or_notify_cancel():
-        try:
-          future.set_result(fn())
-        except Exception as error:  # noqa: BLE001 - reported with the way
-          future.set_exception(error)
-
-  def shutdown(self) -> None:
-    with self._lock:
-      queued, threads = list(self._queue), list(self._threads)
-      self._queue.clear()
-    for future, _ in queued:
-      future.cancel()
-    for thread in threads:
-      thread.join()
-
-
-POOL = CompilePool(max(1, _usable_cores() - 1))
-atexit.register(lambda: POOL.shutdown())
-
-
-def _compile(lowered) -> tuple[Any, float]:
-  start = time.perf_counter()
-  compiled = lowered.compile()
-  return compiled, time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------
 # One signature's choice.
 
 def _copies(dynamic):
@@ -523,14 +211,14 @@ class _Signature:
     self.disk_key = disk_key
     self.device = device
     self.started = started
-    self.decision: Decision | None = None
-    self.preset: Decision | None = None   # from disk, its way compiling
+    self.decision: timing.Decision | None = None
+    self.preset: timing.Decision | None = None   # from disk, its way compiling
     self.pending: dict[str, concurrent.futures.Future] = {}
     self.compile_seconds: dict[str, float] = {}
     self.failed: dict[str, str] = {}
     self.memory: dict[str, int | None] = {}
     self.compiled: dict[str, Any] = {}
-    self.rounds: Rounds | None = None
+    self.rounds: timing.Rounds | None = None
     self.calls = 1      # of this signature, its first included
     self._served = None   # the decided way's jax.jit function
     self._lock = threading.Lock()
@@ -546,7 +234,8 @@ class _Signature:
       except Exception as error:  # noqa: BLE001 - a way that cannot lower
         self.failed[way.name] = f"did not lower: {type(error).__name__}"
         continue
-      self.pending[way.name] = POOL.submit(functools.partial(_compile, lowered))
+      self.pending[way.name] = compile_pool.POOL.submit(
+          functools.partial(compile_pool.compile_lowered, lowered))
 
   def status(self) -> str:
     """Where the choice stands, for the plan."""
@@ -591,7 +280,7 @@ class _Signature:
       return out[0]
 
     try:
-      seconds = time_call(name, run)
+      seconds = timing.time_call(name, run)
     except Exception as error:  # noqa: BLE001
       if not out and name == self.running.name:
         raise                   # the call itself failed, as under jax.jit
@@ -634,11 +323,11 @@ class _Signature:
     start the rounds with those that ran, or decide without them."""
     self.compiled[self.running.name] = owner._jit(
         self.running, top_level=True).trace(*args, **kwargs).lower().compile()
-    self.memory = {w: memory_needed(c) for w, c in self.compiled.items()}
-    big = too_big(self.memory, free_device_memory(self.device))
+    self.memory = {w: timing.memory_needed(c) for w, c in self.compiled.items()}
+    big = timing.too_big(self.memory, timing.free_device_memory(self.device))
     self.failed.update(big)
     if self.running.name in big:
-      self._finish(chooser, Decision(
+      self._finish(chooser, timing.Decision(
           self.running.name, f"kept {self.running.name!r}: it does not fit "
           "in the device's free memory twice, so no way was run beside it",
           self._trials({})))
@@ -651,33 +340,34 @@ class _Signature:
         continue
       copies = _copies(dynamic)
       try:
-        warmup[way.name] = time_call(
+        warmup[way.name] = timing.time_call(
             way.name, lambda: compiled(*copies[0], **copies[1]))
       except Exception as error:  # noqa: BLE001 - a way that cannot run
         self.failed[way.name] = f"failed to run: {_brief(error)}"
     self.compiled = {}
     if self.running.name not in warmup or len(warmup) < 2:
-      self._finish(chooser, Decision(
+      self._finish(chooser, timing.Decision(
           self.running.name, f"kept {self.running.name!r}: no other way "
           "could be timed", self._trials({})))
       return
-    self.rounds = Rounds(warmup)
+    self.rounds = timing.Rounds(warmup)
 
-  def _decide(self) -> Decision:
+  def _decide(self) -> timing.Decision:
     per_round = self.rounds.per_round()
     baseline = "inline" if "inline" in per_round else self.running.name
-    return decide(per_round, baseline=baseline, trials=self._trials)
+    return timing.decide(per_round, baseline=baseline, trials=self._trials)
 
-  def _trials(self, medians: dict[str, float]) -> tuple[Trial, ...]:
-    return tuple(Trial(w.name, medians.get(w.name), self.memory.get(w.name),
-                       self.failed.get(w.name, "")) for w in self.ways)
+  def _trials(self, medians: dict[str, float]) -> tuple[timing.Trial, ...]:
+    return tuple(timing.Trial(w.name, medians.get(w.name),
+                              self.memory.get(w.name), self.failed.get(w.name, ""))
+                 for w in self.ways)
 
   def _keep_running(self, chooser, why: str) -> None:
-    self._finish(chooser, Decision(self.running.name, f"kept "
-                                   f"{self.running.name!r}: {why}",
-                                   self._trials({})), store_it=False)
+    self._finish(chooser, timing.Decision(
+        self.running.name, f"kept {self.running.name!r}: {why}",
+        self._trials({})), store_it=False)
 
-  def _finish(self, chooser, decision: Decision, store_it: bool = True) -> None:
+  def _finish(self, chooser, decision: timing.Decision, store_it: bool = True) -> None:
     if not decision.cached:
       extra = sum(self.compile_seconds.values())
       decision = dataclasses.replace(decision, timing=(
@@ -685,7 +375,7 @@ class _Signature:
           f"{time.perf_counter() - self.started:.2f} s after its first; "
           f"{extra:.2f} s of compiles beside the calls"))
       if store_it and self.disk_key is not None:
-        store(self.disk_key, decision)
+        timing.store(self.disk_key, decision)
     self.decision = decision
     self.pending, self.compiled, self.rounds = {}, {}, None
     chooser.refresh()
@@ -792,16 +482,17 @@ class Chooser:
     if traced.jaxpr.effects:
       way = running or default_way(ways, plan)
       entry = self._signatures[key] = _Signature(way, ways, None, None, started)
-      entry.decision = Decision(way.name, "not timed: the program has side "
-                                "effects, which a warm-up would repeat")
+      entry.decision = timing.Decision(
+          way.name, "not timed: the program has side effects, which a warm-up "
+          "would repeat")
       return way
     lowered = traced.lower()
     device = first_device(args, kwargs, owner._spec.jit_kwargs)
-    disk_key = cache_key(lowered.as_text(), device.device_kind,
+    disk_key = timing.cache_key(lowered.as_text(), device.device_kind,
                          owner._streams, [w.name for w in ways])
     entry = _Signature(running or inline, ways, disk_key, device, started)
     self._signatures[key] = entry
-    cached = load(disk_key)
+    cached = timing.load(disk_key)
     if cached is not None and cached.way in {w.name for w in ways}:
       if running is None or cached.way == running.name:
         entry.decision = cached

@@ -21,7 +21,7 @@ combination of requests.
   both on the server's own models, as ``jaxstreams.jit``'s first call times
   its ways: every batch program of the request's signature is compiled,
   then ``groups`` client threads send copies of the request through each
-  way in interleaved rounds (``jaxstreams.lower.choose.time_interleaved``), and
+  way in interleaved rounds (``jaxstreams.lower.timing.time_interleaved``), and
   grouped is kept only where it beats direct by that function's margin in
   the median and in most rounds. Direct is the baseline: a server is never
   made slower by a choice it could not confirm. The decision is cached on
@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import jax
 
 from jaxstreams import config
-from jaxstreams.lower import choose
+from jaxstreams.lower import timing
 
 MODES = ("by_platform", "direct", "grouped")
 WAYS = ("direct", "grouped")
@@ -56,7 +56,7 @@ def platform() -> str:
 
 def time_way(way: str, run: Callable[[], object]) -> float:
   """Seconds of one timed run of ``way``: the trial's one clock."""
-  return choose.time_call(way, run)
+  return timing.time_call(way, run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +90,12 @@ def start(mode: str, groups: int) -> Start:
 
 def decide(programs, jitted: Sequence[Callable], call_grouped: Callable,
            examples: Sequence[tuple[int, tuple]], groups: int
-           ) -> choose.Decision:
+           ) -> timing.Decision:
   """Measure direct against grouped on ``examples`` (``(model, (args,
   kwargs))`` pairs, which have run once already) and return the decision,
   from the cache where it was made before."""
   key = _cache_key(jitted, examples, groups)
-  cached = choose.load(key)
+  cached = timing.load(key)
   if cached is not None and cached.way in WAYS:
     return cached
   programs.warm([programs.key(model, payload) for model, payload in examples])
@@ -117,10 +117,10 @@ def decide(programs, jitted: Sequence[Callable], call_grouped: Callable,
           future.result()
       return run
 
-    decision = choose.time_interleaved(
+    decision = timing.time_interleaved(
         {"direct": clients(direct), "grouped": clients(call_grouped)},
         baseline="direct", timer=time_way)
-  choose.store(key, decision)
+  timing.store(key, decision)
   return decision
 
 
@@ -129,11 +129,11 @@ def _cache_key(jitted, examples, groups: int) -> str:
   for model, (args, kwargs) in examples:
     texts.append(jitted[model].lower(*args, **kwargs).as_text())
   device = jax.devices()[0].device_kind
-  return choose.cache_key("serve\n" + "\n".join(texts), device, groups,
+  return timing.cache_key("serve\n" + "\n".join(texts), device, groups,
                             ("serve",) + WAYS)
 
 
-def describe(decision: choose.Decision, groups: int) -> str:
+def describe(decision: timing.Decision, groups: int) -> str:
   """The reason a server gives for its mode after a trial."""
   run = (f"{groups} client threads x {REQUESTS_PER_CLIENT} requests per "
          "timed run")

@@ -26,7 +26,7 @@ import numbers
 import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import jax
 from jax import tree_util
