@@ -105,6 +105,15 @@ def _version_tuple(text: str) -> tuple[int, ...]:
   return tuple(parts)
 
 
+def jaxlib_version() -> tuple[int, ...]:
+  """The installed jaxlib's (major, minor): what XLA can compile depends on it."""
+  return _version_tuple(jaxlib.__version__)
+
+
+def jaxlib_text() -> str:
+  return jaxlib.__version__
+
+
 # Whether XLA's latency-hiding scheduler sees the calls stream_call makes.
 # Measured in deviceless H100 compiles (README "What XLA will run"): from
 # jaxlib 0.12 XLA wraps an annotated call as an async pair on the "parallel"
@@ -114,16 +123,7 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 # latency-hiding scheduler leaves the computation as the memory scheduler
 # ordered it, and only the order jaxstreams emits can open a window
 # (lower/emit.py, sequence points).
-XLA_SCHEDULES_STREAM_CALLS = _version_tuple(jaxlib.__version__) >= (0, 12)
-
-
-def jaxlib_version() -> tuple[int, ...]:
-  """The installed jaxlib's (major, minor): what XLA can compile depends on it."""
-  return _version_tuple(jaxlib.__version__)
-
-
-def jaxlib_text() -> str:
-  return jaxlib.__version__
+XLA_SCHEDULES_STREAM_CALLS = jaxlib_version() >= (0, 12)
 
 
 def order_barrier(values: Sequence[Any]) -> list[Any]:
@@ -542,7 +542,7 @@ def install_region_rules() -> None:
 # execution thread, where it neither sanitizes constants' names nor runs the
 # passes that remove optimization barriers: a constant inside a stream call
 # crashes its compiler (a segmentation fault, or ptxas rejecting the name).
-CALLS_RUN_ON_PARALLEL_THREAD = _version_tuple(jaxlib.__version__) >= (0, 12)
+CALLS_RUN_ON_PARALLEL_THREAD = jaxlib_version() >= (0, 12)
 # Marks a region call already lowered through the rule below.
 _PREPARED_ATTRIBUTE = "jaxstreams_prepared"
 
@@ -629,7 +629,6 @@ def _prepared_call(closed, metadata: dict) -> Callable[..., list]:
             else env[v] if v in env else args[operand_of[v]]
             for v in jaxpr.outvars]
   return run
-
 
 
 def _region_primitive():

@@ -70,7 +70,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxstreams import _compat, config
 from jaxstreams.assign.cost import COLLECTIVES
-from jaxstreams.lower.limits import region_hazard
+from jaxstreams.lower.limits import regions_in_place
 from jaxstreams.lower.loops import emit_group
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
@@ -186,22 +186,17 @@ def _in_place(plan: PartitionedProgram, grouped, way: str,
   asked for) it stays a call, marked so that lowering it for a GPU raises
   a ``LoweringError`` naming it (on CPU it runs in place like every
   region)."""
-  aside, refused = {}, {}
-  for index, stream in enumerate(plan.graph.streams):
-    if stream == 0 or index in grouped:
-      continue
-    why = region_hazard(primitives(plan.region_equations(index)))
-    if why is None:
-      continue
-    if strict:
-      refused[index] = (
-          f"{plan.function_name}: gpu_lowering={way!r} cannot run region "
-          f"R{index} (stream {stream}) as a stream call: {why}. Leave "
-          "gpu_lowering at its default (such a region then runs in place, "
-          "independent loops side by side), or use 'loops' or 'inline'.")
-    else:
-      aside[index] = why
-  return aside, refused
+  streams = plan.graph.streams
+  hazards = regions_in_place(
+      streams, lambda i: primitives(plan.region_equations(i)), grouped)
+  if not strict:
+    return hazards, {}
+  return {}, {index: (
+      f"{plan.function_name}: gpu_lowering={way!r} cannot run region "
+      f"R{index} (stream {streams[index]}) as a stream call: {why}. Leave "
+      "gpu_lowering at its default (such a region then runs in place, "
+      "independent loops side by side), or use 'loops' or 'inline'.")
+      for index, why in hazards.items()}
 
 
 def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,

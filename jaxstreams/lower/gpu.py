@@ -152,14 +152,9 @@ def in_place(plan) -> dict[int, str]:
   """The off-main regions of ``plan`` (a ``StreamPlan``) that the installed
   XLA cannot compile as stream calls (``jaxstreams.lower.limits``), and why;
   the loops of a group run as one loop instead."""
-  grouped = {r for group in plan.loops for r in group.regions}
-  found = {}
-  for region in plan.regions:
-    if region.is_call and region.index not in grouped:
-      why = limits.region_hazard(region.holds)
-      if why is not None:
-        found[region.index] = why
-  return found
+  return limits.regions_in_place(
+      [r.stream for r in plan.regions], lambda i: plan.regions[i].holds,
+      {r for group in plan.loops for r in group.regions})
 
 
 def default_top_level(plan=None) -> Way:

@@ -28,6 +28,8 @@ on its stream (``jaxstreams.lower.loops``), which every jaxlib compiles.
 
 from __future__ import annotations
 
+from typing import Callable, Collection, Sequence
+
 from jaxstreams import _compat
 from jaxstreams.tag.read import any_equation
 
@@ -49,6 +51,23 @@ def region_hazard(held: frozenset[str]) -> str | None:
   """Why the installed XLA cannot compile a region that binds the
   primitives ``held`` (``Region.holds``) as one stream call, or None."""
   return _hazard(bool(held & LOOPS), bool(held & {BARRIER, REMAT}))
+
+
+def regions_in_place(streams: Sequence[int],
+                     holds: Callable[[int], frozenset[str]],
+                     grouped: Collection[int]) -> dict[int, str]:
+  """The off-main regions (of plan streams ``streams``, by index) that the
+  installed XLA cannot compile as stream calls, and why; ``holds(index)``
+  gives a region's primitives, and the regions ``grouped`` run as one loop
+  instead. The plan's report (``lower/gpu.py``) and the emitted program
+  (``lower/emit.py``) both read this."""
+  found = {}
+  for index, stream in enumerate(streams):
+    if stream != 0 and index not in grouped:
+      why = region_hazard(holds(index))
+      if why is not None:
+        found[index] = why
+  return found
 
 
 def body_hazard(eqns) -> str | None:
