@@ -14,9 +14,7 @@ with ``JAXSTREAMS_REQUIRE_GPU_TARGET=1``.
 """
 
 import jax
-import jax.numpy as jnp
 import pytest
-from jax import lax
 
 import jaxstreams
 from jaxstreams.lower import gpu

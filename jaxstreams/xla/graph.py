@@ -28,7 +28,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Sequence
+from typing import Any
 
 from jaxstreams import _compat
 from jaxstreams.xla.launches import (Conditional, CudaGraph, GpuProgram,
@@ -68,11 +68,11 @@ class XlaGraphs:
     # The command types XLA put into graphs for this program (its log).
     self.command_types = command_types
     self.graphs = program.graphs
-    self.outside = tuple(_outside(call) for call in program.walk()
+    launches = tuple(program.walk())
+    self.outside = tuple(_outside(call) for call in launches
                          if isinstance(call, StreamCall) and call.planned)
-    self.loops = tuple(l for l in program.walk() if isinstance(l, Loop))
-    self.conditionals = tuple(c for c in program.walk()
-                              if isinstance(c, Conditional))
+    self.loops = tuple(l for l in launches if isinstance(l, Loop))
+    self.conditionals = tuple(c for c in launches if isinstance(c, Conditional))
     # Launches made one by one, outside any graph.
     self.ungraphed = tuple(k.instruction or k.name
                            for k in program.loose_kernels)
