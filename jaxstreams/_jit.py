@@ -38,8 +38,8 @@ from jax import tree_util
 
 from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams._trace import trace
-from jaxstreams.lower import choose, emit, gpu
-from jaxstreams.lower.emit import FUSING_PROGRAMS
+from jaxstreams.lower import choose, gpu
+from jaxstreams.lower.emit import FUSING_PROGRAMS, emit, emits_inline
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 from jaxstreams.runtime.profile import profiling_now
 
@@ -204,11 +204,15 @@ class _Plans:
   def __init__(self):
     self._lock = threading.Lock()
     self._plans: "collections.OrderedDict[Any, tuple]" = collections.OrderedDict()
+    # What a plan implies, by (signature, question): whether a nested
+    # program emits jax.jit's (StreamJit._nested_emits_inline).
+    self.facts: dict[Any, Any] = {}
     _compat.register_cache(self, "jaxstreams plans")
 
   def cache_clear(self) -> None:
     with self._lock:
       self._plans.clear()
+      self.facts.clear()
 
   @staticmethod
   def key(args, kwargs, options) -> Any:
@@ -403,7 +407,11 @@ class _Spec:
       return jax.jit(staged, **kwargs)
 
   def plan(self, *args, **kwargs) -> StreamPlan:
-    """The ``StreamPlan`` for these arguments (traces; does not compile).
+    """The ``StreamPlan`` for these arguments (traces; does not compile)."""
+    return report(self.partitioned(*args, **kwargs))
+
+  def partitioned(self, *args, **kwargs) -> PartitionedProgram:
+    """The partitioned program for these arguments, what ``emit`` lowers.
     The trace is jax's uncached one: it shares the plan with the calls'
     traces, and jax's accounting sees no jit trace of its own."""
     streams = self.streams_now()
@@ -417,7 +425,7 @@ class _Spec:
 
     nums, names = self.static_arguments(args, kwargs)
     _compat.trace_to_jaxpr(plan_only, args, kwargs, sorted(nums), sorted(names))
-    return report(plans[0])
+    return plans[0]
 
 
 def make_plan(fun: Callable, streams: int, spread: bool | None, source: str,
@@ -513,9 +521,7 @@ class StreamJit(functools.partial):
     trace: its nested program)."""
     options = (way.compiler_options(self._streams, plan or self._settled_plan)
                if top_level else {})
-    program = way.program if top_level else way.nested.program
-    if program in FUSING_PROGRAMS and self._spans_devices(top_level):
-      program = "bodies"
+    program = self._program(way, top_level)
     key = (program, tuple(sorted(options.items())), donate)
     jitted = self._jits.get(key)
     if jitted is None:
@@ -525,6 +531,14 @@ class StreamJit(functools.partial):
           jitted = self._jits[key] = self._spec.jitted(
               self._streams, program, options, donate)
     return jitted
+
+  def _program(self, way: gpu.Way, top_level: bool) -> str:
+    """What ``emit`` builds for ``way`` at top level or inside another
+    trace (see ``jaxstreams.lower.emit``)."""
+    program = way.program if top_level else way.nested.program
+    if program in FUSING_PROGRAMS and self._spans_devices(top_level):
+      program = "bodies"
+    return program
 
   def _spans_devices(self, top_level: bool) -> bool:
     """Whether the program may be partitioned over several devices: then
@@ -543,11 +557,45 @@ class StreamJit(functools.partial):
     return gpu.default_nested() if name == gpu.DEFAULT else gpu.WAYS[name].nested
 
   def _nested_jit(self):
-    """The ``jax.jit`` function of a call traced inside another jit before
-    the first top-level call settled: the nested way's (what a GPU runs
-    there; on CPU the same results), so an outer jit lowered for a GPU from
-    a machine without one gets the GPU's program."""
+    """The ``jax.jit`` function of calls traced inside another jit: the
+    nested way's (what a GPU runs there; on CPU the same results), so an
+    outer jit lowered for a GPU from a machine without one gets the GPU's
+    program."""
     return self._jit(self._nested_way(), top_level=False)
+
+  def _nested_jit_for(self, args, kwargs):
+    """The ``jax.jit`` function of this call traced inside another jit:
+    ``_nested_jit``'s, or ``jax.jit``'s program where the nested way emits
+    exactly that for this signature's plan (nothing off the main stream,
+    no loops to run as one) and the way is the default. Then the call
+    shares its trace with the top-level calls, whose way builds that
+    program too, as ``jax.jit``'s calls share one trace in every context.
+    A way asked for runs its nested program in both contexts on CPU (one
+    trace too); a nested way that emits something else than the top-level
+    one is another program, and another trace."""
+    way = self._nested_way()
+    program = self._program(way, top_level=False)
+    if (program != "inline" and self._spec.lowering() == gpu.DEFAULT
+        and self._nested_emits_inline(program, args, kwargs)):
+      way = gpu.WAYS["inline"]
+    return self._jit(way, top_level=False)
+
+  def _nested_emits_inline(self, program: str, args, kwargs) -> bool:
+    """Whether ``program`` emits ``jax.jit``'s program for the plan of
+    these arguments. Kept per signature: a function called inside a traced
+    loop body or under an eager ``jax.grad`` asks at every call."""
+    spec = self._spec
+    plans = spec.plans(self._streams)
+    key = plans.key(args, kwargs, (
+        program, _pipeline.options_from_config(spec.spread)))
+    known = plans.facts.get(key) if key is not None else None
+    if known is None:
+      known = emits_inline(spec.partitioned(*args, **kwargs), program)
+      if key is not None:
+        if len(plans.facts) >= 4 * plans.SIZE:   # as bounded as the plans
+          plans.facts.clear()
+        plans.facts[key] = known
+    return known
 
   def _aot_jit(self, args, kwargs):
     """The ``jax.jit`` function that ``lower``, ``trace`` and

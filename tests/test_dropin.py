@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxstreams
+from jaxstreams import _compat
 from programs import (LOWERINGS, TRACES, assert_equal_results, cuda_text,
                       jax_events, random_inputs, two_towers)
 
@@ -173,6 +174,72 @@ def test_jaxs_own_trace_and_lowering_counts_are_jax_jits(spread):
   ours = counts(lambda f: jaxstreams.jit(f, streams=3, spread=spread,
                                          gpu_lowering="default"))
   assert ours == counts(jax.jit) == [(1, 1), (1, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("lowering", ["default", "streams"])
+@pytest.mark.parametrize("nested_first", [True, False])
+def test_a_function_shares_its_trace_between_contexts_as_jax_jits(
+    lowering, nested_first):
+  """A function called as a scan's body inside another jit and at top level
+  (either first) is traced once, as under ``jax.jit``
+  (jax's ``test_lowering_cache_hit_with_closed_over_constants_scan``): its
+  plan has nothing off the main stream, so the program a GPU runs it
+  inside another jit is ``jax.jit``'s, the top-level one's."""
+  constant = np.arange(8)
+
+  def counts(make):
+    body = make(lambda carry, x: (carry + constant, None))
+    outer = jax.jit(lambda: jax.lax.scan(body, np.zeros_like(constant),
+                                         np.ones((8,), np.float32)))
+    top = lambda: body(constant, np.float32(1))
+    calls = [outer, top] if nested_first else [top, outer]
+    found = []
+    with jax_events(TRACES) as traces, jax_events(LOWERINGS) as lowerings:
+      for call in calls + calls:
+        call()
+        found.append((traces(), lowerings()))
+    return [(t - found[0][0], l - found[0][1]) for t, l in found]
+
+  counts(jax.jit)   # jax's own helpers traced once
+  ours = counts(lambda f: jaxstreams.jit(f, streams=4, spread=True,
+                                         gpu_lowering=lowering))
+  assert ours == counts(jax.jit)
+
+
+def test_a_nested_call_of_a_multi_stream_plan_still_gets_the_gpu_program():
+  """Only a plan that the nested way emits as ``jax.jit``'s program shares
+  the top-level trace: one with stream calls (jax 0.12) or loops to run as
+  one gets the nested way's own program inside another jit, the program a
+  GPU runs there."""
+  x, w1, w2 = random_inputs((8, 16), (16, 16), (16, 16))
+  stacked = random_inputs((3, 16, 16), (3, 16, 16), seed=1)
+  inline = jaxstreams.lower.gpu.WAYS["inline"]
+  cases = [(on_main, (x, w1, w2), True),
+           (two_towers, (x, w1, w2), not _compat.XLA_SCHEDULES_STREAM_CALLS),
+           (scan_towers, (x, *stacked), False)]
+  for fun, args, shared in cases:
+    f = jaxstreams.jit(fun, streams=3, gpu_lowering="default")
+    nested = jax.jit(lambda *a: f(*a)).trace(*args).jaxpr
+    (call,) = [e for e in nested.eqns if e.primitive.name in ("pjit", "jit")]
+    assert (f._nested_jit_for(args, {}) is f._jit(inline, top_level=False)
+            ) is shared, fun.__name__
+    inner = str(call.params["jaxpr"])
+    assert (inner == str(jax.make_jaxpr(fun)(*args).jaxpr)) is shared, (
+        fun.__name__)
+
+
+def on_main(x, w1, w2):
+  return jnp.tanh(x @ w1).sum() + (x @ w2).sum()
+
+
+def scan_towers(x, ws1, ws2):
+  layers = lambda ws: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None),
+                                   x, ws)[0]
+  with jaxstreams.stream(1):
+    a = layers(ws1)
+  with jaxstreams.stream(2):
+    b = layers(ws2)
+  return (a * b).sum()
 
 
 def _streams_option(value):

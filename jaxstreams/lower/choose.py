@@ -452,7 +452,7 @@ class Chooser:
                         "hashed")
       self.static = choice
       top = owner._jit(choice.way, top_level=True)
-      nested = top if choice.single_stream else owner._nested_jit()
+      nested = top if choice.single_stream else Nested(self._owner)
       owner._point_to(top if top is nested else Switch(top, nested))
       return top
 
@@ -552,7 +552,7 @@ class Chooser:
         way = gpu.WAYS[ways.pop()]
         top = owner._jit(way, top_level=True)
         if not (isinstance(owner.func, Watch) and owner.func.top is top):
-          owner._point_to(Watch(top, owner._nested_jit(), self, way))
+          owner._point_to(Watch(top, Nested(self._owner), self, way))
       elif not isinstance(owner.func, BySignature):
         owner._point_to(BySignature(self._owner))
 
@@ -631,8 +631,23 @@ class FirstCall:
     if me._streams is None:
       return me._by_option()(*args, **kwargs)
     if not _compat.at_top_level():
-      return me._nested_jit()(*args, **kwargs)
+      return me._nested_jit_for(args, kwargs)(*args, **kwargs)
     return me._chooser.settle(args, kwargs)(*args, **kwargs)
+
+
+class Nested:
+  """Calls traced inside another jit (or under ``jax.grad`` / ``jax.vmap``):
+  to the nested way's ``jax.jit`` function, or to ``jax.jit``'s program
+  where the nested way emits that for the call's plan, so the call shares
+  its trace with top-level calls (``StreamJit._nested_jit_for``)."""
+
+  __slots__ = ("ref",)
+
+  def __init__(self, ref):
+    self.ref = ref
+
+  def __call__(self, *args, **kwargs):
+    return self.ref()._nested_jit_for(args, kwargs)(*args, **kwargs)
 
 
 class Switch:
@@ -691,5 +706,5 @@ class BySignature:
   def __call__(self, *args, **kwargs):
     me = self.ref()
     if not _compat.at_top_level():
-      return me._nested_jit()(*args, **kwargs)
+      return me._nested_jit_for(args, kwargs)(*args, **kwargs)
     return me._chooser.call(args, kwargs)

@@ -89,6 +89,20 @@ REGION_SCOPE = "jaxstreams_region_{index}"
 FUSING_PROGRAMS = ("streams", "loops", "loops_graphed")
 
 
+def emits_inline(plan: PartitionedProgram, program: str) -> bool:
+  """Whether ``emit`` builds the ``inline`` program (the one ``jax.jit``
+  builds) for ``plan`` when asked for ``program``: a program of stream
+  calls with nothing off the main stream, or one that runs loops as one
+  with no loops to group, binds every equation in place, in plan order, as
+  ``inline`` does. Profiling aside, which makes calls in every program."""
+  if program in ("streams", "bodies"):
+    return not (plan.has_calls if program == "streams" else
+                any(body.has_calls for body in plan.bodies.values()))
+  if program in FUSING_PROGRAMS:
+    return not plan.graph.loops
+  return program == "inline"
+
+
 def xla_stream(plan: PartitionedProgram, stream: int) -> int:
   """The XLA:GPU compute stream a region of plan stream ``stream`` runs on:
   the plan's off-main streams numbered from 1 in order. The plan's ids are
