@@ -1,35 +1,17 @@
 """Everything that depends on a JAX version or on JAX internals, in one place.
 
-jaxstreams supports jax 0.10 (what pip resolves on Python 3.11), jax 0.11
-(the GPU machines' image) and jax 0.12 (what pip resolves on Python 3.12 and
-3.13). The rest of the package imports JAX internals only through this
-module, so a JAX upgrade touches one file.
-
-What lives here, and why it cannot use a public API:
-
-* ``stream_call``: wraps a function so that it lowers to one ``call`` op with
-  the frontend attributes ``_xla_stream_annotation`` and ``inlineable``. JAX
-  exposes this as ``xla_metadata_call`` (``jax.experimental.scheduling_groups``
-  in 0.10, ``jax.experimental.xla_metadata`` from 0.11), a primitive with the
-  full set of jvp / linearize / transpose / batching / DCE rules, so regions
-  stay regions under ``jax.grad`` and ``jax.vmap`` applied outside.
-  ``order_barrier`` is the same primitive around ``optimization_barrier``.
-* ``XLA_SCHEDULES_STREAM_CALLS``: whether the XLA inside this jaxlib
-  schedules work between a stream call's start and done by itself.
-* name stacks and source locations of equations (``eqn.source_info``): the
-  carrier of ``jaxstreams.stream`` tags.
-* making fresh ``Var`` s and ``Jaxpr`` s when regions are cut out of a jaxpr
-  (from 0.11 ``Jaxpr`` and ``ClosedJaxpr`` are one class, and a jaxpr's
-  constants are the inputs that carry values: ``make_jaxpr`` hides that).
-* ``shard_map`` bodies: the body of a ``shard_map`` equation, whether it
-  is over its whole mesh, and binding it again with another body (through
-  the public ``jax.shard_map``, from the equation's parameters).
-* ``host_array_to_device``: a numpy array onto jax's default device through
-  the call ``jax.device_put`` itself ends in, without its Python layers
-  (prefetch places every item with it).
-* ``ARRAY_TYPE``: the concrete class of jax arrays, for an identity test on
-  a per-request path (``isinstance(x, jax.Array)`` goes through a Python
-  ``__instancecheck__``).
+jaxstreams supports jax 0.10 (what pip resolves on Python 3.11), 0.11 (the
+GPU machines' image) and 0.12 (what pip resolves on Python 3.12 and 3.13).
+The rest of the package reaches JAX internals only through this module, so
+a JAX upgrade touches one file; it imports nothing of jaxstreams, and every
+stage stands on it. Its sections, in order: versions; calls with frontend
+attributes (jax's ``xla_metadata_call``, which carries the region calls of
+``jaxstreams.lower.calls``); name stacks and source locations (the carriers
+of ``jaxstreams.stream`` tags); building jaxprs and reading equations'
+parameters (from 0.11 ``Jaxpr`` and ``ClosedJaxpr`` are one class);
+``shard_map`` bodies; tracing, jax's caches and traceback filtering; host
+arrays onto a device, module text compiled, the class of jax arrays, the
+CUDA plugin on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -42,60 +24,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.extend.core as jcore
-import jax.interpreters.mlir
 import jaxlib
 from jax import tree_util
 from jax.extend import source_info_util
 
-# The name jax gives the nested-jit primitive: "pjit" before 0.8, "jit" since.
-NESTED_JIT_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
-
-
-def _find_xla_metadata_call() -> Callable[..., Any]:
-  for module_name in ("jax.experimental.xla_metadata",
-                      "jax.experimental.scheduling_groups"):
-    try:
-      module = importlib.import_module(module_name)
-    except ImportError:
-      continue
-    fn = getattr(module, "xla_metadata_call", None)
-    if fn is not None:
-      return fn
-  raise ImportError(
-      f"jaxstreams needs jax's xla_metadata_call (jax.experimental.xla_metadata "
-      f"or jax.experimental.scheduling_groups); jax {jax.__version__} has neither. "
-      "Install jax>=0.10.")
-
-
-_xla_metadata_call = _find_xla_metadata_call()
-
-STREAM_ANNOTATION = "_xla_stream_annotation"
-# Marks the calls jaxstreams emits, so the CPU lowering below touches no others.
-# Its value is the index of the plan region the call was emitted for; XLA
-# copies it onto the call-start / call-done pair (jaxstreams.xla_schedule).
-REGION_ATTRIBUTE = "jaxstreams_region"
-# Marks jaxstreams' ordering barriers (``order_barrier``).
-ORDER_ATTRIBUTE = "jaxstreams_order"
-
-
-# Marks a region call that the installed XLA:GPU cannot compile: lowering
-# it for a GPU raises jaxstreams.LoweringError with the attribute's text
-# (on CPU it runs in place, as every region does there).
-REFUSED_ATTRIBUTE = "jaxstreams_refused"
-
-
-def stream_call(fn: Callable[..., Any], stream_id: int, region: int,
-                refused: str | None = None) -> Callable[..., Any]:
-  """``fn`` as one non-inlineable call that XLA:GPU runs on stream
-  ``stream_id``, tagged with the index of the plan ``region`` it is.
-  ``refused``: why XLA:GPU cannot compile it (lowering it for a GPU then
-  raises that)."""
-  attributes = {STREAM_ANNOTATION: str(stream_id), "inlineable": "false",
-                REGION_ATTRIBUTE: str(region)}
-  if refused is not None:
-    attributes[REFUSED_ATTRIBUTE] = refused
-  return _xla_metadata_call(fn, **attributes)
-
+# ---------------------------------------------------------------------------
+# Versions.
 
 def _version_tuple(text: str) -> tuple[int, ...]:
   parts = []
@@ -122,21 +56,50 @@ def jaxlib_text() -> str:
 # the pair stays on the main thread, the tracker does not count it, the
 # latency-hiding scheduler leaves the computation as the memory scheduler
 # ordered it, and only the order jaxstreams emits can open a window
-# (lower/emit.py, sequence points).
+# (lower/order.py, sequence points).
 XLA_SCHEDULES_STREAM_CALLS = jaxlib_version() >= (0, 12)
 
+# From jaxlib 0.12 XLA compiles an annotated call on its "parallel"
+# execution thread, where it neither sanitizes constants' names nor runs the
+# passes that remove optimization barriers: a constant inside a stream call
+# crashes its compiler (a segmentation fault, or ptxas rejecting the name).
+CALLS_RUN_ON_PARALLEL_THREAD = jaxlib_version() >= (0, 12)
 
-def order_barrier(values: Sequence[Any]) -> list[Any]:
-  """``values`` through one optimization barrier in the GPU program: XLA
-  computes every value before any result is read. On CPU the call lowers to
-  nothing (the values pass through), so CPU programs stay those jax.jit
-  builds. Differentiable, batchable and splittable like a region call."""
-  def barrier(*xs):
-    return list(jax.lax.optimization_barrier(xs))
-  return list(_xla_metadata_call(barrier, **{ORDER_ATTRIBUTE: "1"})(*values))
+# jax 0.10's optimization_barrier gives every result the varying axes of all
+# its operands together (measured: an invariant value through a barrier
+# beside a varying one came out varying); from 0.11 each keeps its own.
+BARRIER_JOINS_VARYING_AXES = _version_tuple(jax.__version__) < (0, 11)
+
+# The name jax gives the nested-jit primitive: "pjit" before 0.8, "jit" since.
+NESTED_JIT_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
 
 
-def _metadata_of(params: dict) -> dict[str, str]:
+# ---------------------------------------------------------------------------
+# Calls with frontend attributes.
+
+def _find_xla_metadata_call() -> Callable[..., Any]:
+  for module_name in ("jax.experimental.xla_metadata",
+                      "jax.experimental.scheduling_groups"):
+    try:
+      module = importlib.import_module(module_name)
+    except ImportError:
+      continue
+    fn = getattr(module, "xla_metadata_call", None)
+    if fn is not None:
+      return fn
+  raise ImportError(
+      f"jaxstreams needs jax's xla_metadata_call (jax.experimental.xla_metadata "
+      f"or jax.experimental.scheduling_groups); jax {jax.__version__} has neither. "
+      "Install jax>=0.10.")
+
+
+# ``xla_metadata_call(fn, **attributes)``: ``fn`` as one call op with these
+# frontend attributes, a primitive with the full set of jvp / linearize /
+# transpose / batching / DCE rules.
+xla_metadata_call = _find_xla_metadata_call()
+
+
+def call_metadata(params: dict) -> dict[str, str]:
   """The frontend attributes of an xla_metadata_call equation: jax 0.10 keeps
   them as keyword params, later versions as an ``xla_metadata`` tuple."""
   if "xla_metadata" in params:
@@ -144,57 +107,53 @@ def _metadata_of(params: dict) -> dict[str, str]:
   return {k: v for k, v in params.items() if isinstance(v, str)}
 
 
-def _install_cpu_inline_lowering() -> None:
-  """On CPU, lower jaxstreams' region calls inline.
-
-  XLA:CPU has one stream, so a region call buys nothing there, and a call
-  boundary that XLA may not inline blocks algebraic rewrites across it
-  (``(x * 2) * y`` reassociated, say), which changes the last bits of some
-  results. Inline, the CPU program is the one ``jax.jit`` would build, and
-  its results are bitwise the same. ``order_barrier`` calls lower to
-  nothing on CPU, for the same reason. GPU lowering is untouched, and
-  lowering for a GPU from a CPU-only machine (``lowering_platforms=("cuda",)``)
-  still shows the annotated calls and the barriers.
-  """
-  probe = jax.make_jaxpr(stream_call(lambda x: x, 1, 0))(1.0)
-  primitive = probe.jaxpr.eqns[0].primitive
-  from jax._src.interpreters import mlir as mlir_internal  # the default rule
+def default_lowering(primitive) -> Callable:
+  """jax's own lowering rule of ``primitive`` (for every platform), for a
+  rule registered for one platform to fall back on. Internal to jax."""
+  from jax._src.interpreters import mlir as mlir_internal
   entry = mlir_internal._lowerings[primitive]
-  default_rule = getattr(entry, "rule", entry)   # a LoweringRuleEntry since 0.9
-
-  def cpu_rule(ctx, *args, jaxpr, **params):
-    metadata = _metadata_of(params)
-    if ORDER_ATTRIBUTE in metadata:   # a barrier orders nothing on one stream
-      return jax.interpreters.mlir.lower_fun(
-          _without_barriers(jaxpr), multiple_results=True)(ctx, *args)
-    if REGION_ATTRIBUTE in metadata:
-      return jax.interpreters.mlir.lower_fun(
-          jcore.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
-    return default_rule(ctx, *args, jaxpr=jaxpr, **params)
-
-  jax.interpreters.mlir.register_lowering(primitive, cpu_rule, platform="cpu")
+  return getattr(entry, "rule", entry)   # a LoweringRuleEntry since 0.9
 
 
-def _without_barriers(closed) -> Callable[..., list]:
-  """``closed`` (an order_barrier's body, outputs perhaps pruned by jax's
-  dead-code elimination) as a function whose optimization barriers pass
-  their operands through."""
-  jaxpr = closed.jaxpr
+def split_calls_by_known_inputs(primitive, applies: Callable[[dict], bool]
+                                ) -> None:
+  """Give the call primitive ``primitive`` (its equations carry a
+  ``jaxpr``) a partial-evaluation rule for the equations whose parameters
+  ``applies`` to: a call with known and unknown inputs is split by data
+  dependence into a call of the known work and a call of the unknown work,
+  each with the equation's parameters, as jax does for its own call
+  primitives. Other equations keep jax's default; nothing changes where
+  this jax has a rule of its own. Internal to jax (``partial_eval``)."""
+  from jax._src.interpreters import partial_eval as pe
+  if primitive in pe.custom_partial_eval_rules:
+    return   # a jax with its own rule
 
-  def run(*args):
-    env = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-    for eqn in jaxpr.eqns:
-      ins = [read(v) for v in eqn.invars]
-      if eqn.primitive is jax.lax.optimization_barrier_p:
-        outs = ins
-      else:
-        outs = eqn.primitive.bind(*ins, **eqn.params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-      env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
-  return run
+  def partial_eval(trace, *tracers, jaxpr, **params):
+    if not applies(params):
+      return trace.default_process_primitive(
+          primitive, tracers, dict(params, jaxpr=jaxpr))
+    unknown_in = [not t.pval.is_known() for t in tracers]
+    known_jaxpr, unknown_jaxpr, unknown_out, residual_avals = \
+        pe.partial_eval_jaxpr_nounits(jaxpr, unknown_in, instantiate=False)
+    known_in = [t.pval.get_known() for t in tracers if t.pval.is_known()]
+    known_results = primitive.bind(*known_in, jaxpr=known_jaxpr, **params)
+    split = len(known_results) - len(residual_avals)
+    known_out, residuals = known_results[:split], known_results[split:]
+    unknown_tracers_in = [*map(trace.new_instantiated_const, residuals),
+                          *(t for t in tracers if not t.pval.is_known())]
+    unknown_tracers_out = [pe.JaxprTracer(trace, pe.PartialVal.unknown(aval),
+                                          None)
+                           for aval in unknown_jaxpr.out_avals]
+    recipe = pe.new_eqn_recipe(trace, unknown_tracers_in, unknown_tracers_out,
+                               primitive, dict(params, jaxpr=unknown_jaxpr),
+                               unknown_jaxpr.effects,
+                               source_info_util.current())
+    for tracer in unknown_tracers_out:
+      tracer.recipe = recipe
+    known_iter, unknown_iter = iter(known_out), iter(unknown_tracers_out)
+    return [next(unknown_iter) if u else next(known_iter) for u in unknown_out]
+
+  pe.custom_partial_eval_rules[primitive] = partial_eval
 
 
 # ---------------------------------------------------------------------------
@@ -287,27 +246,6 @@ def jit_params_are_plain(params: dict) -> bool:
   return not any(params.get("donated_invars", ()))
 
 
-_HAS_SUBJAXPRS: dict[Any, bool] = {}
-
-
-def sub_jaxprs(eqn) -> list:
-  """The jaxprs in ``eqn``'s parameters (loop bodies, branches, calls).
-
-  Whether a primitive takes jaxpr parameters does not change from one
-  equation to the next, so primitives found to have none are remembered and
-  skipped: the generic scan of parameters is a large share of planning time.
-  """
-  known = _HAS_SUBJAXPRS.get(eqn.primitive)
-  if known is False:
-    return []
-  found = list(jcore.jaxprs_in_params(eqn.params))
-  if known is None:
-    _HAS_SUBJAXPRS[eqn.primitive] = bool(found) or any(
-        isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr, tuple, list))
-        for v in eqn.params.values())
-  return found
-
-
 def nested_jaxpr(params: dict):
   """The closed jaxpr a nested-jit / call eqn runs (with ``.jaxpr`` and
   ``.consts``). From jax 0.11 ClosedJaxpr is Jaxpr, consts included."""
@@ -358,12 +296,6 @@ def varying_axes(aval) -> frozenset:
   return getattr(getattr(aval, "mat", None), "varying", None) or frozenset()
 
 
-# jax 0.10's optimization_barrier gives every result the varying axes of all
-# its operands together (measured: an invariant value through a barrier
-# beside a varying one came out varying); from 0.11 each keeps its own.
-BARRIER_JOINS_VARYING_AXES = _version_tuple(jax.__version__) < (0, 11)
-
-
 def bind_shard_map(eqn, body: Callable[..., Sequence[Any]],
                    args: Sequence[Any]) -> list[Any]:
   """Bind ``eqn`` (a ``shard_map`` equation) again on ``args``, with
@@ -383,12 +315,7 @@ def bind_shard_map(eqn, body: Callable[..., Sequence[Any]],
 
 
 # ---------------------------------------------------------------------------
-# Region-call rules for jaxstreams.jit as a drop-in for jax.jit.
-# Installed by the first emission of a region (``install_region_rules``), not
-# at import: importing jaxstreams changes nothing in jax.
-
-_region_rules_installed = False
-
+# Tracing, jax's caches and its traceback filtering.
 
 def _find_top_level_check() -> Callable[[], bool]:
   from jax._src import core
@@ -494,11 +421,6 @@ def function_name(fun: Callable) -> str:
   return util.fun_name(fun)
 
 
-def jit_disabled() -> bool:
-  """Whether ``jax.disable_jit()`` is in force."""
-  return bool(jax.config.jax_disable_jit)
-
-
 _package_frames_hidden = False
 
 
@@ -521,166 +443,6 @@ def hide_package_frames() -> None:
   from jax._src import traceback_util
   traceback_util.register_exclusion(_PACKAGE_DIR)
   _package_frames_hidden = True
-
-
-def install_region_rules() -> None:
-  """Install, once, what jaxstreams' region calls need from jax: the CPU
-  inline lowering, the GPU lowering that gives XLA calls it compiles, and
-  a partial-evaluation rule that splits a region's
-  primal work from its linear work (``jax.checkpoint`` needs it). Calls that
-  are not jaxstreams regions keep jax's own rules."""
-  global _region_rules_installed
-  if _region_rules_installed:
-    return
-  _install_cpu_inline_lowering()
-  _install_gpu_region_lowering()
-  _install_region_partial_eval()
-  _region_rules_installed = True
-
-
-# From jaxlib 0.12 XLA compiles an annotated call on its "parallel"
-# execution thread, where it neither sanitizes constants' names nor runs the
-# passes that remove optimization barriers: a constant inside a stream call
-# crashes its compiler (a segmentation fault, or ptxas rejecting the name).
-CALLS_RUN_ON_PARALLEL_THREAD = jaxlib_version() >= (0, 12)
-# Marks a region call already lowered through the rule below.
-_PREPARED_ATTRIBUTE = "jaxstreams_prepared"
-
-
-def _install_gpu_region_lowering() -> None:
-  """Lower jaxstreams' region calls for CUDA as XLA compiles them.
-
-  * A result that is one of the call's operands, passed through (jax's
-    differentiation makes such results), is taken from the operand
-    instead: XLA 0.10 can fuse the copy it makes of such a result into a
-    cycle ("A cycle is detected while visiting instruction").
-  * From jaxlib 0.12, what the call computes from constants and literals
-    alone (values jax's differentiation makes, a user's constants) is
-    computed before it and passed in, and every operand passes an
-    optimization barrier, so that XLA neither folds a constant into the
-    call nor copies a constant operand into it. Constants that stay inside
-    are literals of elementwise work, which XLA fuses into kernels.
-
-  The call itself is lowered by jax's rule.
-  """
-  primitive = _region_primitive()
-  from jax._src.interpreters import mlir as mlir_internal  # the default rule
-  entry = mlir_internal._lowerings[primitive]
-  default_rule = getattr(entry, "rule", entry)
-
-  def gpu_rule(ctx, *args, jaxpr, **params):
-    metadata = _metadata_of(params)
-    if REFUSED_ATTRIBUTE in metadata:
-      from jaxstreams.lower.limits import LoweringError
-      raise LoweringError(metadata[REFUSED_ATTRIBUTE])
-    if REGION_ATTRIBUTE not in metadata or _PREPARED_ATTRIBUTE in metadata:
-      return default_rule(ctx, *args, jaxpr=jaxpr, **params)
-    run = _prepared_call(jaxpr, {**metadata, _PREPARED_ATTRIBUTE: "1"})
-    return jax.interpreters.mlir.lower_fun(run, multiple_results=True)(
-        ctx, *args)
-
-  for platform in ("cuda", "rocm"):
-    jax.interpreters.mlir.register_lowering(primitive, gpu_rule,
-                                            platform=platform)
-
-
-def _prepared_call(closed, metadata: dict) -> Callable[..., list]:
-  """A function of the call's operands running ``closed`` as a region call
-  (attributes ``metadata``), its forwarded results taken from the operands
-  and, from jaxlib 0.12, its constant work outside and its operands behind
-  one optimization barrier."""
-  jaxpr = closed.jaxpr
-  # Values computed before the call: its constants, and from jaxlib 0.12
-  # what it makes from constants and literals alone.
-  outside = set(jaxpr.constvars)
-  hoisted, kept = [], []
-  for eqn in jaxpr.eqns:
-    if (CALLS_RUN_ON_PARALLEL_THREAD and not eqn.effects
-        and not sub_jaxprs(eqn) and all(
-            isinstance(v, jcore.Literal) or v in outside for v in eqn.invars)):
-      outside.update(eqn.outvars)
-      hoisted.append(eqn)
-    else:
-      kept.append(eqn)
-  operand_of = {v: k for k, v in enumerate(jaxpr.invars)}
-  passed = list(dict.fromkeys(   # computed before, read inside
-      v for eqn in kept for v in eqn.invars
-      if not isinstance(v, jcore.Literal) and v in outside))
-  returned = [v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)
-              and v in outside]   # computed before, a result
-  before = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(make_jaxpr(
-      jaxpr.constvars, [*passed, *returned], hoisted), ()))
-  results_inside = [v for v in jaxpr.outvars
-                    if not isinstance(v, jcore.Literal) and v not in outside
-                    and v not in operand_of]
-  call = _xla_metadata_call(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(
-      make_jaxpr([*passed, *jaxpr.invars], results_inside, kept), ())),
-      **metadata)
-
-  def run(*args):
-    made = before(*closed.consts)
-    env = dict(zip([*passed, *returned], made))
-    operands = [*made[:len(passed)], *args]
-    if CALLS_RUN_ON_PARALLEL_THREAD and operands:
-      operands = jax.lax.optimization_barrier(operands)
-    env.update(zip(results_inside,
-                   call(*operands) if results_inside else ()))
-    return [v.val if isinstance(v, jcore.Literal)
-            else env[v] if v in env else args[operand_of[v]]
-            for v in jaxpr.outvars]
-  return run
-
-
-def _region_primitive():
-  probe = jax.make_jaxpr(_xla_metadata_call(lambda x: x, probe="1"))(1.0)
-  return probe.jaxpr.eqns[0].primitive
-
-
-def _install_region_partial_eval() -> None:
-  """Split region calls by data dependence when they are partially evaluated.
-
-  ``jax.checkpoint`` transposes its body by first separating the work it
-  can recompute (known) from the linear work (unknown). jax 0.10 gives
-  ``xla_metadata_call`` no rule for that step, so a region call with any
-  unknown input is staged whole and its primal outputs count as linear:
-  a later product of two primals then fails to transpose (``AssertionError:
-  (ValAccum, ValAccum)``) under ``jax.checkpoint``. This rule splits the
-  region into a known region call and an unknown one, both on the region's
-  stream, as jax does for its own call primitives (an ``order_barrier`` into
-  two barriers). Calls that are not jaxstreams' keep jax's behaviour.
-  """
-  from jax._src.interpreters import partial_eval as pe
-  primitive = _region_primitive()
-  if primitive in pe.custom_partial_eval_rules:
-    return   # a jax with its own rule
-
-  def partial_eval(trace, *tracers, jaxpr, **params):
-    metadata = _metadata_of(params)
-    if REGION_ATTRIBUTE not in metadata and ORDER_ATTRIBUTE not in metadata:
-      return trace.default_process_primitive(
-          primitive, tracers, dict(params, jaxpr=jaxpr))
-    unknown_in = [not t.pval.is_known() for t in tracers]
-    known_jaxpr, unknown_jaxpr, unknown_out, residual_avals = \
-        pe.partial_eval_jaxpr_nounits(jaxpr, unknown_in, instantiate=False)
-    known_in = [t.pval.get_known() for t in tracers if t.pval.is_known()]
-    known_results = primitive.bind(*known_in, jaxpr=known_jaxpr, **params)
-    split = len(known_results) - len(residual_avals)
-    known_out, residuals = known_results[:split], known_results[split:]
-    unknown_tracers_in = [*map(trace.new_instantiated_const, residuals),
-                          *(t for t in tracers if not t.pval.is_known())]
-    unknown_tracers_out = [pe.JaxprTracer(trace, pe.PartialVal.unknown(aval),
-                                          None)
-                           for aval in unknown_jaxpr.out_avals]
-    recipe = pe.new_eqn_recipe(trace, unknown_tracers_in, unknown_tracers_out,
-                               primitive, dict(params, jaxpr=unknown_jaxpr),
-                               unknown_jaxpr.effects,
-                               source_info_util.current())
-    for tracer in unknown_tracers_out:
-      tracer.recipe = recipe
-    known_iter, unknown_iter = iter(known_out), iter(unknown_tracers_out)
-    return [next(unknown_iter) if u else next(known_iter) for u in unknown_out]
-
-  pe.custom_partial_eval_rules[primitive] = partial_eval
 
 
 # ---------------------------------------------------------------------------

@@ -19,13 +19,13 @@ C call straight to ``jax.jit``'s C++ fast path where no choice remains; on
 a GPU one Python check of the trace state picks top level or nested. A
 function that reads its stream count from the option goes straight to the
 function for the count in force, until an option changes. This module is
-``jax.jit``'s surface: the keywords, the staged function ``jax.jit``
-traces, the shared plans, ``lower`` / ``trace`` / ``eval_shape`` / ``plan``.
+``jax.jit``'s surface: the keywords, ``lower`` / ``trace`` / ``eval_shape``
+/ ``plan``; the staged function ``jax.jit`` traces and the shared plans are
+``_jit_staged.py``'s.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import inspect
@@ -34,14 +34,13 @@ import weakref
 from typing import Any, Callable
 
 import jax
-from jax import tree_util
 
 from jaxstreams import _checks, _compat, _pipeline, config
-from jaxstreams._trace import trace
+from jaxstreams._jit_staged import (Plans, make_plan, plans_for,
+                                    qualified_name, staged_for)
 from jaxstreams.lower import choose, gpu
-from jaxstreams.lower.emit import FUSING_PROGRAMS, emit, emits_inline
+from jaxstreams.lower.emit import FUSING_PROGRAMS, emits_inline
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
-from jaxstreams.runtime.profile import profiling_now
 
 __all__ = ["jit", "plan", "spec_of", "StreamJit"]
 
@@ -127,177 +126,6 @@ def spec_of(fun: Any) -> "_Spec | None":
   return fun._spec if isinstance(fun, StreamJit) else None
 
 
-class _Staged:
-  """The function ``jax.jit`` traces: the user's function, planned and
-  emitted. One per (function, stream count, options, program), shared by
-  every ``jaxstreams.jit`` of that function, so jax's caches (keyed by this
-  object) are shared as ``jax.jit(f)``'s are. It holds the user's function
-  weakly: the shared table maps the function to it, and a strong reference
-  would keep the function alive forever. The ``jaxstreams.jit`` functions
-  handed to users hold the function strongly."""
-
-  def __init__(self, fun: Callable, streams: int, spread: bool | None,
-               source: str, program: str, shared: bool, plans: "_Plans",
-               strict: bool = False):
-    self.plans = plans   # shared with the function's other programs
-    self.strict = strict   # a way asked for: refuse regions XLA cannot compile
-    if shared:
-      self._fun_ref = weakref.ref(fun)
-    else:   # held by its jit object only: no cycle, hold the function
-      self._fun_ref = lambda fun=fun: fun
-    self.streams = streams
-    self.spread = spread
-    self.source = source
-    self.program = program
-    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
-      value = getattr(fun, name, None)
-      if isinstance(value, str):
-        setattr(self, name, value)
-    if "__name__" not in self.__dict__:   # a partial: jax's name for it
-      self.__name__ = _compat.function_name(fun)
-    try:
-      self.__signature__ = inspect.signature(fun)
-    except (TypeError, ValueError):
-      pass
-
-  @property
-  def __wrapped__(self) -> Callable:
-    """The user's function: jax names a traced function after what
-    ``inspect.unwrap`` finds (its name and source line in cache-miss
-    explanations, the lowered module's name), as for ``jax.jit(fun)``."""
-    return self._fun_ref()
-
-  def __call__(self, *args, **kwargs):
-    fun = self._fun_ref()
-    if _compat.jit_disabled() or _compat.at_top_level():
-      # Under jax.disable_jit() jax.jit runs the function as plain Python;
-      # so do we (stream() blocks are then name scopes that do nothing).
-      # Outside any trace jax itself is calling the function as if the jit
-      # were removed: under jax_debug_nans, after a compiled call made a
-      # NaN, to re-run it op by op and name the primitive that made it.
-      return fun(*args, **kwargs)
-    plan, out_tree, dynamic = make_plan(fun, self.streams, self.spread,
-                                        self.source, args, kwargs, self.plans)
-    outs = emit(plan, dynamic, profile=profiling_now(),
-                gpu_lowering=self.program, strict=self.strict)
-    return tree_util.tree_unflatten(out_tree, outs)
-
-
-class _Plans:
-  """The plans of one function (at one stream count and set of options), by
-  the signature it was traced with, shared by all its programs.
-
-  On a GPU one function has several ``jax.jit`` functions (one per way: the
-  top-level one with its compiler options, the one for calls inside another
-  jit, the candidates the first call times) and jax traces each apart.
-  They find the plan here, so the user's function is traced once per
-  signature, as under ``jax.jit``. The key is what jax's own trace cache
-  keys on that can differ between them: the argument tree, the avals, the
-  static values (with their types), jax's trace context, and the
-  jaxstreams options the plan was made with. The newest ``SIZE`` plans are
-  kept, and ``jax.clear_caches()`` clears them with jax's own, so a
-  function traced again after it sees what it reads then.
-  """
-
-  SIZE = 64
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._plans: "collections.OrderedDict[Any, tuple]" = collections.OrderedDict()
-    # What a plan implies, by (signature, question): whether a nested
-    # program emits jax.jit's (StreamJit._nested_emits_inline).
-    self.facts: dict[Any, Any] = {}
-    _compat.register_cache(self, "jaxstreams plans")
-
-  def cache_clear(self) -> None:
-    with self._lock:
-      self._plans.clear()
-      self.facts.clear()
-
-  @staticmethod
-  def key(args, kwargs, options) -> Any:
-    """The key of a trace with these arguments, or None where a static
-    value cannot be hashed (then the plan is not kept)."""
-    leaves, tree = tree_util.tree_flatten((args, kwargs))
-    parts = tuple(("traced", leaf.aval) if isinstance(leaf, jax.core.Tracer)
-                  else ("static", type(leaf), leaf) for leaf in leaves)
-    key = (tree, parts, _compat.trace_context(), options)
-    try:
-      hash(key)
-    except TypeError:
-      return None
-    return key
-
-  def get(self, key) -> tuple | None:
-    if key is None:
-      return None
-    with self._lock:
-      entry = self._plans.get(key)
-      if entry is not None:
-        self._plans.move_to_end(key)
-      return entry
-
-  def put(self, key, plan: PartitionedProgram, out_tree) -> None:
-    if key is None:
-      return
-    with self._lock:
-      self._plans[key] = (plan, out_tree)
-      while len(self._plans) > self.SIZE:
-        self._plans.popitem(last=False)
-
-
-# function -> {(streams, spread, source, program, strict): _Staged,
-#              (streams, spread, source): _Plans}, the function held weakly.
-_STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
-_STAGED_LOCK = threading.Lock()
-
-
-def _shared(fun: Callable) -> dict | None:
-  """``fun``'s entry in ``_STAGED`` (hold ``_STAGED_LOCK``), or None where
-  it cannot share one. Only callables compared by identity share: an equal
-  but distinct callable (a bound method made again) would find the entry of
-  one that may die before it. A callable that cannot be weakly referenced
-  raises jax.jit's TypeError (jax's trace cache holds functions weakly, so
-  a ``jax.jit`` of one fails at its first call too)."""
-  if type(fun).__eq__ is not object.__eq__:
-    return None
-  return _STAGED.setdefault(fun, {})
-
-
-def _staged_for(fun: Callable, streams: int, spread: bool | None,
-                source: str, program: str, plans: _Plans,
-                strict: bool = False) -> _Staged:
-  """The shared staged function of ``fun`` for ``program``, with the
-  function's shared ``plans``; a function that cannot share one gets its
-  own. ``strict``: the way was asked for, and a region XLA cannot compile
-  that way is an error rather than emitted in place."""
-  args = (streams, spread, source, program)
-  with _STAGED_LOCK:
-    by_key = _shared(fun)
-    if by_key is None:
-      return _Staged(fun, *args, shared=False, plans=plans, strict=strict)
-    staged = by_key.get((*args, strict))
-    if staged is None:
-      staged = by_key[(*args, strict)] = _Staged(
-          fun, *args, shared=True, plans=plans, strict=strict)
-    return staged
-
-
-def _plans_for(fun: Callable, streams: int, spread: bool | None, source: str,
-               own: dict) -> _Plans:
-  """The plans every program of ``fun`` at these settings shares: in
-  ``_STAGED`` where ``fun`` can share, else in ``own`` (its
-  ``jaxstreams.jit``'s)."""
-  key = (streams, spread, source)
-  with _STAGED_LOCK:
-    by_key = _shared(fun)
-    table = own if by_key is None else by_key
-    plans = table.get(key)
-    if plans is None:
-      plans = table[key] = _Plans()
-    return plans
-
-
 class _Spec:
   """What ``jaxstreams.jit`` was given. It makes the ``jax.jit`` functions
   and holds none of them, so nothing here forms a reference cycle with the
@@ -312,14 +140,14 @@ class _Spec:
     self.gpu_lowering = gpu_lowering   # None: the option's, when made
     self.source = ("jaxstreams.jit(streams=...)" if streams is not None
                    else "the jaxstreams_streams option")
-    self._own_plans: dict[tuple, _Plans] = {}   # where fun cannot share
+    self._own_plans: dict[tuple, Plans] = {}   # where fun cannot share
     # jax reads its C++ call cache setting when a jax.jit function is made;
     # these are made later, so they get the one in force now.
     self.cpp_cache = _compat.jit_cpp_cache()
 
-  def plans(self, streams: int) -> _Plans:
+  def plans(self, streams: int) -> Plans:
     """The plans this function's programs at ``streams`` share."""
-    return _plans_for(self.fun, streams, self.spread, self.source,
+    return plans_for(self.fun, streams, self.spread, self.source,
                       self._own_plans)
 
   def lowering(self) -> str:
@@ -340,7 +168,7 @@ class _Spec:
                     if self.jit_kwargs.get(k) not in (None, (), []))
     if static:
       raise TypeError(
-          f"{context}: {_function_name(self.fun)} is a jaxstreams.jit "
+          f"{context}: {qualified_name(self.fun)} is a jaxstreams.jit "
           f"function with {', '.join(static)}; {context} passes every "
           "argument as an array. Bind static values first "
           "(functools.partial) and pass that.")
@@ -393,7 +221,7 @@ class _Spec:
     (``"inline"``, ``"streams"``, or ``"bodies"``: stream calls only in
     shard_map bodies; see ``jaxstreams.lower.emit``), with the way's
     ``compiler_options`` under the user's own."""
-    staged = _staged_for(self.fun, streams, self.spread, self.source,
+    staged = staged_for(self.fun, streams, self.spread, self.source,
                          program, self.plans(streams),
                          strict=self.lowering() != gpu.DEFAULT)
     kwargs = dict(self.jit_kwargs)
@@ -426,34 +254,6 @@ class _Spec:
     nums, names = self.static_arguments(args, kwargs)
     _compat.trace_to_jaxpr(plan_only, args, kwargs, sorted(nums), sorted(names))
     return plans[0]
-
-
-def make_plan(fun: Callable, streams: int, spread: bool | None, source: str,
-              args, kwargs, plans: _Plans | None = None
-              ) -> tuple[PartitionedProgram, Any, list]:
-  """Trace the user function on the traced arguments and plan it: the
-  partitioned program (what ``emit`` lowers), the output tree and the
-  traced arguments in flat order. With ``plans``, a plan made for the same
-  signature is used instead of tracing again.
-
-  Called inside a ``jax.jit`` trace: array arguments are tracers, static
-  arguments are the values themselves and stay baked in, as in jax.jit.
-  """
-  options = _pipeline.options_from_config(spread)
-  key = plans.key(args, kwargs, options) if plans is not None else None
-  known = plans.get(key) if plans is not None else None
-  if known is not None:
-    plan, out_tree = known
-    dynamic = [leaf for leaf in tree_util.tree_leaves((args, kwargs))
-               if isinstance(leaf, jax.core.Tracer)]
-    return plan, out_tree, dynamic
-  closed, dynamic, out_tree = trace(
-      fun, args, kwargs, traced=lambda leaf: isinstance(leaf, jax.core.Tracer))
-  plan = _pipeline.plan_program(closed, streams, source, _function_name(fun),
-                                options)
-  if plans is not None:
-    plans.put(key, plan, out_tree)
-  return plan, out_tree, dynamic
 
 
 class StreamJit(functools.partial):
@@ -741,8 +541,3 @@ def plan(fun: Callable, *, streams: int | None = None,
     gpu_lowering = gpu_lowering or spec.gpu_lowering
   return jit(fun, streams=streams, spread=spread, gpu_lowering=gpu_lowering,
              **jit_kwargs).plan
-
-
-def _function_name(fun: Callable) -> str:
-  return getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) \
-      or repr(fun)

@@ -92,11 +92,16 @@ REDUCE_STREAM_WAIT = _define(Option(
     "(TF_REDUCE_STREAM_WAIT); off keeps every cross-stream edge."))
 
 
+# The values of jaxstreams_gpu_lowering: "default" and the names of the ways,
+# which jaxstreams.lower.gpu defines (its NAMES are these, in this order).
+GPU_LOWERINGS = ("default", "inline", "concurrent", "loops", "loops_concurrent",
+                 "streams", "streams_concurrent")
+
+
 def _gpu_lowering_value(value: str) -> str | None:
-  from jaxstreams.lower.gpu import NAMES   # the ways are lowering's knowledge
-  if value in NAMES:
+  if value in GPU_LOWERINGS:
     return None
-  return f"must be one of {', '.join(NAMES)}"
+  return f"must be one of {', '.join(GPU_LOWERINGS)}"
 
 
 GPU_LOWERING = _define(Option(

@@ -100,19 +100,19 @@ def test_importing_jaxstreams_changes_no_jax_rule():
   without regions, nor by one lowered inline, the default)."""
   code = (
       "import jax, jaxstreams\n"
-      "from jaxstreams import _compat\n"
-      "assert not _compat._region_rules_installed\n"
+      "from jaxstreams.lower import calls\n"
+      "assert not calls._region_rules_installed\n"
       "jaxstreams.jit(lambda x: x * 2, streams=2)(1.0)\n"
-      "assert not _compat._region_rules_installed\n"
+      "assert not calls._region_rules_installed\n"
       "def f(x):\n"
       "  with jaxstreams.stream(1):\n"
       "    y = x * 2\n"
       "  return y + 1\n"
       "assert jaxstreams.jit(f, streams=2)(1.0) == 3.0\n"
-      "assert not _compat._region_rules_installed\n"
+      "assert not calls._region_rules_installed\n"
       "jaxstreams.config.update('jaxstreams_gpu_lowering', 'streams')\n"
       "assert jaxstreams.jit(f, streams=2)(1.0) == 3.0\n"
-      "assert _compat._region_rules_installed\n"
+      "assert calls._region_rules_installed\n"
       "print('ok')\n")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True, timeout=120)

@@ -115,6 +115,12 @@ def test_a_bad_value_names_the_choices():
     jaxstreams.config.update("jaxstreams_gpu_lowering", "fast")
 
 
+def test_the_option_takes_the_ways_lowering_defines():
+  """The option's values (config, the bottom floor) are the ways
+  ``jaxstreams.lower.gpu`` defines, in its order."""
+  assert jaxstreams.config.GPU_LOWERINGS == gpu.NAMES == (gpu.DEFAULT, *gpu.WAYS)
+
+
 def test_profiling_lowers_stream_calls_under_the_default(args):
   f = jaxstreams.jit(two_towers, streams=3)
   with jaxstreams.profile() as prof:

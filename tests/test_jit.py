@@ -220,10 +220,11 @@ def test_other_xla_metadata_calls_still_lower_on_cpu():
   """jaxstreams changes the CPU lowering of its own region calls only; a
   user's own xla_metadata_call keeps JAX's lowering (a call op) and runs."""
   from jaxstreams import _compat
-  meta_call = _compat._xla_metadata_call
+  from jaxstreams.lower import calls
+  meta_call = _compat.xla_metadata_call
   x, w1, w2 = random_inputs((8, 16), (16, 16), (16, 16))
   jaxstreams.jit(two_towers, streams=3)(x, w1, w2)   # installs the CPU rule
-  assert _compat._region_rules_installed
+  assert calls._region_rules_installed
 
   def f(x):
     return meta_call(lambda y: jnp.sin(y) * 2, scheduling_group="g")(x) + 1

@@ -15,7 +15,8 @@ import pytest
 
 import jaxstreams
 from jaxstreams._compat import XLA_SCHEDULES_STREAM_CALLS
-from jaxstreams.lower.emit import _Packing, overlappable_calls
+from jaxstreams.lower.order import overlappable_calls
+from jaxstreams.lower.packing import Packing
 from programs import (assert_equal_results, cuda_text, one_chain,
                       random_inputs, training_params, training_step, two_towers)
 
@@ -39,7 +40,7 @@ def mixed_outputs(x, w):
 
 def _partitioned(fn, *args, streams):
   """The PartitionedProgram jaxstreams emits for ``fn``."""
-  from jaxstreams._jit import make_plan
+  from jaxstreams._jit_staged import make_plan
   plans = []
   jax.jit(lambda *a: plans.append(
       make_plan(fn, streams, None, "test", a, {})[0])).trace(*args)
@@ -121,7 +122,7 @@ def test_gradients_flow_through_packed_outputs():
     (jnp.int32, jnp.bool_, jnp.uint8),
 ])
 def test_packing_round_trips_exactly(dtypes):
-  class Var:          # what _Packing reads of a jaxpr variable: its aval
+  class Var:          # what Packing reads of a jaxpr variable: its aval
     def __init__(self, value):
       self.aval = jax.ShapeDtypeStruct(value.shape, value.dtype)
 
@@ -139,7 +140,7 @@ def test_packing_round_trips_exactly(dtypes):
     else:
       values.append(jnp.asarray(rng.standard_normal(shape), dtype))
   outputs = [Var(v) for v in values]
-  packing = _Packing.of(outputs)
+  packing = Packing.of(outputs)
   assert packing is not None
   buffer = packing.pack(values)
   assert buffer.ndim == 1
@@ -153,6 +154,6 @@ def test_what_cannot_be_packed_exactly_is_not():
       self.aval = jax.ShapeDtypeStruct((2,), dtype)
 
   # Two floating dtypes: converting either way is inexact or loses gradients.
-  assert _Packing.of([Var(jnp.float32), Var(jnp.bfloat16)]) is None
-  assert _Packing.of([Var(jnp.float32), Var(jnp.complex64)]) is None
-  assert _Packing.of([Var(jnp.float32), Var(jnp.int16)]) is not None
+  assert Packing.of([Var(jnp.float32), Var(jnp.bfloat16)]) is None
+  assert Packing.of([Var(jnp.float32), Var(jnp.complex64)]) is None
+  assert Packing.of([Var(jnp.float32), Var(jnp.int16)]) is not None

@@ -597,7 +597,7 @@ def test_fused_explicit_stream(stream, stream_calls):
   by_stream, main = _stream_calls(text)
   if stream == 0:                   # on the main stream: no call, no overlap
     assert by_stream == {} and "stablehlo.xor" in main
-  else:   # the only off-main stream: XLA stream 1 (lower.emit.xla_stream)
+  else:   # the only off-main stream: XLA stream 1 (lower.calls.xla_stream)
     assert set(by_stream) == {1} and "stablehlo.xor" in by_stream[1]
 
 

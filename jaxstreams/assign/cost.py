@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxstreams import _compat
+from jaxstreams.tag.read import sub_jaxprs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ def equation_cost(eqn) -> Cost:
     out_feature_dim = spec.rhs_spec[0] if spec is not None else 0
     per_output = math.prod(rhs_shape) / max(rhs_shape[out_feature_dim], 1)
     return Cost(2.0 * out_elems * per_output, moved, 1.0)
-  subs = list(_compat.sub_jaxprs(eqn))
+  subs = list(sub_jaxprs(eqn))
   if subs:
     inner = ZERO
     for sub in subs:

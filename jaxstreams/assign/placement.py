@@ -44,7 +44,7 @@ from typing import Any
 from jaxstreams import _compat
 from jaxstreams.assign.cost import COLLECTIVES
 from jaxstreams.assign.rules import StreamRules
-from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag
+from jaxstreams.tag.read import ExposedProgram, Tag, effective_tag, sub_jaxprs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _check_range(stream_id: int, streams: int, streams_source: str, eqn) -> None
 def _inner_stream_tags(eqn, outer_stack, streams, streams_source,
                        found: dict[int, Any]) -> None:
   """Collect stream tags from the bodies of ``eqn`` (any depth) into ``found``."""
-  for sub in _compat.sub_jaxprs(eqn):
+  for sub in sub_jaxprs(eqn):
     for inner in sub.eqns:
       stack = outer_stack + _compat.name_stack_entries(inner)
       tag = effective_tag(stack)
@@ -86,7 +86,7 @@ def _has_collective(eqn) -> bool:
   XLA:GPU compiles no collective inside a stream-annotated call ("No
   ExecutionStreamId found", jaxlib 0.10-0.12)."""
   return eqn.primitive.name in COLLECTIVES or any(
-      _has_collective(inner) for sub in _compat.sub_jaxprs(eqn)
+      _has_collective(inner) for sub in sub_jaxprs(eqn)
       for inner in sub.eqns)
 
 

@@ -1,6 +1,21 @@
 """Stage 4 of the pipeline: emit each region where its plan puts it, in the
-way a GPU runs it best (``gpu``: the ways and the static rule;
-``choose``: which way a function's calls run, timed in its first calls)."""
+way a GPU runs it best. The rooms, in the one direction a plan walks them
+(each imports only those after it):
+
+* choosing the way: ``choose`` (which way a function's calls run, timed in
+  its first calls; ``signature_choice``: one signature's trial, ``timing``:
+  the rule and the decisions on disk, ``compile_pool``: the background
+  compiles) and ``gpu`` (the ways and the static rule);
+* emitting regions: ``emit`` (the plan in order, a region in place or as a
+  call);
+* emitting loop groups: ``loops`` (independent loops as one loop, each body
+  on its stream);
+* ordering: ``order`` (sequence points, barriers, collectives' combiner
+  keys) and ``packing`` (a call's outputs in one buffer);
+* region calls: ``calls`` (a region as a stream call, and the rules jax
+  lowers such calls by);
+* what XLA cannot compile: ``limits``.
+"""
 
 from jaxstreams.lower.emit import emit, region_function
 

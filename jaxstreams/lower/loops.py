@@ -10,7 +10,7 @@ program), and each step's bodies run side by side on their streams.
 A body that the installed XLA cannot compile as a stream call (``limits``)
 runs in place, on the main stream, in the loop's step. The loop's counter
 and the bodies' constants stay outside the calls (jaxlib 0.12 crashes on a
-constant inside one; ``_compat`` lowers region calls so).
+constant inside one; ``calls`` lowers region calls so).
 
 On CPU the members run as the loops ``jax.jit`` builds (``lax.
 platform_dependent``): XLA:CPU has one stream, and its programs stay
@@ -26,6 +26,8 @@ import jax.extend.core as jcore
 import numpy as np
 
 from jaxstreams import _compat
+from jaxstreams.lower.calls import (install_region_rules, order_barrier,
+                                    stream_call)
 from jaxstreams.lower.limits import body_hazard, without_cse_barriers
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
@@ -84,7 +86,7 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
   length, reverse = int(params["length"]), bool(params["reverse"])
   unrolls = {m.eqn.params.get("unroll", 1) for m in members}
   unroll = unrolls.pop() if len(unrolls) == 1 else 1
-  _compat.install_region_rules()
+  install_region_rules()
   # The XLA of jaxlib 0.10 and 0.11 does not schedule stream calls itself:
   # it may put a call's done right after its start, and then the bodies run
   # one after the other. One barrier over every body's operands and one over
@@ -140,7 +142,7 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
         if m.on_stream:
           if out_of_graphs:
             body = _outside_graphs(body)
-          body = _compat.stream_call(body, stream_of(m.region), m.region)
+          body = stream_call(body, stream_of(m.region), m.region)
         with scope(m.region):
           outs.append(list(body(*values)))
       if pinned:
@@ -169,7 +171,7 @@ def _together(groups: Sequence[Sequence[Any]]) -> list[list[Any]]:
   flat = [v for group in groups for v in group]
   if not flat:
     return [list(g) for g in groups]
-  passed = iter(_compat.order_barrier(flat))
+  passed = iter(order_barrier(flat))
   return [[next(passed) for _ in group] for group in groups]
 
 

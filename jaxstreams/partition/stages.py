@@ -18,7 +18,7 @@ from jaxstreams import _compat
 from jaxstreams._trace import trace
 from jaxstreams.partition.cut import cut, part_function
 from jaxstreams.tag.boundary import is_marker
-from jaxstreams.tag.read import any_equation, stream_ids
+from jaxstreams.tag.read import any_equation, stream_ids, sub_jaxprs
 
 FUNC = "jaxstreams.staged"
 
@@ -215,7 +215,7 @@ def _levels(jaxpr, data_invars, other_invars, names, data_name):
   markers: list[int] = []
   for i, eqn in enumerate(jaxpr.eqns):
     if any(any_equation(sub.eqns, is_marker)
-           for sub in _compat.sub_jaxprs(eqn)):
+           for sub in sub_jaxprs(eqn)):
       raise ValueError(
           f"{FUNC}: jaxstreams.stage() is called inside a nested "
           f"'{eqn.primitive.name}' ({_compat.source_location(eqn)}); call it at "

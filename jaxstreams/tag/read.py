@@ -2,8 +2,8 @@
 
 ``effective_tag`` decides which ``stream()`` / ``colocate_with()`` block an
 equation belongs to from its name stack; ``any_equation`` is the one walk
-into equations' sub-jaxprs, for tags here and for ``stage()`` markers and
-callbacks in staging. ``expose_tags`` rewrites a traced program so that
+into equations' sub-jaxprs (``sub_jaxprs`` finds them, for every stage),
+for tags here and for ``stage()`` markers and callbacks in staging. ``expose_tags`` rewrites a traced program so that
 every tag is visible at its top level: nested ``jax.jit`` calls whose bodies
 hold tags are inlined (XLA inlines them anyway, so the result is the same
 program), and the colocate anchors are taken out and returned separately.
@@ -89,13 +89,34 @@ def _without_repeated_context(stack):
   return stack
 
 
+_HAS_SUBJAXPRS: dict[Any, bool] = {}
+
+
+def sub_jaxprs(eqn) -> list:
+  """The jaxprs in ``eqn``'s parameters (loop bodies, branches, calls).
+
+  Whether a primitive takes jaxpr parameters does not change from one
+  equation to the next, so primitives found to have none are remembered and
+  skipped: the generic scan of parameters is a large share of planning time.
+  """
+  known = _HAS_SUBJAXPRS.get(eqn.primitive)
+  if known is False:
+    return []
+  found = list(jcore.jaxprs_in_params(eqn.params))
+  if known is None:
+    _HAS_SUBJAXPRS[eqn.primitive] = bool(found) or any(
+        isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr, tuple, list))
+        for v in eqn.params.values())
+  return found
+
+
 def any_equation(eqns, predicate: Callable[[Any], bool]) -> bool:
   """Whether ``predicate`` holds for one of ``eqns`` or for an equation at
   any depth inside them (loop bodies, branches, nested calls)."""
   for eqn in eqns:
     if predicate(eqn):
       return True
-    for sub in _compat.sub_jaxprs(eqn):
+    for sub in sub_jaxprs(eqn):
       if any_equation(sub.eqns, predicate):
         return True
   return False
@@ -108,7 +129,7 @@ def primitives(eqns) -> frozenset[str]:
   while todo:
     eqn = todo.pop()
     found.add(eqn.primitive.name)
-    for sub in _compat.sub_jaxprs(eqn):
+    for sub in sub_jaxprs(eqn):
       todo.extend(sub.eqns)
   return frozenset(found)
 
@@ -132,7 +153,7 @@ def stream_ids(jaxpr, outer_stack=()) -> set[int]:
     tag = effective_tag(stack)
     if tag is not None and tag.kind == "stream":
       found.add(tag.value)
-    for sub in _compat.sub_jaxprs(eqn):
+    for sub in sub_jaxprs(eqn):
       found |= stream_ids(sub, stack)
   return found
 

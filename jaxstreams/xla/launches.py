@@ -20,7 +20,7 @@ import dataclasses
 import re
 from typing import Iterator, Sequence, Union
 
-from jaxstreams._compat import REGION_ATTRIBUTE
+from jaxstreams.lower.calls import REGION_ATTRIBUTE
 from jaxstreams.lower.emit import REGION_SCOPE
 from jaxstreams.xla.schedule import HloParseError, _computations
 from jaxstreams.xla.xla_logs import (BufferUses, GraphLogError, LoggedGraph,

@@ -16,8 +16,8 @@ import json
 import re
 from typing import Any, Sequence
 
-from jaxstreams._compat import (REGION_ATTRIBUTE, STREAM_ANNOTATION,
-                                XLA_SCHEDULES_STREAM_CALLS)
+from jaxstreams._compat import XLA_SCHEDULES_STREAM_CALLS
+from jaxstreams.lower.calls import REGION_ATTRIBUTE, STREAM_ANNOTATION
 
 # Instructions that launch no kernel: they name, slice or group buffers.
 _NO_KERNEL = frozenset({
