@@ -17,24 +17,54 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 from typing import Callable
 
 import jax
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+OUT_HELP = ("directory for the results (default benchmarks/results/<device>/"
+            "jax<version>, beside the current result of each benchmark)")
+
+
+def device_name() -> str:
+  """This machine's device as a folder of ``results``: ``cpu``, or the GPU's
+  model (``h100`` for an "NVIDIA H100 80GB HBM3"); else the platform."""
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    return "cpu"
+  for word in dev.device_kind.lower().replace("-", " ").split():
+    if re.fullmatch(r"[a-z]+\d+[a-z\d]*", word):
+      return word
+  return dev.platform
+
+
+def results_folder(device: str | None = None) -> str:
+  """Where a run's results go by default: ``results/<device>/jax<version>``
+  (``device``: ``device_name()``'s unless given), the one place of the
+  current result of each benchmark on that device and jax."""
+  return os.path.join(RESULTS, device or device_name(), f"jax{jax.__version__}")
 
 
 def parser(description: str, quick: str) -> argparse.ArgumentParser:
   """An argument parser with the options every script takes: ``--quick``
-  (described by ``quick``), ``--quiet`` and ``--out``."""
+  (described by ``quick``), ``--quiet`` and ``--out`` (None: ``save`` and
+  ``out_folder`` take ``results_folder()``)."""
   p = argparse.ArgumentParser(description=description)
   p.add_argument("--quick", action="store_true", help=quick)
   p.add_argument("--quiet", action="store_true",
                  help="record that the machine was otherwise idle")
-  p.add_argument("--out", default=RESULTS,
-                 help="directory for the results (default benchmarks/results)")
+  p.add_argument("--out", default=None, help=OUT_HELP)
   return p
+
+
+def out_folder(out: str | None, device: str | None = None) -> str:
+  """``out`` (a script's ``--out``), else ``results_folder(device)``;
+  made if missing."""
+  folder = out or results_folder(device)
+  os.makedirs(folder, exist_ok=True)
+  return folder
 
 
 def _cpu_model() -> str | None:
@@ -98,11 +128,11 @@ def paired(numerators: list[float], denominators: list[float]) -> float:
   return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
-def save(out_dir: str, name: str, result: dict, text: str | None = None
-         ) -> str:
+def save(out_dir: str | None, name: str, result: dict,
+         text: str | None = None) -> str:
   """Writes ``<name>.json`` (and ``<name>.txt`` with ``text``) under
-  ``out_dir``; returns the JSON's path."""
-  os.makedirs(out_dir, exist_ok=True)
+  ``out_dir`` (None: ``results_folder()``); returns the JSON's path."""
+  out_dir = out_folder(out_dir)
   path = os.path.join(out_dir, name + ".json")
   with open(path, "w") as f:
     json.dump(result, f, indent=2)

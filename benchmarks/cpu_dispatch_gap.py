@@ -21,7 +21,7 @@ cause).
 
 Method (``_common.py``): ``--rounds`` rounds, each runs every gap once over
 ``--steps`` steps in alternating order; the median per gap.
-Saves benchmarks/results/cpu_dispatch_gap_<platform>_jax<version>[_quick].json
+Saves benchmarks/results/<device>/jax<version>/cpu_dispatch_gap_<platform>_jax<version>[_quick].json
 and .txt.
 
   python benchmarks/cpu_dispatch_gap.py [--quick] [--steps 400] [--rounds 15]

@@ -18,7 +18,7 @@ ref given. Slow (api_test is some minutes a run): run on purpose, not by CI.
   python benchmarks/jax_tests.py --jax-git /path/to/jax.git \\
       [--ref jax-v0.10.2] [-n 2] [-k expr] [--files api_test debug_nans_test]
 
-The results go to ``benchmarks/results/jax_tests_<platform>_jax<version>.json``
+The results go to ``benchmarks/results/<device>/jax<version>/jax_tests_<platform>_jax<version>.json``
 and ``.txt`` (``--quick``: debug_nans_test alone, ``*_quick.*``); a run of
 some files (``--files``) keeps the other files' tallies from an earlier run
 of the same tests.
@@ -204,7 +204,8 @@ def main(argv=None) -> int:
               "files": {}, "not_run": list(args.files)}
     name = (f"jax_tests_{result['machine']['platform']}_jax{jax.__version__}"
             + ("_quick" if args.quick else ""))
-    earlier = _earlier(pathlib.Path(args.out) / f"{name}.json", ref, args.k)
+    earlier = _earlier(pathlib.Path(_common.out_folder(args.out)) / f"{name}.json",
+                       ref, args.k)
     result["files"] = {f: t for f, t in earlier.items() if f not in args.files}
     for test_file in args.files:
       plain = _run(src, test_file, False, args, env, scratch)

@@ -20,6 +20,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -29,6 +30,9 @@ import jaxstreams
 from jaxstreams import _pipeline
 from jaxstreams._pipeline import PlanOptions
 from jaxstreams.partition import report
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
 
 def make_program(target_eqns: int, branches: int = 8):
@@ -57,8 +61,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
   parser.add_argument("--reps", type=int, default=5)
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__),
-                                                    "results"))
+  parser.add_argument("--out", default=None, help=_common.OUT_HELP)
   args = parser.parse_args()
 
   rows = []
@@ -89,8 +92,8 @@ def main():
             "machine": f"{platform.processor() or platform.machine()}, "
                        f"{os.cpu_count()} cores",
             "rows": rows}
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"planning_{jax.default_backend()}.json")
+  path = os.path.join(_common.out_folder(args.out),
+                      f"planning_{jax.default_backend()}.json")
   with open(path, "w") as f:
     json.dump(result, f, indent=2)
   print(f"saved {path}")

@@ -56,6 +56,7 @@ import platform
 import queue
 import resource
 import statistics
+import sys
 import threading
 import time
 
@@ -65,6 +66,9 @@ import numpy as np
 
 import jaxstreams
 from jaxstreams.staging import BY_PLATFORM_TRANSFER
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
 BATCH, WIDTH, HIDDEN = 256, 64, 512
 
@@ -341,7 +345,7 @@ def main():
                       help="items per run in the transfer case")
   parser.add_argument("--transfer-mb", type=float, nargs="+", default=[0.25, 4.0],
                       help="item sizes (MiB) of the transfer case")
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  parser.add_argument("--out", default=None, help=_common.OUT_HELP)
   args = parser.parse_args()
 
   params = make_params()
@@ -454,8 +458,8 @@ def main():
   print(f"\nfaster prefetch transfer on {backend}, by item size: {wins}; "
         f"transfer='by_platform' picks {by_platform!r}: {verdict}")
 
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"prefetch_{jax.default_backend()}.json")
+  path = os.path.join(_common.out_folder(args.out),
+                      f"prefetch_{jax.default_backend()}.json")
   with open(path, "w") as f:
     json.dump({"benchmark": "prefetch", "jax": jax.__version__,
                "backend": jax.default_backend(), "device": str(jax.devices()[0]),

@@ -36,7 +36,8 @@ were traced while timing (0: no compile stalled a sample). Results are
 checked against ``jax.jit`` before timing (bitwise on XLA:CPU for the
 servers). The goals recorded per model: at 16 threads ``serve`` at >= 1.5x
 the throughput of ``jax.jit`` with p99 latency <= 1.2x; at 1 thread >= 0.97x.
-Saves benchmarks/results/serve_<platform>[_quick].json and .txt.
+Saves benchmarks/results/<device>/jax<version>/serve_<platform>[_quick].json and
+.txt.
 
   python benchmarks/serve.py [--quick] [--models mlp,encoder,dlrm]
       [--threads 1,4,16,64] [--seconds 0.3] [--rounds 5] [--groups 4]

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # (after the path is set)
-from _common import RESULTS, load, machine  # noqa: E402
+from _common import OUT_HELP, load, machine, out_folder  # noqa: E402
 from workloads import WORKLOADS, common  # noqa: E402
 
 CPU_NOTE = (
@@ -388,7 +388,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true",
                  help="every workload once, tiny sizes, one repetition")
-  p.add_argument("--out", default=RESULTS)
+  p.add_argument("--out", default=None, help=OUT_HELP)
   p.add_argument("--only", default="",
                  help="comma-separated workload names")
   p.add_argument("--reps", type=int, default=21)
@@ -453,8 +453,8 @@ def main(argv=None):
   # between jax versions, so the versions' runs sit side by side.
   stem = (f"suite_{info['platform']}_jax{info['jax']}"
           + ("_quick" if args.quick else ""))
-  os.makedirs(args.out, exist_ok=True)
-  files = {ext: os.path.join(args.out, f"{stem}.{ext}")
+  out = out_folder(args.out)
+  files = {ext: os.path.join(out, f"{stem}.{ext}")
            for ext in ("json", "md", "png")}
   report = {
       "suite": "jaxstreams benchmark suite", "quick": args.quick,

@@ -4,8 +4,8 @@ On a GPU: each program of ``FIXTURES`` (from ``tests/compile_matrix.py``),
 lowered as ``jaxstreams.jit`` lowers it by default, is compiled for this
 machine's GPU in a child process with XLA's logging on
 (``jaxstreams.xla.graph.capture(target="local")``) and XLA's text is saved to
-``benchmarks/results/gpu/fixtures/jax<version>/<program>.json``, with the
-device. ``tests/test_gpu_fixtures.py`` compiles the same programs for the
+``benchmarks/results/<device>/jax<version>/fixtures/<program>.json``, with
+the device (``h100`` for the H100s the tests compare with). ``tests/test_gpu_fixtures.py`` compiles the same programs for the
 built-in H100 target without a GPU, on every CI run, and checks that the
 deviceless view finds the same graphs and edges and the same regions side
 by side.
@@ -28,6 +28,9 @@ sys.path.append(str(ROOT))
 
 import jax  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import _common  # noqa: E402
+
 import jaxstreams  # noqa: E402
 from jaxstreams.xla import graph  # noqa: E402
 
@@ -37,7 +40,6 @@ from jaxstreams.xla import graph  # noqa: E402
 FIXTURES = {"scan_towers": "default", "fori_towers": "default",
             "cond_towers": "inline", "demo": "default", "inception": "default",
             "dual_encoder": "default"}
-OUT = ROOT / "benchmarks" / "results" / "gpu" / "fixtures"
 
 
 def lowered_for(name: str, way: str, args_of=lambda args: args):
@@ -50,14 +52,17 @@ def lowered_for(name: str, way: str, args_of=lambda args: args):
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default=str(OUT))
+  p.add_argument("--out", default=None,
+                 help="the folder (default benchmarks/results/<device>/"
+                 "jax<version>/fixtures)")
   p.add_argument("--only", default="", help="program names joined by commas")
   args = p.parse_args(argv)
   if jax.default_backend() != "gpu":
     raise SystemExit("xla_fixtures.py records a GPU's own compile: it needs a GPU")
   jaxstreams.config.update("jaxstreams_autotune", False)
   names = args.only.split(",") if args.only else list(FIXTURES)
-  folder = pathlib.Path(args.out) / f"jax{jax.__version__}"
+  folder = (pathlib.Path(args.out) if args.out else
+            pathlib.Path(_common.results_folder()) / "fixtures")
   folder.mkdir(parents=True, exist_ok=True)
   for name in names:
     way = FIXTURES[name]

@@ -82,8 +82,10 @@ def main():
     print(lines[-1], flush=True)
   text = "\n".join(lines) + "\n"
   suffix = "_quick" if args_.quick else ""
-  path = _common.save(args_.out, f"xla_graphs_h100_jax{jax.__version__}{suffix}",
-                      result, text)
+  # Compiled for an H100 (without one): its results are the H100's.
+  path = _common.save(args_.out or _common.results_folder("h100"),
+                      f"xla_graphs_h100_jax{jax.__version__}{suffix}", result,
+                      text)
   print("saved", path)
 
 

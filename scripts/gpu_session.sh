@@ -25,8 +25,8 @@
 # overlap from traces, TOWERS_ROUNDS / LOOPS_ROUNDS rounds, default 5; not
 # yet run on a GPU).
 # (fixtures: XLA's command-buffer log and thunk dump of the tests' programs
-# compiled on this GPU, into $LOGS/fixtures/jax<version>; copy them to
-# benchmarks/results/gpu/fixtures, where tests/test_gpu_fixtures.py checks
+# compiled on this GPU, into $LOGS/fixtures; on an H100 they belong in
+# benchmarks/results/h100/jax<version>/fixtures, where tests/test_gpu_fixtures.py checks
 # the deviceless view against them on every CI run.)
 # (With PYTHON set to another interpreter, every step runs on its jax: jax
 # 0.12 travels to the GPU machine as wheel parts, scripts/gpu_wheels.sh.)
@@ -43,7 +43,8 @@
 # (sweep: prefetch_sweep's steps under 1 ms, SWEEP_ROUNDS rounds, default 2,
 # three times that under 1 ms; sweeplong: 1 to 10 ms, LONG_ROUNDS, default 3)
 #
-# Each step writes its log to $LOGS/<step>.txt (default benchmarks/results/gpu)
+# Each step writes its log to $LOGS/<step>.txt (default the folder of this
+# device's and jax's current results, benchmarks/results/<device>/jax<version>)
 # and the benchmarks save their JSON there too. The device tool returns at
 # most 8 files from $OUT, so when $OUT is set the whole log folder is packed
 # into $OUT/gpu_logs.tgz after every step: a call cut off at its time limit
@@ -55,10 +56,10 @@
 # to a machine that is still warm; later calls find it there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-logs=${LOGS:-benchmarks/results/gpu}
-mkdir -p "$logs"
 deadline=$(( $(date +%s) + ${BUDGET:-570} ))
 py=${PYTHON:-python3}
+logs=${LOGS:-$("$py" -c 'import sys; sys.path.insert(0, "benchmarks"); import _common; print(_common.results_folder())')}
+mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -d build/gpu/lib ]; then export JAXSTREAMS_FFI_LIB_DIR=$PWD/build/gpu/lib; fi
 

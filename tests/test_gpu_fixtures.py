@@ -2,7 +2,8 @@
 
 ``benchmarks/xla_fixtures.py``, run on a GPU (``scripts/gpu_session.sh
 fixtures``), keeps XLA's command-buffer log and thunk dump of the programs
-it lists, per jax version, in ``benchmarks/results/gpu/fixtures``. Here each
+it lists, per jax version, in
+``benchmarks/results/h100/jax<version>/fixtures``. Here each
 is read back, and the same program compiled for the built-in H100 target
 without a GPU must give the same graphs (commands and edges) and the same
 regions side by side. Where no GPU has recorded fixtures for the installed
@@ -20,7 +21,8 @@ import pytest
 from programs import require_gpu_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDER = ROOT / "benchmarks" / "results" / "gpu" / "fixtures" / f"jax{jax.__version__}"
+FOLDER = (ROOT / "benchmarks" / "results" / "h100" / f"jax{jax.__version__}"
+          / "fixtures")
 FILES = sorted(FOLDER.glob("*.json")) if FOLDER.is_dir() else []
 
 
