@@ -283,8 +283,9 @@ def bench_model(model, args, info, lines):
       lat = np.asarray(latencies[name]) * 1e6
       row[name] = {"throughput_rps_median": float(np.median(rates[name])),
                    "throughput_rps_samples": rates[name],
-                   "p50_us": float(np.percentile(lat, 50)),
-                   "p99_us": float(np.percentile(lat, 99)),
+                   # A short sample under load may complete no request.
+                   "p50_us": float(np.percentile(lat, 50)) if lat.size else float("nan"),
+                   "p99_us": float(np.percentile(lat, 99)) if lat.size else float("nan"),
                    "requests": int(lat.size)}
       if name != "jax.jit":
         row[name]["paired_ratio_to_jit"] = _common.paired(

@@ -446,6 +446,7 @@ class Nested:
   def __init__(self, ref):
     self.ref = ref
 
+  @_compat.api_boundary
   def __call__(self, *args, **kwargs):
     return self.ref()._nested_jit_for(args, kwargs)(*args, **kwargs)
 
