@@ -12,7 +12,8 @@ A cell is ``program/context/way``:
 
 * programs (``PROGRAMS``): two towers of loops in stream blocks (``lax.scan``
   over stacked layers, ``fori_loop``, ``while_loop`` with a data-dependent
-  bound, ``lax.cond``, a checkpointed scan, towers of unequal depth),
+  bound, ``lax.cond``, a checkpointed scan, towers of unequal depth, one
+  dividing the other or not),
   constants in regions, and the suite's models;
 * contexts: ``top`` (the function's own ``lower``), ``jit`` (called inside
   another ``jax.jit``), ``grad`` and ``vmap`` (under ``jax.grad`` /
@@ -145,7 +146,10 @@ PROGRAMS = {
     "while_towers": _tower_program(_while_tower),
     "cond_towers": _tower_program(_cond_tower),
     "checkpointed_scan_towers": _tower_program(_checkpointed_scan_tower),
+    # The longer tower runs two layers a step of the towers' one loop.
     "unequal_scan_towers": _tower_program(_scan_tower, (LAYERS, LAYERS // 2)),
+    # No common divisor: one loop of three steps, then the layer left.
+    "remainder_scan_towers": _tower_program(_scan_tower, (7, 3)),
     "constant_towers": _tower_program(_constant_tower),
     "demo": _demo,
     "dlrm": _suite("dlrm"),

@@ -7,6 +7,7 @@ compiles and launches from it is ``test_compile_matrix.py`` and
 ``test_gpu_view.py``'s.
 """
 
+import contextlib
 import re
 
 import jax
@@ -17,6 +18,7 @@ from jax import lax
 
 import jaxstreams
 from jaxstreams import _compat
+from jaxstreams.partition.loops import MAX_LAYERS_PER_STEP, layout
 from programs import random_inputs
 
 
@@ -124,14 +126,23 @@ def test_what_is_not_grouped(args):
       b = _scan(w2, x)
     return (a + b).sum()
 
-  def unequal(w1, w2, x):
+  def opposite_directions(w1, w2, x):
     with jaxstreams.stream(1):
       a = _scan(w1, x)
     with jaxstreams.stream(2):
-      b = _scan(w2[:2], x)
+      b = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w2,
+                   reverse=True)[0]
     return (a + b).sum()
 
-  for fn in (dependent, same_stream, unequal):
+  def unrolled_whole(w1, w2, x):   # no loop left for XLA to run
+    with jaxstreams.stream(1):
+      a = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, w1,
+                   unroll=True)[0]
+    with jaxstreams.stream(2):
+      b = _scan(w2, x)
+    return (a + b).sum()
+
+  for fn in (dependent, same_stream, opposite_directions, unrolled_whole):
     assert jaxstreams.jit(fn, streams=3).plan(w1, w2, x).loops == (), fn
 
 
@@ -173,3 +184,120 @@ def test_a_lone_loop_cannot_be_a_stream_call_asked_for(args):
   nested = jax.jit(lambda w, x: jaxstreams.jit(lone, streams=2)(w, x))
   text = nested.trace(w1, x).lower(lowering_platforms=("cuda",)).as_text()
   assert "_xla_stream_annotation" not in text
+
+
+# ---------------------------------------------------------------------------
+# Scans of different lengths.
+
+@pytest.mark.parametrize("lengths, phases", [
+    ((4, 4), [(4, (0, 1), (1, 1))]),
+    ((24, 12), [(12, (0, 1), (2, 1))]),
+    ((6, 3), [(3, (0, 1), (2, 1))]),
+    ((24, 12, 6), [(6, (0, 1, 2), (4, 2, 1))]),
+    ((6, 4), [(2, (0, 1), (3, 2))]),
+    # No common divisor small enough: the shorter's length, then the rest.
+    ((7, 3), [(3, (0, 1), (2, 1)), (1, (0,), (1,))]),
+    ((24, 2), [(2, (0, 1), (4, 1)), (16, (0,), (1,))]),
+    ((10, 9, 7), [(7, (0, 1, 2), (1, 1, 1)), (1, (0, 1), (3, 2))]),
+])
+def test_the_layout_of_scans_of_different_lengths(lengths, phases):
+  laid = layout(lengths)
+  assert [(p.steps, p.members, p.per_step) for p in laid] == phases
+  # Every layer of every scan runs once, in order.
+  for m, n in enumerate(lengths):
+    spans = sorted(p.layers(p.members.index(m)) for p in laid
+                   if m in p.members)
+    assert spans[0][0] == 0 and spans[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+  assert all(k <= MAX_LAYERS_PER_STEP for p in laid for k in p.per_step)
+
+
+def _stacked_scan(ws, x, reverse=False):
+  """A scan with stacked results and a carry: h -> tanh(h @ w)."""
+  return lax.scan(lambda h, w: (jnp.tanh(h @ w), jnp.sum(h, axis=0)), x, ws,
+                  reverse=reverse)
+
+
+def mixed_towers(*ws_and_x):
+  """One scan per stream, each of its own length, and work that needs
+  them all."""
+  *ws, x = ws_and_x
+  outs = []
+  for s, w in enumerate(ws):
+    with jaxstreams.stream(s + 1):
+      outs.append(_stacked_scan(w, x))
+  return sum(jnp.sum(h * (i + 1)) + jnp.sum(y ** 2)
+             for i, (h, y) in enumerate(outs))
+
+
+def _mixed_args(lengths):
+  ws = random_inputs(*[(n, 32, 32) for n in lengths])
+  return [w * 0.2 for w in ws] + [random_inputs((8, 32), seed=1)[0]]
+
+
+def _training_step(fn, count):
+  return lambda *a: jax.value_and_grad(fn, argnums=tuple(range(count)))(*a)
+
+
+@contextlib.contextmanager
+def gpu_program_on_cpu():
+  """Trace the GPU branch of each group (``lax.platform_dependent``'s
+  default) so that XLA:CPU runs it: the program a GPU runs, its streams
+  aside."""
+  original = jax.lax.platform_dependent
+  jax.lax.platform_dependent = lambda *args, cpu, default: default(*args)
+  try:
+    yield
+  finally:
+    jax.lax.platform_dependent = original
+
+
+@pytest.mark.parametrize("lengths", [(24, 12), (7, 3, 2)])
+def test_scans_of_different_lengths_run_as_one_loop(lengths):
+  args = _mixed_args(lengths)
+  plan = jaxstreams.jit(mixed_towers, streams=len(lengths) + 1).plan(*args)
+  (group,) = plan.loops
+  assert group.lengths == lengths and group.phases == layout(lengths)
+  assert "taking R" in str(plan)
+  step = _training_step(mixed_towers, len(lengths))
+  forward, backward = sorted(
+      jaxstreams.jit(step, streams=len(lengths) + 1).plan(*args).loops,
+      key=lambda g: g.reverse)
+  assert not forward.reverse and backward.reverse
+  assert sorted(backward.lengths) == sorted(lengths)
+
+
+@pytest.mark.parametrize("lengths, training", [
+    ((24, 12), True), ((7, 3), False), ((10, 9, 7), True)])
+def test_different_lengths_keep_jax_jits_results(lengths, training):
+  """On CPU the program is jax.jit's (bitwise); the GPU's program, run on
+  CPU, is too: each layer runs its operations in their order, whichever
+  step of which loop runs it."""
+  args = _mixed_args(lengths)
+  fn = (_training_step(mixed_towers, len(lengths)) if training
+        else mixed_towers)
+  expected = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+  f = jaxstreams.jit(fn, streams=len(lengths) + 1, gpu_lowering="loops")
+  for got in (f(*args), _gpu_branch(fn, len(lengths) + 1, args)):
+    for g, e in zip(jax.tree_util.tree_leaves(got), expected):
+      np.testing.assert_array_equal(g, e)
+
+
+def _gpu_branch(fn, streams, args):
+  with gpu_program_on_cpu():
+    return jaxstreams.jit(fn, streams=streams, gpu_lowering="loops")(*args)
+
+
+def test_the_gpu_program_cuts_only_where_layers_are_left(args):
+  """Where one length divides the other, the longer scan's stacked
+  operands are reshaped (no copy), not sliced; with layers left over, the
+  group's loop and the loop of the rest take slices of them."""
+  def text(lengths):
+    return _cuda_text(jaxstreams.jit(mixed_towers, streams=3,
+                                     gpu_lowering="loops"),
+                      *_mixed_args(lengths))
+  def cuts(text, layers):   # slices of a stacked (layers, 32, 32) operand
+    return re.findall(r"stablehlo\.slice[^\n]*\(tensor<%dx32x32xf32>\)"
+                      % layers, text)
+  assert not cuts(text((8, 4)), 8)
+  assert len(cuts(text((7, 3)), 7)) == 2   # layers 0-5 and layer 6

@@ -7,6 +7,13 @@ The image tower runs on stream 1, the text tower on stream 2 (with fewer
 streams, ``common.stream_for``). ``mode="forward"`` returns the two
 normalized embeddings; ``mode="train"`` returns the loss and the gradients
 of every parameter (what a training step computes before the optimizer).
+
+Real dual encoders differ in depth (a ViT-L/14 image tower has 24 layers,
+its text tower 12): ``layers`` is the image tower's, ``text_layers`` (when
+given) the text tower's. ``tower_wrap`` wraps each tower the way large
+models are written: ``"checkpoint"`` (``jax.checkpoint`` of the whole
+tower, recomputed in the backward pass) or ``"jit"`` (a ``jax.jit``
+function, as flax's ``nn.jit`` and equinox's ``filter_jit`` make).
 """
 
 import jax
@@ -42,16 +49,22 @@ def _layers(key, layers, width):
   }
 
 
+def depths(size):
+  """(image tower layers, text tower layers)."""
+  return size["layers"], size.get("text_layers", size["layers"])
+
+
 def init(key, size):
-  w, n = size["width"], size["layers"]
+  w = size["width"]
+  image_layers, text_layers = depths(size)
   k = jax.random.split(key, 6)
   return {
       "image": {"embed": common.normal(k[0], (PATCH, w), PATCH ** -0.5),
                 "position": common.normal(k[1], (size["patches"], w), 0.02),
-                "layers": _layers(k[2], n, w)},
+                "layers": _layers(k[2], image_layers, w)},
       "text": {"embed": common.normal(k[3], (VOCAB, w), 0.02),
                "position": common.normal(k[4], (size["tokens"], w), 0.02),
-               "layers": _layers(k[5], n, w)},
+               "layers": _layers(k[5], text_layers, w)},
       "scale": jnp.asarray(10.0),
   }
 
@@ -86,24 +99,29 @@ def _tower(heads):
   return tower
 
 
-def _image_tower(heads):
-  tower = _tower(heads)
-  return lambda params, patches: tower(params, patches @ params["embed"])
+_WRAPS = {None: lambda f: f, "checkpoint": jax.checkpoint, "jit": jax.jit}
 
 
-def _text_tower(heads):
+def _image_tower(heads, wrap=None):
   tower = _tower(heads)
-  return lambda params, tokens: tower(params, params["embed"][tokens])
+  return _WRAPS[wrap](lambda params, patches: tower(params,
+                                                    patches @ params["embed"]))
+
+
+def _text_tower(heads, wrap=None):
+  tower = _tower(heads)
+  return _WRAPS[wrap](lambda params, tokens: tower(params,
+                                                   params["embed"][tokens]))
 
 
 def make_fn(size, streams):
-  heads = size["heads"]
+  heads, wrap = size["heads"], size.get("tower_wrap")
 
   def build(place):
     def embed(params, patches, tokens):
-      image = place(common.stream_for(1, streams), _image_tower(heads),
+      image = place(common.stream_for(1, streams), _image_tower(heads, wrap),
                     params["image"], patches)
-      text = place(common.stream_for(2, streams), _text_tower(heads),
+      text = place(common.stream_for(2, streams), _text_tower(heads, wrap),
                    params["text"], tokens)
       return image, text
 
@@ -132,8 +150,11 @@ def model(size, streams, key):
 
 def build(size, streams, key):
   fn, args = model(size, streams, key)
+  image_layers, text_layers = depths(size)
+  layers = (f"{image_layers}" if image_layers == text_layers
+            else f"{image_layers}- and {text_layers}")
   return common.standard_case(
       NAME, size, fn, args, streams,
-      f"two {size['layers']}-layer scanned towers ({size['mode']}) on "
+      f"two {layers}-layer scanned towers ({size['mode']}) on "
       f"streams {common.stream_for(1, streams)} and "
       f"{common.stream_for(2, streams)}")

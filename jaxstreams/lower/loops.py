@@ -1,11 +1,13 @@
 """Emitting a group of independent scans as one loop, each body on its stream.
 
-``partition.loops`` finds the groups (the same length and direction, each on
-a stream of its own, none depending on another); here a group becomes one
-``lax.scan`` whose step runs every member's body: an off-main member's as a
-stream call on its region's stream, the main stream's in place. The loop
-runs where XLA compiles loops on every jaxlib (the main thread of the
-program), and each step's bodies run side by side on their streams.
+``partition.loops`` finds the groups (the same direction, each on a stream
+of its own, none depending on another) and lays out scans of different
+lengths; here a group becomes one ``lax.scan`` whose step runs every
+member's body (several of its layers, where it is the longer): an off-main
+member's as a stream call on its region's stream, the main stream's in
+place. The loop runs where XLA compiles loops on every jaxlib (the main
+thread of the program), and each step's bodies run side by side on their
+streams.
 
 A body that the installed XLA cannot compile as a stream call (``limits``)
 runs in place, on the main stream, in the loop's step. The loop's counter
@@ -30,6 +32,7 @@ from jaxstreams.lower.calls import (install_region_rules, order_barrier,
                                     stream_call)
 from jaxstreams.lower.limits import body_hazard, without_cse_barriers
 from jaxstreams.partition.cut import part_function
+from jaxstreams.partition.loops import Phase, layout, loop_length
 from jaxstreams.partition.partitioned import PartitionedProgram
 
 
@@ -50,6 +53,8 @@ class _Member:
     self.body = part_function([*inner.constvars, *inner.invars],
                               inner.outvars, eqns)
     self.num_consts, self.num_carry = _compat.scan_counts(params)
+    self.length = loop_length(self.eqn)
+    self.unroll = int(params.get("unroll", 1))
     # Why its body cannot be a stream call here (then it runs in place, on
     # the main stream, inside the loop), or None.
     self.hazard = body_hazard(inner.eqns) if self.stream != 0 else None
@@ -63,6 +68,31 @@ class _Member:
     c, k = self.num_consts, self.num_carry
     return list(values[:c]), list(values[c:c + k]), list(values[c + k:])
 
+  def step(self, layers: int, reverse: bool) -> Callable[..., list]:
+    """A function of (constants, carry, slices) running ``layers`` of the
+    scan's steps, in its direction, returning (carry, stacked results).
+    With one layer the slices are one step's; with several, each slice has
+    a leading axis of ``layers`` (in layer order) and so has each result.
+    Each layer is the scan's body, its operations unchanged."""
+    if layers == 1:
+      return self.body
+    consts = self.num_consts + len(self.body_consts)
+    carried = self.num_carry
+
+    def run(*values):
+      fixed, carry = list(values[:consts]), list(values[consts:consts + carried])
+      slices = values[consts + carried:]
+      made: list = [None] * layers
+      for j in (reversed(range(layers)) if reverse else range(layers)):
+        x = [jax.lax.index_in_dim(s, j, keepdims=False) for s in slices]
+        out = list(self.body(*fixed, *carry, *x))
+        carry, made[j] = out[:carried], out[carried:]
+      stacked = [jax.lax.concatenate(
+          [jax.lax.expand_dims(made[j][r], (0,)) for j in range(layers)], 0)
+          for r in range(len(made[0]))]
+      return [*carry, *stacked]
+    return run
+
 
 def emit_group(plan: PartitionedProgram, regions: Sequence[int],
                read: Callable[[Any], Any], stream_of: Callable[[int], int],
@@ -73,6 +103,13 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
   ``stream_of(region)`` the XLA stream of an off-main member's calls, and
   ``scope(region)`` the name scope of a member's work.
 
+  Scans of different lengths run as the group's phases
+  (``partition.loops.layout``): in each, one loop whose step runs every
+  member's share of layers, its body called that many times over; a member
+  alone in a phase runs its layers as a loop of its own, in place. A
+  member's stacked operands are cut (and reshaped, for several layers a
+  step) to each phase's layers, and its stacked results put back together.
+
   ``out_of_graphs``: keep each body's stream call out of XLA's CUDA graphs,
   where XLA's default graph builder would chain the bodies one after the
   other (jaxlib 0.10 and 0.11): the body ends in the runtime's zero-length
@@ -82,10 +119,8 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
   members = [_Member(plan, r) for r in regions]
   reads = [[v for v in m.eqn.invars if not isinstance(v, jcore.Literal)]
            for m in members]
-  params = members[0].eqn.params
-  length, reverse = int(params["length"]), bool(params["reverse"])
-  unrolls = {m.eqn.params.get("unroll", 1) for m in members}
-  unroll = unrolls.pop() if len(unrolls) == 1 else 1
+  reverse = bool(members[0].eqn.params["reverse"])
+  phases = layout([m.length for m in members])
   install_region_rules()
   # The XLA of jaxlib 0.10 and 0.11 does not schedule stream calls itself:
   # it may put a call's done right after its start, and then the bodies run
@@ -123,36 +158,71 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
       at += len(read_vars)
     return results
 
-  def fused(*flat):
-    loop_consts, inits, xs = [], [], []
-    for m, values in zip(members, operands(flat)):
-      consts, init, sliced = m.split(values)
-      loop_consts.append([*m.body_consts, *consts])
-      inits.append(init)
-      xs.append(sliced)
+  def body_call(m: _Member, layers: int):
+    """A function of (constants, carry, this step's slices) running
+    ``layers`` of ``m``'s layers (in the scan's direction), returning
+    (carry, the step's results): on its stream where it can be."""
+    run = m.step(layers, reverse)
+    if m.on_stream:
+      if out_of_graphs:
+        run = _outside_graphs(run)
+      run = stream_call(run, stream_of(m.region), m.region)
+    return run
+
+  def one_loop(phase: Phase, consts, carry, xs):
+    """Run ``phase`` (members by position in it); returns (carry, ys)."""
+    group = [members[i] for i in phase.members]
+    calls = [body_call(m, k) for m, k in zip(group, phase.per_step)]
+    unrolls = {min(m.unroll, phase.steps) for m in group}
+    unroll = (unrolls.pop() if len(unrolls) == 1
+              and set(phase.per_step) == {1} else 1)
 
     def step(carry, sliced):
-      operands = [[*consts, *c, *x]
-                  for consts, c, x in zip(loop_consts, carry, sliced)]
+      inputs = [[*c, *h, *x] for c, h, x in zip(consts, carry, sliced)]
       if pinned:
-        operands = _together(operands)
+        inputs = _together(inputs)
       outs = []
-      for m, values in zip(members, operands):
-        body = m.body
-        if m.on_stream:
-          if out_of_graphs:
-            body = _outside_graphs(body)
-          body = stream_call(body, stream_of(m.region), m.region)
+      for m, call, values in zip(group, calls, inputs):
         with scope(m.region):
-          outs.append(list(body(*values)))
+          outs.append(list(call(*values)))
       if pinned:
         outs = _together(outs)
-      return ([out[:m.num_carry] for m, out in zip(members, outs)],
-              [out[m.num_carry:] for m, out in zip(members, outs)])
+      return ([out[:m.num_carry] for m, out in zip(group, outs)],
+              [out[m.num_carry:] for m, out in zip(group, outs)])
 
-    carry, ys = jax.lax.scan(step, inits, xs, length=length, reverse=reverse,
-                             unroll=unroll)
-    return [v for c, y in zip(carry, ys) for v in (*c, *y)]
+    return jax.lax.scan(step, carry, xs, length=phase.steps, reverse=reverse,
+                        unroll=unroll)
+
+  def fused(*flat):
+    consts, carry, xs, ys = [], [], [], []
+    for m, values in zip(members, operands(flat)):
+      c, init, sliced = m.split(values)
+      consts.append([*m.body_consts, *c])
+      carry.append(init)
+      xs.append(sliced)
+      ys.append({})   # first layer -> this phase's stacked results
+    for phase in (reversed(phases) if reverse else phases):
+      where = list(phase.members)
+      if len(where) == 1:
+        (i,) = where
+        outs = [_alone(members[i], phase, consts[i], carry[i], xs[i], reverse,
+                       scope)]
+      else:
+        sliced = [[_phase_slices(x, *phase.layers(p), k, members[i].length)
+                   for x in xs[i]]
+                  for p, (i, k) in enumerate(zip(where, phase.per_step))]
+        outs = list(zip(*one_loop(phase, [consts[i] for i in where],
+                                  [carry[i] for i in where], sliced)))
+      for p, (i, (c, y)) in enumerate(zip(where, outs)):
+        carry[i] = c
+        ys[i][phase.starts[p]] = [_layers_of(v, phase.per_step[p]) for v in y]
+    results = []
+    for m, c, pieces in zip(members, carry, ys):
+      stacked = [pieces[start] for start in sorted(pieces)]
+      results += [*c, *(parts[0] if len(parts) == 1 else
+                        jax.lax.concatenate(list(parts), 0)
+                        for parts in zip(*stacked))]
+    return results
 
   flat = [read(v) for read_vars in reads for v in read_vars]
   results = jax.lax.platform_dependent(*flat, cpu=separate, default=fused)
@@ -163,6 +233,41 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
       found[var] = results[at]
       at += 1
   return found
+
+
+def _alone(m: "_Member", phase: Phase, consts, carry, xs, reverse: bool,
+           scope) -> tuple[list, list]:
+  """A member's layers of ``phase`` (it alone) as a loop of its own, in
+  place: the scan as written, over those layers."""
+  first, end = phase.layers(0)
+  sliced = [_phase_slices(x, first, end, 1, m.length) for x in xs]
+  run = m.step(1, reverse)
+
+  def step(h, x):
+    out = list(run(*consts, *h, *x))
+    return out[:m.num_carry], out[m.num_carry:]
+
+  with scope(m.region):
+    return jax.lax.scan(step, list(carry), sliced, length=phase.steps,
+                        reverse=reverse, unroll=min(m.unroll, phase.steps))
+
+
+def _phase_slices(x, first: int, end: int, per_step: int, length: int):
+  """A stacked operand's layers ``first`` to ``end`` as a phase scans them:
+  ``per_step`` layers a step (a leading axis of steps, then one of
+  layers)."""
+  if (first, end) != (0, length):
+    x = jax.lax.slice_in_dim(x, first, end, axis=0)
+  if per_step > 1:
+    x = x.reshape(((end - first) // per_step, per_step, *x.shape[1:]))
+  return x
+
+
+def _layers_of(y, per_step: int):
+  """A phase's stacked result with one leading axis of layers again."""
+  if per_step > 1:
+    y = y.reshape((y.shape[0] * y.shape[1], *y.shape[2:]))
+  return y
 
 
 def _together(groups: Sequence[Sequence[Any]]) -> list[list[Any]]:

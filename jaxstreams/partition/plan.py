@@ -19,6 +19,7 @@ import jax.extend.core as jcore
 
 from jaxstreams import _compat
 from jaxstreams.assign import equation_name
+from jaxstreams.partition.loops import Phase, layout, loop_length
 from jaxstreams.partition.partitioned import PartitionedProgram
 from jaxstreams.partition.regions import transitive_reduction
 from jaxstreams.partition.schedule import Schedule
@@ -65,12 +66,39 @@ class Region:
 
 @dataclasses.dataclass(frozen=True)
 class LoopGroup:
-  """Regions, one scan each (same length and direction, each on its own
-  stream, none depending on another), that can run as one loop whose steps
-  run every body on its region's stream."""
+  """Regions, one scan each (the same direction, each on its own stream,
+  none depending on another), that can run as one loop whose steps run
+  every body on its region's stream. ``lengths``: each scan's layers;
+  ``phases``: the loops they run as (``partition.loops.layout``, positions
+  in ``regions``), the first with every scan in it; ``steps`` is its."""
   regions: tuple[int, ...]
   steps: int
   reverse: bool
+  lengths: tuple[int, ...] = ()
+  phases: tuple[Phase, ...] = ()
+
+  def describe(self, streams: Sequence[int]) -> str:
+    """One line: the regions, their layers, how the loop runs them."""
+    name = lambda i: f"R{self.regions[i]}"
+    line = "+".join(name(i) for i in range(len(self.regions)))
+    if len(set(self.lengths)) > 1:
+      line += " (" + ", ".join(f"{name(i)} {n} layers"
+                               for i, n in enumerate(self.lengths)) + ")"
+    first, *rest = self.phases or (Phase(self.steps, (), (), ()),)
+    line += f": {first.steps} steps" + (" (reversed)" if self.reverse else "")
+    several = [f"{name(m)} {k} layers" for m, k
+               in zip(first.members, first.per_step) if k > 1]
+    if several:
+      line += " taking " + ", ".join(several) + " a step"
+    line += ", bodies on streams " + ", ".join(str(s) for s in streams)
+    for phase in rest:
+      who = "+".join(name(m) for m in phase.members)
+      ranges = ", ".join(f"{name(m)} layers {a}-{b - 1}" for m, (a, b) in zip(
+          phase.members, map(phase.layers, range(len(phase.members)))))
+      line += ("; " + ("before that" if self.reverse else "then") + f" {ranges}"
+               + (" alone, in place" if len(phase.members) == 1
+                  else f" as one loop of {phase.steps} steps ({who})"))
+    return line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,10 +232,8 @@ class StreamPlan:
           " run as one loop, each body on its region's stream:" if together
           else " that 'loops' and 'streams' run as one loop:")]
       for group in self.loops:
-        lines.append("  " + "+".join(f"R{r}" for r in group.regions) + (
-            f": {group.steps} steps" + (" (reversed)" if group.reverse else "")
-            + ", bodies on streams "
-            + ", ".join(str(self.regions[r].stream) for r in group.regions)))
+        lines.append("  " + group.describe(
+            [self.regions[r].stream for r in group.regions]))
     shown = {r: why for r, why in self.in_place.items()
              if self.gpu_lowering.startswith("streams")}
     if shown:
@@ -355,10 +381,12 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
 
 
 def _loop_group(partitioned: PartitionedProgram, regions) -> LoopGroup:
-  (index,) = partitioned.graph.members[regions[0]]
-  params = partitioned.program.jaxpr.eqns[index].params
-  return LoopGroup(tuple(regions), int(params["length"]),
-                   bool(params["reverse"]))
+  eqns = [partitioned.program.jaxpr.eqns[partitioned.graph.members[r][0]]
+          for r in regions]
+  lengths = tuple(loop_length(eqn) for eqn in eqns)
+  phases = layout(lengths)
+  return LoopGroup(tuple(regions), phases[0].steps,
+                   bool(eqns[0].params["reverse"]), lengths, phases)
 
 
 def _value_names(jaxpr) -> dict[Any, str]:
