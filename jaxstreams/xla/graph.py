@@ -23,6 +23,7 @@ stream call, with the plan regions in flight together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -31,13 +32,15 @@ import sys
 from typing import Any
 
 from jaxstreams import _compat
+from jaxstreams.xla._graph_child import MARKER
 from jaxstreams.xla.launches import (Conditional, CudaGraph, GpuProgram,
                                      GraphLaunch, Kernel, KernelLaunch, Loop,
                                      StreamCall, read_program)
+from jaxstreams.xla.step_time import Device, StepEstimate, estimate_step
 from jaxstreams.xla.xla_logs import GraphLogError, command_types
 
 __all__ = ["CudaGraph", "GraphLogError", "Kernel", "OutsideGraph", "XlaGraphs",
-           "read_graphs", "xla_graphs"]
+           "read_graphs", "xla_graphs", "xla_graphs_of"]
 
 # What the child turns on: the graph builder's commands and edges, and the
 # conversion pass's account of what it put into graphs.
@@ -62,9 +65,12 @@ class XlaGraphs:
   ``read_graphs`` makes one from XLA's text."""
 
   def __init__(self, program: GpuProgram, plan=None,
-               command_types: tuple[str, ...] | None = None):
+               command_types: tuple[str, ...] | None = None,
+               target: tuple[str, str] | None = None):
     self.program = program
     self.plan = plan
+    # The target compiled for: its name and description (None: unknown).
+    self.target = target
     # The command types XLA put into graphs for this program (its log).
     self.command_types = command_types
     self.graphs = program.graphs
@@ -116,6 +122,19 @@ class XlaGraphs:
         checks.append((a.index, b.index, (a.index, b.index) in parallel))
     return tuple(checks)
 
+  @functools.cached_property
+  def estimate(self) -> StepEstimate:
+    """The step's estimated time on the target (``step_time``): the device's
+    critical path, the host's launch time, which bounds the step."""
+    from jaxstreams.xla import fitted_costs
+    from jaxstreams.xla import target as targets
+    name, config = self.target or ("h100", targets.BUILTIN_TARGETS["h100"])
+    if not config:   # this machine's own GPU: its description is not read
+      name, config = "an H100 (the local GPU's peaks are not read)", \
+          targets.BUILTIN_TARGETS["h100"]
+    return estimate_step(self.program, fitted_costs.H100,
+                         Device.of(name, config))
+
   def summary(self) -> str:
     loose = self.program.loose_kernels
     if self.graphs:
@@ -128,7 +147,8 @@ class XlaGraphs:
              else "",
              f"{len(self.outside)} stream call(s)",
              f"{len(loose)} launch(es) outside any graph"]
-    lines = [head + "; " + ", ".join(p for p in parts if p)]
+    lines = [head + "; " + ", ".join(p for p in parts if p),
+             str(self.estimate)]
     for g in self.graphs:
       lines.append(
           f"graph {g.index} ({g.name}, {g.mode}): {len(g.kernels)} kernels, "
@@ -218,13 +238,16 @@ class XlaGraphs:
 
 
 def read_graphs(log: str, sequence: str | None, metadata: str | None,
-                hlo: str, buffers: str | None = None, plan=None) -> XlaGraphs:
+                hlo: str, buffers: str | None = None, plan=None,
+                target: tuple[str, str] | None = None) -> XlaGraphs:
   """What the GPU launches for a compiled program, from XLA's command-buffer
   log, its thunk-sequence dump, its compiled HLO text and, for graphs whose
   node list the log cut short, its buffer-assignment dump (``xla_graphs``
-  gathers all of them in a child process)."""
+  gathers all of them in a child process); ``target``: the name and
+  description (``target_config``) of the GPU it was compiled for, whose
+  peaks the step-time estimate uses (None: an H100)."""
   return XlaGraphs(read_program(log, sequence, metadata, hlo, buffers), plan,
-                   command_types(log))
+                   command_types(log), target)
 
 
 def _outside(call: StreamCall) -> OutsideGraph:
@@ -367,22 +390,70 @@ def xla_graphs(lowered: Any, *, target: Any = "h100",
   machine's own GPU (XLA autotunes there, as the program's own compile
   does). With the function's ``plan``, ``compare()`` checks the plan's
   pairs of regions. A program partitioned over several devices is compiled
-  for a node of that many GPUs; the graphs are one device's.
+  for a node of that many GPUs; the graphs are one device's. The view's
+  ``estimate`` is the step's estimated time on the target.
   """
   texts = capture(lowered, target=target, compiler_options=compiler_options,
                   timeout=timeout)
-  return read_graphs(**texts, plan=plan)
+  return read_graphs(**texts, plan=plan, target=_target_text(target))
+
+
+def xla_graphs_of(lowered: dict[str, Any], *, target: Any = "h100",
+                  plans: dict | None = None, timeout: float = 600
+                  ) -> dict[str, "XlaGraphs | GraphLogError"]:
+  """``xla_graphs`` of several programs (name -> lowered), compiled one
+  after the other in one child process (one start of jax and of the CUDA
+  compiler for all, and the kernels they share compiled once: the ways of
+  one function). A program that did not compile, or whose launches cannot
+  be read, gets the ``GraphLogError`` saying why, in its place."""
+  captured = capture_all(lowered, target=target, timeout=timeout)
+  views: dict[str, XlaGraphs | GraphLogError] = {}
+  for name, texts in captured.items():
+    if isinstance(texts, GraphLogError):
+      views[name] = texts
+      continue
+    try:
+      views[name] = read_graphs(**texts, plan=(plans or {}).get(name),
+                                target=_target_text(target))
+    except Exception as error:  # noqa: BLE001 - one program's view
+      views[name] = GraphLogError(f"{name}: its launches could not be read "
+                                  f"({type(error).__name__}: {error})")
+  return views
+
+
+def _target_text(target: Any) -> tuple[str, str]:
+  """A target's name and description, as ``XlaGraphs`` keeps it ("" for
+  this machine's own GPU)."""
+  from jaxstreams.xla import target as targets
+  if isinstance(target, targets.GpuTarget):
+    return target.name, target.config_text
+  if isinstance(target, str) and target == "local":
+    return "local", ""
+  return targets.target_config(target)
 
 
 def capture(lowered: Any, *, target: Any = "h100",
             compiler_options: dict | None = None,
-            timeout: float = 600) -> dict[str, str | None]:
+            timeout: float = 600) -> dict[str, Any]:
   """XLA's own text for ``lowered`` compiled for ``target`` (see
   ``xla_graphs``): its command-buffer log (``log``), thunk dump
   (``sequence``, ``metadata``), compiled HLO (``hlo``) and buffer
   assignment (``buffers``), which ``read_graphs`` reads. Kept as JSON,
   they are fixtures: a GPU's own compile, checked later against a
   deviceless one."""
+  (texts,) = capture_all({"": lowered}, target=target,
+                         compiler_options=compiler_options,
+                         timeout=timeout).values()
+  if isinstance(texts, GraphLogError):
+    raise texts
+  return texts
+
+
+def capture_all(lowered: dict[str, Any], *, target: Any = "h100",
+                compiler_options: dict | None = None, timeout: float = 600
+                ) -> dict[str, "dict[str, Any] | GraphLogError"]:
+  """``capture`` of several programs (name -> lowered) in one child
+  process; a program that did not compile gets a ``GraphLogError``."""
   from jaxstreams.xla import target as targets
   local = isinstance(target, str) and target == "local"
   if isinstance(target, targets.GpuTarget):
@@ -391,13 +462,16 @@ def capture(lowered: Any, *, target: Any = "h100",
     name, config_text = "local", ""
   else:
     name, config_text = targets.target_config(target)
-  options = {**_compat.lowered_compiler_options(lowered), **(compiler_options or {})}
-  text = lowered.as_text(debug_info=True)
-  partitions = re.search(r"mhlo\.num_partitions = (\d+)", text)
-  request = json.dumps({"module": text,
-                        "compiler_options": {k: _option_text(v) for k, v in options.items()},
-                        "target_name": name, "target_config": config_text,
-                        "devices": int(partitions.group(1)) if partitions else 1})
+  programs, devices = [], 1
+  for one in lowered.values():
+    options = {**_compat.lowered_compiler_options(one), **(compiler_options or {})}
+    text = one.as_text(debug_info=True)
+    partitions = re.search(r"mhlo\.num_partitions = (\d+)", text)
+    devices = max(devices, int(partitions.group(1)) if partitions else 1)
+    programs.append({"module": text, "compiler_options": {
+        k: _option_text(v) for k, v in options.items()}})
+  request = json.dumps({"programs": programs, "target_name": name,
+                        "target_config": config_text, "devices": devices})
   package_root = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=LOG_MODULES,
@@ -415,13 +489,30 @@ def capture(lowered: Any, *, target: Any = "h100",
     raise GraphLogError(f"compiling for {name} in a child process failed "
                         f"(exit {result.returncode}):\n{result.stderr[-3000:]}")
   try:
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-  except (ValueError, IndexError):
+    out = json.loads(result.stdout.strip().splitlines()[-1])["programs"]
+  except (ValueError, IndexError, KeyError, TypeError):
     raise GraphLogError("the child process printed no result:\n"
                         + result.stdout[-2000:]) from None
-  return {"log": result.stderr, "sequence": out["sequence"],
-          "metadata": out["metadata"], "hlo": out["hlo"],
-          "buffers": out.get("buffers")}
+  logs = _split_log(result.stderr, len(out))
+  captured: dict[str, dict[str, Any] | GraphLogError] = {}
+  for key, log, found in zip(lowered, logs, out):
+    if "error" in found:
+      captured[key] = GraphLogError(f"{key or 'the program'} did not compile "
+                                    f"for {name}: {found['error']}")
+      continue
+    captured[key] = {"log": log, "sequence": found["sequence"],
+                     "metadata": found["metadata"], "hlo": found["hlo"],
+                     "buffers": found.get("buffers")}
+  return captured
+
+
+def _split_log(stderr: str, count: int) -> list[str]:
+  """The child's stderr cut at its markers: program ``k``'s log."""
+  parts = re.split(rf"^{re.escape(MARKER)}(\d+)$", stderr, flags=re.MULTILINE)
+  logs = [""] * count
+  for index, text in zip(parts[1::2], parts[2::2]):
+    logs[int(index)] = text
+  return logs
 
 
 def _option_text(value) -> Any:

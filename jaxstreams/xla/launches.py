@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Mapping, Sequence, Union
 
 from jaxstreams.lower.calls import REGION_ATTRIBUTE
 from jaxstreams.lower.emit import REGION_SCOPE
 from jaxstreams.xla.schedule import HloParseError, _computations
+from jaxstreams.xla.work import Work, arrays, instruction_work
 from jaxstreams.xla.xla_logs import (BufferUses, GraphLogError, LoggedGraph,
                                      Thunk, graph_edges, parse_log,
                                      parse_thunk_dump)
@@ -32,6 +33,8 @@ _REGION_SCOPE_RE = re.compile(
     re.escape(REGION_SCOPE).replace(re.escape("{index}"), r"(\d+)"))
 _STREAM_OF_START = re.compile(r"stream=\w+\[(\d+)\]")
 _ASYNC_ID = re.compile(r"async_id=(\d+)")
+_GRID = re.compile(r"grid: \[(\d+), (\d+), (\d+)\] threads: "
+                   r"\[(\d+), (\d+), (\d+)\]")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 # What a thunk that is not a kernel launches, by XLA's thunk kind.
@@ -57,6 +60,8 @@ class Kernel:
   region: int | None          # the plan region it belongs to, where known
   stream: int                 # XLA's stream: 0 main, k an annotated call's
   inputs: tuple[int, ...]     # nodes it waits for (the graph's in-edges)
+  # Thread blocks and threads per block (None: a library call, a copy).
+  launch: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +135,8 @@ class KernelLaunch:
   instruction: str | None
   region: int | None
   stream: int
+  # Thread blocks and threads per block, where XLA launches a kernel.
+  launch: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +194,14 @@ Launch = Union[KernelLaunch, GraphLaunch, StreamCall, Loop, Conditional]
 class GpuProgram:
   """What the GPU launches for one compiled program: ``launches`` in the
   order the host makes them, and every CUDA graph among them (loop bodies
-  and conditional branches included)."""
+  and conditional branches included); ``work``: what each HLO instruction
+  that launches something does (``work.Work``); ``arguments`` and
+  ``results``: the program's buffers in and out, counted."""
   launches: tuple[Launch, ...]
   graphs: tuple[CudaGraph, ...]
+  work: Mapping[str, Work] = dataclasses.field(default_factory=dict)
+  arguments: int = 0
+  results: int = 0
 
   def walk(self) -> Iterator[Launch]:
     """Every launch, nested ones (loop bodies, branches, stream calls)
@@ -208,6 +220,46 @@ class GpuProgram:
   def loose_kernels(self) -> tuple[KernelLaunch, ...]:
     """The launches made one by one, outside any graph."""
     return tuple(l for l in self.walk() if isinstance(l, KernelLaunch))
+
+  def to_json(self) -> dict:
+    """This program as plain data (``from_json`` reads it back): what the
+    step-time fit keeps of each compiled program."""
+    return _plain(self)
+
+  @classmethod
+  def from_json(cls, data: dict) -> "GpuProgram":
+    return _unplain(data)
+
+
+_TYPES = {t.__name__: t for t in (Kernel, CudaGraph, KernelLaunch, GraphLaunch,
+                                  StreamCall, Loop, Conditional)}
+
+
+def _plain(value):
+  if isinstance(value, GpuProgram):
+    return {"launches": _plain(value.launches), "graphs": _plain(value.graphs),
+            "work": {k: dataclasses.astuple(w) for k, w in value.work.items()},
+            "arguments": value.arguments, "results": value.results}
+  if dataclasses.is_dataclass(value):
+    return {"type": type(value).__name__,
+            **{f.name: _plain(getattr(value, f.name))
+               for f in dataclasses.fields(value)}}
+  if isinstance(value, (tuple, list)):
+    return [_plain(v) for v in value]
+  return value
+
+
+def _unplain(value):
+  if isinstance(value, dict) and "launches" in value and "type" not in value:
+    return GpuProgram(_unplain(value["launches"]), _unplain(value["graphs"]),
+                      {k: Work(*w) for k, w in value["work"].items()},
+                      value["arguments"], value["results"])
+  if isinstance(value, dict):
+    kind = _TYPES[value["type"]]
+    return kind(**{k: _unplain(v) for k, v in value.items() if k != "type"})
+  if isinstance(value, list):
+    return tuple(_unplain(v) for v in value)
+  return value
 
 
 def _walk(launches) -> Iterator[Launch]:
@@ -271,7 +323,7 @@ def read_program(log: str, sequence: str | None, metadata: str | None,
   short) its buffer-assignment dump."""
   logged = parse_log(log)
   try:
-    _, computations = _computations(hlo)
+    entry, computations = _computations(hlo)
   except HloParseError as error:
     raise GraphLogError(f"the compiled HLO could not be read: {error}") from None
   builder = _Builder(computations, BufferUses(buffers, computations)
@@ -279,7 +331,15 @@ def read_program(log: str, sequence: str | None, metadata: str | None,
   roots = parse_thunk_dump(sequence, metadata) if sequence else []
   builder.match_graphs(logged, roots)
   return GpuProgram(builder.sequence(roots, stream=0, in_graph=False),
-                    tuple(builder.graphs))
+                    tuple(builder.graphs), instruction_work(computations),
+                    *_buffers(computations[entry]))
+
+
+def _buffers(entry) -> tuple[int, int]:
+  """The entry computation's arguments and results, counted."""
+  parameters = sum(ins.opcode == "parameter" for ins in entry)
+  root = next((ins for ins in entry if ins.root), None)
+  return parameters, len(arrays(root.shape)) if root is not None else 0
 
 
 class _Builder:
@@ -350,7 +410,8 @@ class _Builder:
           region = self.region_of(instruction)
       placed.append((_command_name(text), instruction, region, stream))
     inputs = graph_edges(entry, [p[1] for p in placed], self.buffers_of)
-    kernels = tuple(Kernel(node, name, instruction, region, stream, inputs[node])
+    kernels = tuple(Kernel(node, name, instruction, region, stream, inputs[node],
+                           launch_of(entry.commands[node][0]))
                     for node, (name, instruction, region, stream)
                     in enumerate(placed))
     return CudaGraph(index, entry.name, entry.mode, kernels, entry.sequential)
@@ -418,7 +479,7 @@ class _Builder:
     return KernelLaunch(thunk.name,
                         _KINDS.get(thunk.kind, thunk.kind[1:]), thunk.kind,
                         thunk.annotation, self.region_of(thunk.annotation),
-                        stream)
+                        stream, launch_of(thunk.text))
 
   def _branch(self, section, stream, in_graph) -> tuple[Launch, ...]:
     graph = self.graph_of.get(id(section))
@@ -432,6 +493,17 @@ def _commands(thunks: Sequence[Thunk]):
   runs in (see ``Thunk.commands``)."""
   holder = Thunk(-1, "kCommandBuffer", "", children=list(thunks))
   return holder.commands()
+
+
+def launch_of(text: str) -> tuple[int, int] | None:
+  """The thread blocks and threads per block of a kernel launch as XLA
+  writes it (``grid: [x, y, z] threads: [x, y, z]``), None where the text
+  has none."""
+  match = _GRID.search(text)
+  if match is None:
+    return None
+  sizes = [int(x) for x in match.groups()]
+  return sizes[0] * sizes[1] * sizes[2], sizes[3] * sizes[4] * sizes[5]
 
 
 def _command_name(text: str) -> str:

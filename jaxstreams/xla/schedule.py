@@ -42,6 +42,7 @@ class Instruction:
   attributes: str
   operand_text: str = ""    # the text between the opcode's parentheses
   root: bool = False        # its computation's ROOT
+  shape: str = ""           # its result's shape as XLA writes it
 
   def frontend_attribute(self, key: str) -> str | None:
     match = re.search(rf'\b{re.escape(key)}="([^"]*)"', self.attributes)
@@ -298,7 +299,7 @@ def parse_instruction(line: str) -> Instruction:
   if not match:
     raise HloParseError(f"not an HLO instruction: {line.strip()[:120]!r}")
   name, rest = match.groups()
-  _, after = _split_shape(rest)
+  shape, after = _split_shape(rest)
   op_match = re.match(r"\s*([\w\-]+)\(", after)
   if not op_match:
     raise HloParseError(f"no opcode in HLO instruction: {line.strip()[:120]!r}")
@@ -314,7 +315,7 @@ def parse_instruction(line: str) -> Instruction:
   operand_text = after[op_match.end():index]
   operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
   return Instruction(name, opcode, operands, after[index + 1:], operand_text,
-                     line.lstrip().startswith("ROOT "))
+                     line.lstrip().startswith("ROOT "), shape)
 
 
 def _computations(text: str) -> tuple[str, dict[str, list[Instruction]]]:
