@@ -133,6 +133,32 @@ AUTOTUNE = _define(Option(
     "on disk. Off: the top-level default ('concurrent', or 'loops_concurrent' "
     "where the plan has independent loops), untimed."))
 
+# The names of jaxstreams.xla.target's built-in targets (config sits below
+# xla and holds them itself; a test in test_step_time.py holds them to
+# BUILTIN_TARGETS).
+ESTIMATE_TARGETS = ("h100", "h200")
+
+
+def _estimate_target_value(value: str) -> str | None:
+  if not value or value.lower() in ESTIMATE_TARGETS or os.path.isfile(value):
+    return None
+  return (f"must be empty, one of {', '.join(ESTIMATE_TARGETS)}, or the "
+          "path of a GpuTargetConfigProto text file")
+
+
+ESTIMATE_TARGET = _define(Option(
+    "jaxstreams_estimate_target", str, "",
+    "A GPU to estimate step times for ('h100', 'h200' or a "
+    "GpuTargetConfigProto file): where nothing times the ways of a "
+    "jaxstreams.jit function (no GPU in this process, as when lowering for a "
+    "target from a machine without one, or jaxstreams_autotune off), its "
+    "candidate ways are compiled for that target in a child process, once "
+    "per signature, and the default runs the one with the lowest estimated "
+    "step (jaxstreams.xla.step_time) if it beats jax.jit's program "
+    "(jaxstreams.lower.estimated). Empty: the structural default, neither "
+    "timed nor estimated.",
+    _estimate_target_value))
+
 AUTOTUNE_CACHE = _define(Option(
     "jaxstreams_autotune_cache", str, "",
     "The file that keeps autotuning decisions across processes. Empty: "

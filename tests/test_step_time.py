@@ -240,6 +240,104 @@ def test_an_xla_view_reports_its_estimate():
 
 
 # ---------------------------------------------------------------------------
+# Choosing a way by the estimate, where nothing times the ways.
+
+def _fake(step, bound="host"):
+  from jaxstreams.xla.step_time import StepEstimate
+  host, device = (step, step / 2) if bound == "host" else (step / 2, step)
+  return StepEstimate(step, device, host, "h100")
+
+
+def test_the_estimate_keeps_jax_jits_program_unless_another_way_beats_it():
+  from jaxstreams.lower import estimated
+  way, why = estimated.choose({"inline": _fake(200e-6),
+                               "concurrent": _fake(150e-6, "device")}, "h100")
+  assert way == "concurrent"
+  assert "estimated for h100" in why and "not timed" in why
+  assert "concurrent 150 us (device-bound); inline 200 us (host-bound)" in why
+  way, why = estimated.choose({"inline": _fake(200e-6),
+                               "concurrent": _fake(198e-6)}, "h100")
+  assert way == "inline" and "needs 3%" in why
+  way, _ = estimated.choose({"inline": _fake(100e-6),
+                             "concurrent": _fake(120e-6)}, "h100")
+  assert way == "inline"
+
+
+def _branches():
+  import jax.numpy as jnp
+  import jaxstreams
+
+  def step(x, w):
+    outs = []
+    for i in range(2):
+      with jaxstreams.stream(i + 1):
+        outs.append(jnp.tanh(x @ w * (i + 1)))
+    return outs[0] + outs[1]
+  return step, (jnp.ones((32, 64)), jnp.ones((64, 64)))
+
+
+@pytest.fixture
+def estimate_for_h100():
+  import jaxstreams
+  jaxstreams.config.update("jaxstreams_estimate_target", "h100")
+  yield
+  jaxstreams.config.reset("jaxstreams_estimate_target")
+
+
+def test_without_a_gpu_the_default_follows_the_estimate(estimate_for_h100,
+                                                       monkeypatch):
+  import jaxstreams
+  from jaxstreams.lower import estimated
+  asked = []
+
+  def fake(lower, ways, target):
+    asked.append((tuple(w.name for w in ways), target))
+    return {w.name: _fake(100e-6 if w.name == "inline" else 80e-6) for w in ways}
+  monkeypatch.setattr(estimated, "estimate_ways", fake)
+  fn, args = _branches()
+  f = jaxstreams.jit(fn, streams=3)
+  plan = f.plan(*args)
+  assert plan.gpu_lowering != "inline", plan.gpu_reason
+  assert "estimated for h100" in plan.gpu_reason and "not timed" in plan.gpu_reason
+  f.plan(*args)
+  f.lower(*args)
+  assert len(asked) == 1 and asked[0][1] == "h100"   # once per signature
+  assert "inline" in asked[0][0]
+
+
+def test_an_estimate_that_fails_leaves_the_structural_default(estimate_for_h100,
+                                                             monkeypatch):
+  import jaxstreams
+  from jaxstreams.lower import estimated
+
+  def broken(lower, ways, target):
+    raise RuntimeError("no CUDA plugin")
+  monkeypatch.setattr(estimated, "estimate_ways", broken)
+  fn, args = _branches()
+  plan = jaxstreams.jit(fn, streams=3).plan(*args)
+  assert plan.gpu_lowering == "concurrent"
+  assert "the estimate for h100 failed: RuntimeError: no CUDA plugin" in plan.gpu_reason
+
+
+def test_the_option_names_a_target():
+  import jaxstreams
+  # config holds the built-in targets' names itself (it sits below xla).
+  assert jaxstreams.config.ESTIMATE_TARGETS == tuple(sorted(targets.BUILTIN_TARGETS))
+  with pytest.raises(ValueError, match="h100, h200, or the path"):
+    jaxstreams.config.update("jaxstreams_estimate_target", "h1000")
+
+
+def test_the_estimated_choice_compiles_the_ways_for_the_target(estimate_for_h100):
+  require_gpu_target("estimating step times for an H100")
+  import jaxstreams
+  fn, args = _branches()
+  plan = jaxstreams.jit(fn, streams=3).plan(*args)
+  reason = plan.gpu_reason
+  assert "estimated for h100 (jaxstreams_estimate_target), not timed" in reason
+  assert "inline" in reason and "concurrent" in reason and "-bound)" in reason
+
+
+# ---------------------------------------------------------------------------
 # Held to the H100's figures.
 #
 # The six models of benchmarks/gpu_levers.py, each way that script timed on

@@ -45,6 +45,12 @@ The first call costs what ``jax.jit``'s does:
   repeat them). A failure anywhere in choosing keeps the way that already
   ran and never fails a call. ``jaxstreams_autotune`` off: the static
   default, untimed.
+* Where nothing times the ways (no GPU in this process, or
+  ``jaxstreams_autotune`` off) and ``jaxstreams_estimate_target`` names a
+  GPU, the static default is the candidate way with the lowest estimated
+  step on that GPU, ``inline`` unless another is estimated
+  ``timing.MIN_GAIN`` faster (``estimated``: the ways compiled for it in a
+  child process, once per signature).
 
 ``str(plan)`` (``plan.gpu_reason``) says which way a signature's calls run,
 and when and how it was chosen.
@@ -63,7 +69,7 @@ import jax
 from jax import tree_util
 
 from jaxstreams import _compat, config
-from jaxstreams.lower import gpu, timing
+from jaxstreams.lower import estimated, gpu, timing
 from jaxstreams.lower.signature_choice import SignatureChoice
 
 if TYPE_CHECKING:
@@ -157,20 +163,31 @@ def default_way(ways: Sequence[gpu.Way], plan: "StreamPlan") -> gpu.Way:
   return default if default in ways else gpu.WAYS["inline"]
 
 
-def static_choice(lowering: str, plan: Callable[[], "StreamPlan"]) -> Choice:
+def static_choice(lowering: str, plan: Callable[[], "StreamPlan"],
+                  estimate: Callable | None = None) -> Choice:
   """The way top-level calls run on a GPU before anything was timed: the way
   asked for, ``jax.jit``'s program for a plan on one stream or with nothing
   to time, else the top-level default (timed where ``timable``). ``plan()``
-  gives the plan, made only if needed."""
+  gives the plan, made only if needed. ``estimate(ways)``, where nothing
+  will time them and a target is set (``Chooser.estimator``): the way
+  with the lowest estimated step and why (``jaxstreams.lower.estimated``;
+  ``EstimateFailed`` where none could be estimated)."""
   if lowering != gpu.DEFAULT:
     return Choice(gpu.WAYS[lowering], f"gpu_lowering={lowering!r}")
   found = plan()
   if found.is_single_stream:
     return Choice(gpu.WAYS["inline"], ONE_STREAM, single_stream=True)
   ways = gpu.candidates(found)
+  failed = ""
+  if estimate is not None and len(ways) > 1 and regions_can_overlap(found):
+    try:
+      way, why = estimate(ways)
+      return Choice(gpu.WAYS[way], why)
+    except estimated.EstimateFailed as error:
+      failed = f"; {error}"
   if not config.read("jaxstreams_autotune"):
     return Choice(default_way(ways, found),
-                  "the top-level default (jaxstreams_autotune is off)")
+                  f"the top-level default (jaxstreams_autotune is off{failed})")
   if len(ways) < 2:
     return Choice(gpu.WAYS["inline"], "nothing to time: the only candidate "
                   "way on this jax")
@@ -182,7 +199,7 @@ def static_choice(lowering: str, plan: Callable[[], "StreamPlan"]) -> Choice:
   return Choice(default_way(ways, found), "the top-level default; on a GPU the "
                 "first call runs jax.jit's program while the other "
                 f"candidates compile beside it, and the calls after it time "
-                f"{names} and keep the fastest", timable=True)
+                f"{names} and keep the fastest{failed}", timable=True)
 
 
 def _leaf_key(leaf) -> Hashable:
@@ -207,6 +224,7 @@ class Chooser:
     self._lock = threading.RLock()
     self.static: Choice | None = None      # set by the first top-level call
     self._signatures: dict[Hashable, SignatureChoice] = {}
+    self._estimated: dict[Hashable, object] = {}   # (way, why) or a failure
 
   @property
   def settled(self) -> bool:
@@ -237,7 +255,8 @@ class Chooser:
           plans.append(spec.plan(*args, **kwargs))
         return plans[0]
 
-      choice = static_choice(spec.lowering(), plan)
+      choice = static_choice(spec.lowering(), plan,
+                             self.estimator(args, kwargs))
       if choice.timable or choice.way.concurrent:
         # CONCURRENT graphs take convolutions in where the plan has them.
         owner._settled_plan = plan()
@@ -255,6 +274,13 @@ class Chooser:
       nested = top if choice.single_stream else Nested(self._owner)
       owner._point_to(top if top is nested else Switch(top, nested))
       return top
+
+  def estimator(self, args, kwargs) -> Callable | None:
+    """``estimated.estimator`` for a call with these arguments: where
+    nothing will time the ways and a target to estimate for is set, what
+    chooses the way by its estimated step (once per signature)."""
+    return estimated.estimator(self._owner(), self.key(args, kwargs), args,
+                               kwargs, self._estimated)
 
   def key(self, args, kwargs) -> Hashable | None:
     """The signature of a call: argument tree, shapes, dtypes and weak
@@ -362,7 +388,8 @@ class Chooser:
     owner = self._owner()
     static = self.static or static_choice(
         owner._spec.lowering(),
-        lambda: plan or owner._spec.plan(*args, **kwargs))
+        lambda: plan or owner._spec.plan(*args, **kwargs),
+        self.estimator(args, kwargs))
     if not static.timable:
       return static
     entry = self._signatures.get(self.key(args, kwargs))
