@@ -27,6 +27,7 @@ import jax.extend.core as jcore
 import jaxlib
 from jax import tree_util
 from jax.extend import source_info_util
+from jax._src.interpreters.batching import BatchTracer  # vmap's: val, batch_dim
 
 # ---------------------------------------------------------------------------
 # Versions.

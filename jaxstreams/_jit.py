@@ -38,7 +38,7 @@ import jax
 from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams._jit_staged import (Plans, make_plan, plans_for,
                                     qualified_name, staged_for)
-from jaxstreams.lower import choose, gpu
+from jaxstreams.lower import choose, gpu, memory
 from jaxstreams.lower.emit import FUSING_PROGRAMS, emits_inline
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 
@@ -372,25 +372,32 @@ class StreamJit(functools.partial):
     program too, as ``jax.jit``'s calls share one trace in every context.
     A way asked for runs its nested program in both contexts on CPU (one
     trace too); a nested way that emits something else than the top-level
-    one is another program, and another trace."""
+    one is another program, and another trace. The default also runs
+    ``jax.jit``'s program where the nested way may not fit in the device's
+    memory (``jaxstreams.lower.memory.nested_check``)."""
     way = self._nested_way()
     program = self._program(way, top_level=False)
     if (program != "inline" and self._spec.lowering() == gpu.DEFAULT
-        and self._nested_emits_inline(program, args, kwargs)):
+        and self._nested_runs_inline(program, args, kwargs)):
       way = gpu.WAYS["inline"]
     return self._jit(way, top_level=False)
 
-  def _nested_emits_inline(self, program: str, args, kwargs) -> bool:
+  def _nested_runs_inline(self, program: str, args, kwargs) -> bool:
     """Whether ``program`` emits ``jax.jit``'s program for the plan of
-    these arguments. Kept per signature: a function called inside a traced
-    loop body or under an eager ``jax.grad`` asks at every call."""
+    these arguments, or may not fit (a bound of what it adds against the
+    device's free memory, the copies ``jax.vmap`` runs counted). Kept per
+    signature: a function called inside a traced loop body or under an
+    eager ``jax.grad`` asks at every call."""
     spec = self._spec
     plans = spec.plans(self._streams)
+    copies = memory.vmapped_copies(jax.tree_util.tree_leaves((args, kwargs)))
     key = plans.key(args, kwargs, (
-        program, _pipeline.options_from_config(spec.spread)))
+        program, _pipeline.options_from_config(spec.spread), copies))
     known = plans.facts.get(key) if key is not None else None
     if known is None:
-      known = emits_inline(spec.partitioned(*args, **kwargs), program)
+      partitioned = spec.partitioned(*args, **kwargs)
+      known = emits_inline(partitioned, program) or not memory.nested_check(
+          partitioned, program, memory.default_device(), copies).fits
       if key is not None:
         if len(plans.facts) >= 4 * plans.SIZE:   # as bounded as the plans
           plans.facts.clear()
@@ -437,11 +444,23 @@ class StreamJit(functools.partial):
       return self._for_streams(self._spec.streams_now()).eval_shape(*args, **kwargs)
     return self._aot_jit(args, kwargs).eval_shape(*args, **kwargs)
 
-  def plan(self, *args, **kwargs) -> StreamPlan:
+  def plan(self, *args, target: Any = None, **kwargs) -> StreamPlan:
     """The ``StreamPlan`` for these arguments (traces; does not compile),
-    with how a GPU runs it."""
+    with how a GPU runs it. With ``target`` ("h100", "h200", a
+    ``GpuTarget``, a GpuTargetConfigProto file, or "local": this machine's
+    GPU), every way is also compiled for that GPU, in a child process, and
+    the plan states what each needs on the device against ``jax.jit``'s
+    program (``plan.memory``; ``jaxstreams.xla.ways``). A function with a
+    parameter named ``target`` gets it: use ``jaxstreams.plan(f,
+    target=...)(*args)`` there."""
+    if target is not None and _takes_keyword(self._spec.fun, "target"):
+      kwargs["target"], target = target, None
+    return self._plan(args, kwargs, target)
+
+  def _plan(self, args, kwargs, target: Any = None) -> StreamPlan:
     if self._streams is None:
-      return self._for_streams(self._spec.streams_now()).plan(*args, **kwargs)
+      return self._for_streams(self._spec.streams_now())._plan(
+          args, kwargs, target)
     found = self._spec.plan(*args, **kwargs)
     report = self._chooser.report(found, args, kwargs)
     devices = choose.device_count(args, kwargs, self._spec.jit_kwargs)
@@ -451,6 +470,10 @@ class StreamJit(functools.partial):
           "bodies over all their mesh's axes, other regions in place (XLA's "
           "partitioner may put collectives into a region, and XLA:GPU "
           "compiles none inside a stream call)")
+    if target is not None and not found.is_single_stream:
+      from jaxstreams.xla import ways
+      report["memory"] = ways.state_ways(
+          self, dataclasses.replace(found, **report), args, kwargs, target)
     return dataclasses.replace(found, **report)
 
   def clear_cache(self) -> None:
@@ -524,20 +547,33 @@ def _unset(*args, **kwargs):
 
 def plan(fun: Callable, *, streams: int | None = None,
          spread: bool | None = None, gpu_lowering: str | None = None,
-         **jit_kwargs: Any) -> Callable[..., StreamPlan]:
+         target: Any = None, **jit_kwargs: Any) -> Callable[..., StreamPlan]:
   """``jaxstreams.plan(f, streams=4)(*args)``: the ``StreamPlan`` of ``f``.
 
   ``f`` may be a plain function or a ``jaxstreams.jit`` function (then its
   own ``streams`` and ``jax.jit`` keywords are used unless given here).
+  ``target``: every way also compiled for that GPU, and what each needs on
+  the device stated (see ``StreamJit.plan``).
   """
   spec = spec_of(fun)
-  if spec is not None:
-    if (streams is None and spread is None and gpu_lowering is None
-        and not jit_kwargs):
-      return fun.plan
-    fun, jit_kwargs = spec.fun, {**spec.jit_kwargs, **jit_kwargs}
-    streams = streams if streams is not None else spec.streams
-    spread = spread if spread is not None else spec.spread
-    gpu_lowering = gpu_lowering or spec.gpu_lowering
-  return jit(fun, streams=streams, spread=spread, gpu_lowering=gpu_lowering,
-             **jit_kwargs).plan
+  if spec is None or (streams is not None or spread is not None
+                      or gpu_lowering is not None or jit_kwargs):
+    if spec is not None:
+      fun, jit_kwargs = spec.fun, {**spec.jit_kwargs, **jit_kwargs}
+      streams = streams if streams is not None else spec.streams
+      spread = spread if spread is not None else spec.spread
+      gpu_lowering = gpu_lowering or spec.gpu_lowering
+    fun = jit(fun, streams=streams, spread=spread, gpu_lowering=gpu_lowering,
+              **jit_kwargs)
+  return lambda *args, **kwargs: fun._plan(args, kwargs, target)
+
+
+def _takes_keyword(fun: Callable, name: str) -> bool:
+  """Whether ``fun`` takes a keyword argument ``name`` (a parameter of
+  that name, or ``**kwargs``); False where Python cannot tell."""
+  try:
+    parameters = inspect.signature(fun).parameters.values()
+  except (TypeError, ValueError):
+    return False
+  return any((p.name == name and p.kind is not p.POSITIONAL_ONLY)
+             or p.kind is p.VAR_KEYWORD for p in parameters)

@@ -129,9 +129,12 @@ AUTOTUNE = _define(Option(
     "With gpu_lowering 'default', on a GPU the first top-level call of a "
     "jaxstreams.jit function (per signature) runs jax.jit's program while "
     "the candidate ways compile beside it, and the calls after it time them "
-    "and keep the fastest (jaxstreams.lower.choose); the decision is cached "
-    "on disk. Off: the top-level default ('concurrent', or 'loops_concurrent' "
-    "where the plan has independent loops), untimed."))
+    "and keep the fastest (jaxstreams.lower.choose), a way that needs more "
+    "device memory only for a larger gain; the decision is cached on disk. "
+    "Off: the top-level default ('concurrent', 'loops_concurrent' where the "
+    "plan has independent loops, 'inline' where only loops can run side by "
+    "side), untimed, or jax.jit's program where the default's compiled "
+    "program would not fit in the GPU's free memory."))
 
 # The names of jaxstreams.xla.target's built-in targets (config sits below
 # xla and holds them itself; a test in test_step_time.py holds them to

@@ -13,7 +13,7 @@ import pytest
 
 import jaxstreams
 from jaxstreams import _compat
-from jaxstreams.lower import choose, compile_pool, gpu, timing
+from jaxstreams.lower import choose, compile_pool, gpu, memory, timing
 from programs import (assert_equal_results, one_chain, random_inputs,
                       two_towers, wait_until)
 
@@ -44,15 +44,18 @@ def _clock(fastest=None, seconds=10e-3):
 # ---------------------------------------------------------------------------
 # The rule, on its own.
 
-def _decide(clock):
-  """Warm up, then run the rounds, as a function's calls do."""
+def _decide(clock, memory=None):
+  """Warm up, then run the rounds, as a function's calls do. ``memory``:
+  the bytes XLA says each way needs."""
   run = lambda: jnp.ones(2)
   rounds = timing.Rounds({w: clock(w, run) for w in clock.seconds})
   while (way := rounds.next()) is not None:
     rounds.record(way, clock(way, run))
-  trials = lambda medians: tuple(timing.Trial(w, medians.get(w), None)
-                                 for w in clock.seconds)
-  return timing.decide(rounds.per_round(), baseline="inline", trials=trials)
+  trials = lambda medians: tuple(
+      timing.Trial(w, medians.get(w), (memory or {}).get(w))
+      for w in clock.seconds)
+  return timing.decide(rounds.per_round(), baseline="inline", trials=trials,
+                       memory=memory)
 
 
 def test_the_fastest_way_is_kept_when_it_clearly_wins():
@@ -77,6 +80,40 @@ def test_jax_jit_s_program_stays_unless_beaten_beyond_noise():
   decision = _decide(split)
   assert decision.way == "inline"
   assert "won 1 of 5 rounds" in decision.reason
+
+
+def test_a_way_that_needs_more_memory_must_gain_more():
+  """Half again jax.jit's memory asks 13% (3% noise, 20% per multiple of
+  the memory added); the same gain with no more memory is enough."""
+  assert timing.required_gain(1.5) == pytest.approx(0.13)
+  assert timing.required_gain(2.0) == pytest.approx(0.23)
+  assert timing.required_gain(0.9) == timing.required_gain(None) == timing.MIN_GAIN
+  mb = 2**20
+  clock = lambda: FakeClock({"inline": 1e-3, "concurrent": 0.9e-3})
+  hungry = _decide(clock(), {"inline": 100 * mb, "concurrent": 150 * mb})
+  assert hungry.way == "inline"
+  assert ("the fastest, 'concurrent', gained 10.0% and won 5 of 5 rounds "
+          "(needs 13% for 1.50x the memory and most rounds)") in hungry.reason
+  assert "concurrent 900.0 us, 150.0 MiB" in hungry.describe()
+  assert _decide(clock(), {"inline": 100 * mb, "concurrent": 101 * mb}).way == \
+      "concurrent"
+  assert _decide(clock()).way == "concurrent"     # memory unknown: 3%
+  bigger_gain = FakeClock({"inline": 1e-3, "concurrent": 0.85e-3})
+  assert _decide(bigger_gain, {"inline": 100 * mb, "concurrent": 150 * mb}
+                 ).way == "concurrent"
+
+
+def test_a_slower_way_that_needs_no_more_memory_can_win():
+  mb = 2**20
+  clock = FakeClock({"inline": 1e-3, "loops_concurrent": 0.88e-3,
+                     "concurrent": 0.92e-3})
+  decision = _decide(clock, {"inline": 100 * mb, "loops_concurrent": 200 * mb,
+                             "concurrent": 100 * mb})
+  assert decision.way == "concurrent"
+  assert decision.reason == (
+      "chose 'concurrent': 1.09x of 'inline', won 5 of 5 rounds, 1.00x its "
+      "memory; the fastest, 'loops_concurrent', gained 12.0% but needs 23% "
+      "for 2.00x the memory")
 
 
 def test_rounds_interleave_the_ways_in_a_rotating_order():
@@ -410,13 +447,10 @@ def test_timing_that_fails_never_fails_a_call(on_a_gpu, monkeypatch):
   assert not on_a_gpu.exists()                   # a failure is not kept
 
 
-def test_a_way_that_would_not_fit_is_not_run(on_a_gpu, monkeypatch):
-  clock = _clock("concurrent")
-  monkeypatch.setattr(timing, "time_call", clock)
-  monkeypatch.setattr(timing, "free_device_memory", lambda device: 1000)
-  # XLA's estimate: 5000 bytes for concurrent's program, sizes[""] for
-  # every other.
-  sizes, concurrent = {"": 100}, set()
+def _pretend_memory(monkeypatch, sizes):
+  """XLA's estimate of each program's memory: ``sizes["concurrent"]`` for
+  the concurrent way's program, ``sizes[""]`` for every other."""
+  concurrent = set()
   compile_ = compile_pool.compile_lowered
 
   def compile_and_note(lowered):
@@ -426,7 +460,15 @@ def test_a_way_that_would_not_fit_is_not_run(on_a_gpu, monkeypatch):
     return compiled, seconds
   monkeypatch.setattr(compile_pool, "compile_lowered", compile_and_note)
   monkeypatch.setattr(timing, "memory_needed", lambda compiled: (
-      5000 if id(compiled) in concurrent else sizes[""]))
+      sizes["concurrent"] if id(compiled) in concurrent else sizes[""]))
+
+
+def test_a_way_that_would_not_fit_is_not_run(on_a_gpu, monkeypatch):
+  clock = _clock("concurrent")
+  monkeypatch.setattr(timing, "time_call", clock)
+  monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+  sizes = {"concurrent": 5000, "": 100}
+  _pretend_memory(monkeypatch, sizes)
   f = jaxstreams.jit(_towers(), streams=3)
   args = _args()
   f(*args)
@@ -447,6 +489,57 @@ def test_a_way_that_would_not_fit_is_not_run(on_a_gpu, monkeypatch):
   _call_until_decided(g, args, expected)
   assert _decision(g, args).way == "inline" and clock.calls == {}
   assert "does not fit" in _decision(g, args).reason
+
+
+def test_a_function_s_calls_weigh_memory_against_time(on_a_gpu, monkeypatch):
+  """concurrent runs 10% faster than every other way but needs 1.5x their
+  memory: jax.jit's program is kept, and the plan says why."""
+  clock = FakeClock({w.name: 9e-3 if w.name == "concurrent" else 10e-3
+                     for w in gpu.WAYS.values()})
+  monkeypatch.setattr(timing, "time_call", clock)
+  _pretend_memory(monkeypatch, {"concurrent": 1500, "": 1000})
+  f = jaxstreams.jit(_towers(), streams=3)
+  args = _args()
+  f(*args)
+  f._chooser.wait_compiled(args, {})
+  _call_until_decided(f, args, jax.jit(two_towers)(*args))
+  assert _decision(f, args).way == "inline"
+  assert clock.calls["concurrent"] == 1 + timing.ROUNDS   # it was timed
+  plan = f.plan(*args)
+  assert "needs 13% for 1.50x the memory" in plan.gpu_reason
+  # The plan states what each candidate needed, from its compile.
+  assert plan.memory.get("concurrent").needed == 1500
+  assert plan.memory.ratio("concurrent") == 1.5
+  assert ("device memory of each way (XLA's memory analysis of the "
+          "candidates compiled on this GPU, this signature's") in str(plan)
+
+
+def test_a_kept_decision_whose_way_no_longer_fits_is_made_again(
+    on_a_gpu, monkeypatch):
+  clock = _clock("concurrent")
+  monkeypatch.setattr(timing, "time_call", clock)
+  _pretend_memory(monkeypatch, {"concurrent": 1500, "": 1000})
+  free = {"now": 10**9}
+  monkeypatch.setattr(memory, "free_bytes", lambda device: free["now"])
+  args = _args()
+  expected = jax.jit(two_towers)(*args)
+  first = jaxstreams.jit(_towers(), streams=3)
+  first(*args)
+  first._chooser.wait_compiled(args, {})
+  _call_until_decided(first, args, expected)
+  assert _decision(first, args).way == "concurrent"   # 2x, at 1.5x memory
+  # Another process finds it on disk, with less memory free than the way
+  # needed: it compiles and times the ways again, and concurrent is out.
+  free["now"] = 1200
+  again = jaxstreams.jit(_towers(), streams=3)
+  again(*args)
+  assert again._chooser.deciding(args, {})
+  again._chooser.wait_compiled(args, {})
+  _call_until_decided(again, args, expected)
+  decision = _decision(again, args)
+  assert not decision.cached and decision.way != "concurrent"
+  assert {t.way: t.skipped for t in decision.trials}["concurrent"] == (
+      "needs 1.5 KiB, 1.2 KiB free")
 
 
 def test_donated_arguments_stay_safe(on_a_gpu, monkeypatch):

@@ -92,18 +92,20 @@ SMALLEST_RUNS = {
     "planning": (["--sizes", "100", "--reps", "1"], "planning_{platform}.json"),
     "gpu_levers": (["--quick"], "gpu_levers_{platform}_jax*_quick.json"),
     "xla_graphs": (["--quick"], "xla_graphs_h100_jax*_quick.json"),
+    "memory_ways": (["--quick"], "memory_ways_h100_jax*_quick.json"),
 }
 
 
 @pytest.mark.parametrize("script", sorted(SMALLEST_RUNS))
 def test_benchmark_script_runs_and_saves(script, tmp_path):
-  if script == "xla_graphs":
-    require_gpu_target("xla_graphs compiles for an H100")
+  if script in ("xla_graphs", "memory_ways"):
+    require_gpu_target(f"{script} compiles for an H100")
   args, saved = SMALLEST_RUNS[script]
   saved = saved.format(platform=jax.devices()[0].platform)
   env = dict(os.environ)
   env.pop("JAXSTREAMS_STREAMS", None)
-  if script == "jit_overhead" and jax.default_backend() == "cpu":
+  if (script in ("jit_overhead", "memory_ways")
+      and jax.default_backend() == "cpu"):
     env["JAX_PLATFORMS"] = "cpu"    # it compiles for an H100 without one
   # The jaxstreams this test imported (the installed one under
   # scripts/test.sh, with its runtime library), not whatever the script's
@@ -133,6 +135,14 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
     assert {name: beside.get(name) for name in (
         "demo training step", "one stream")} == {"demo training step": others,
                                                  "one stream": set()}
+  if script == "memory_ways":
+    (found,) = result["programs"].values()
+    ways = found["ways"]
+    assert found["groups"] == 1
+    assert all(ways[w]["arguments"] == ways["jax.jit"]["arguments"]
+               for w in ("jax.jit", "concurrent", "loops_concurrent", "nested"))
+    assert found["nested_bound_bytes"] >= (ways["nested"]["temp"]
+                                           - ways["jax.jit"]["temp"])
   if script == "xla_graphs":
     rows = result["programs"]["four_branches"]
     assert rows["jax.jit"]["parallelism"] >= 1.0

@@ -4,7 +4,8 @@ way a GPU runs it best. The rooms, in the one direction a plan walks them
 
 * choosing the way: ``choose`` (which way a function's calls run, timed in
   its first calls; ``signature_choice``: one signature's trial, ``timing``:
-  the rule and the decisions on disk, ``compile_pool``: the background
+  the rule and the decisions on disk, ``memory``: what each way needs on
+  the device and whether it fits, ``compile_pool``: the background
   compiles) and ``gpu`` (the ways and the static rule);
 * emitting regions: ``emit`` (the plan in order, a region in place or as a
   call);

@@ -52,8 +52,18 @@ The first call costs what ``jax.jit``'s does:
   ``timing.MIN_GAIN`` faster (``estimated``: the ways compiled for it in a
   child process, once per signature).
 
+Memory is never fatal (``jaxstreams.lower.memory``): a candidate whose
+compiled program would not fit in the device's free memory is never run,
+and the timing rule asks a way that needs more memory than ``jax.jit``'s
+program for a larger gain (``timing.required_gain``). Untimed (autotuning
+off, or a static argument that cannot be hashed), the default's own
+compile is read at the first call and ``jax.jit``'s program runs where it
+would not fit. Inside another jit nothing is compiled: a bound of what the
+nested way adds, read from the jaxpr, must fit in a share of the device's
+free memory (``StreamJit._nested_runs_inline``).
+
 ``str(plan)`` (``plan.gpu_reason``) says which way a signature's calls run,
-and when and how it was chosen.
+and when and how it was chosen; ``plan.memory`` what each way needed.
 """
 
 from __future__ import annotations
@@ -69,7 +79,8 @@ import jax
 from jax import tree_util
 
 from jaxstreams import _compat, config
-from jaxstreams.lower import estimated, gpu, timing
+from jaxstreams.lower import estimated, gpu, memory, timing
+from jaxstreams.lower.emit import emits_inline
 from jaxstreams.lower.signature_choice import SignatureChoice
 
 if TYPE_CHECKING:
@@ -186,8 +197,13 @@ def static_choice(lowering: str, plan: Callable[[], "StreamPlan"],
     except estimated.EstimateFailed as error:
       failed = f"; {error}"
   if not config.read("jaxstreams_autotune"):
-    return Choice(default_way(ways, found),
-                  f"the top-level default (jaxstreams_autotune is off{failed})")
+    way = default_way(ways, found)
+    why = f"the top-level default (jaxstreams_autotune is off{failed})"
+    if way.name == "inline":
+      why += ("; CONCURRENT graphs would hold nothing side by side here (what "
+              "can run side by side is loops, which XLA runs outside its "
+              "graphs) and would cost memory")
+    return Choice(way, why)
   if len(ways) < 2:
     return Choice(gpu.WAYS["inline"], "nothing to time: the only candidate "
                   "way on this jax")
@@ -269,6 +285,9 @@ class Chooser:
           return owner._jit(way, top_level=True)
         choice = Choice(choice.way, "not timed: a static argument cannot be "
                         "hashed")
+      if (not choice.single_stream and choice.way.name != "inline"
+          and spec.lowering() == gpu.DEFAULT):
+        choice = self._fitting(owner, choice, args, kwargs)
       self.static = choice
       top = owner._jit(choice.way, top_level=True)
       nested = top if choice.single_stream else Nested(self._owner)
@@ -281,6 +300,27 @@ class Chooser:
     chooses the way by its estimated step (once per signature)."""
     return estimated.estimator(self._owner(), self.key(args, kwargs), args,
                                kwargs, self._estimated)
+
+  def _fitting(self, owner, choice: Choice, args, kwargs) -> Choice:
+    """``choice``, the untimed default, where its program fits in the
+    device's free memory; else ``jax.jit``'s program. Where the device says
+    how much is free, the default's program is compiled here (the call
+    compiles it anyway, and jax keeps it) and XLA's memory analysis read;
+    nothing else is compiled."""
+    free = memory.free_bytes(first_device(args, kwargs, owner._spec.jit_kwargs))
+    if free is None:
+      return choice
+    try:
+      compiled = owner._jit(choice.way, top_level=True).trace(
+          *args, **kwargs).lower().compile()
+    except Exception:  # noqa: BLE001 - the call itself reports it, as jax.jit
+      return choice
+    needed = timing.memory_needed(compiled)
+    if needed is None or needed <= free:
+      return choice
+    return Choice(gpu.WAYS["inline"], f"{choice.reason}; {choice.way.name!r} "
+                  f"needs {memory.bytes_text(needed)} on the device, "
+                  f"{memory.bytes_text(free)} free: jax.jit's program instead")
 
   def key(self, args, kwargs) -> Hashable | None:
     """The signature of a call: argument tree, shapes, dtypes and weak
@@ -319,6 +359,10 @@ class Chooser:
     entry = SignatureChoice(running or inline, ways, disk_key, device, started)
     self._signatures[key] = entry
     cached = timing.load(disk_key)
+    if cached is not None and memory.too_big(
+        {t.way: t.memory_bytes for t in cached.trials if t.way == cached.way},
+        memory.free_bytes(device)):
+      cached = None   # chosen where more memory was free: choose again
     if cached is not None and cached.way in {w.name for w in ways}:
       if running is None or cached.way == running.name:
         entry.decision = cached
@@ -415,13 +459,26 @@ class Chooser:
     why = choice.reason
     if choice.decision is not None:
       why += ": " + choice.decision.describe()
-    nested_why = (gpu.why_default_nested(plan)
-                  if owner._spec.lowering() == gpu.DEFAULT else
-                  f"inside another jit: {owner._nested_way().name!r} (no "
-                  "compiler options reach a function traced there)")
-    return {"gpu_lowering": choice.way.name,
-            "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}",
-            "in_place": gpu.in_place(plan)}
+    if owner._spec.lowering() == gpu.DEFAULT:
+      nested_why = gpu.why_default_nested(plan)
+      program = owner._program(owner._nested_way(), top_level=False)
+      partitioned = owner._spec.partitioned(*args, **kwargs)
+      if not emits_inline(partitioned, program):
+        nested_why += "; " + memory.nested_check(
+            partitioned, program, memory.default_device()).describe()
+    else:
+      nested_why = (f"inside another jit: {owner._nested_way().name!r} (no "
+                    "compiler options reach a function traced there)")
+    found = {"gpu_lowering": choice.way.name,
+             "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}",
+             "in_place": gpu.in_place(plan)}
+    if choice.decision is not None:
+      entry = self._signatures.get(self.key(args, kwargs))
+      measured = memory.measured(choice.decision, entry.footprints
+                                 if entry is not None else {})
+      if measured is not None:
+        found["memory"] = measured
+    return found
 
   def deciding(self, args, kwargs) -> bool:
     """Whether the way for these arguments is being chosen now (their

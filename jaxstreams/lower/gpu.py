@@ -158,8 +158,36 @@ def in_place(plan) -> dict[int, str]:
 
 
 def default_top_level(plan=None) -> Way:
-  """The way a top-level call of ``plan`` runs when nothing was timed."""
-  return WAYS["loops_concurrent" if has_loop_groups(plan) else "concurrent"]
+  """The way a top-level call of ``plan`` runs when nothing was timed:
+  ``loops_concurrent`` where the plan has loops to run as one,
+  ``concurrent`` where a CUDA graph can hold two of its regions side by
+  side, else ``inline``. CONCURRENT graphs cost memory by themselves (XLA
+  keeps apart the buffers of kernels that may run at once: same program,
+  1.3x to 2.6x its temporaries, docs/xla.md), so they are the default
+  only where the plan puts work they can run side by side: not where all
+  that can run side by side is loops, which XLA runs outside its graphs."""
+  if has_loop_groups(plan):
+    return WAYS["loops_concurrent"]
+  if plan is None or graphs_can_overlap(plan):
+    return WAYS["concurrent"]
+  return WAYS["inline"]
+
+
+def graphs_can_overlap(plan) -> bool:
+  """Whether two regions of ``plan`` (a ``StreamPlan``) on different
+  streams, neither reaching the other, both do work outside loops (in its
+  shard_map bodies too): what a CUDA graph can run side by side."""
+  reach = [0] * len(plan.regions)    # bit j of reach[i]: a path i -> j
+  for a, b in sorted(plan.edges, reverse=True):   # regions are topological
+    reach[a] |= (1 << b) | reach[b]
+  graphed = [any(plan.equations[e].primitive not in limits.LOOPS
+                 for e in r.equations) for r in plan.regions]
+  for i, ri in enumerate(plan.regions):
+    for j in range(i + 1, len(plan.regions)):
+      if (graphed[i] and graphed[j] and ri.stream != plan.regions[j].stream
+          and not (reach[i] >> j) & 1):
+        return True
+  return any(graphs_can_overlap(body) for body in plan.bodies.values())
 
 
 def default_nested() -> Way:

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import jax
 from jax import tree_util
 
-from jaxstreams.lower import compile_pool, gpu, timing
+from jaxstreams.lower import compile_pool, gpu, memory, timing
 
 
 def _copies(dynamic):
@@ -56,6 +56,7 @@ class SignatureChoice:
     self.compile_seconds: dict[str, float] = {}
     self.failed: dict[str, str] = {}
     self.memory: dict[str, int | None] = {}
+    self.footprints: dict[str, memory.Footprint | None] = {}
     self.compiled: dict[str, Any] = {}
     self.rounds: timing.Rounds | None = None
     self.calls = 1      # of this signature, its first included
@@ -163,7 +164,8 @@ class SignatureChoice:
     self.compiled[self.running.name] = owner._jit(
         self.running, top_level=True).trace(*args, **kwargs).lower().compile()
     self.memory = {w: timing.memory_needed(c) for w, c in self.compiled.items()}
-    big = timing.too_big(self.memory, timing.free_device_memory(self.device))
+    self.footprints = {w: memory.footprint(c) for w, c in self.compiled.items()}
+    big = memory.too_big(self.memory, memory.free_bytes(self.device))
     self.failed.update(big)
     if self.running.name in big:
       self._finish(chooser, timing.Decision(
@@ -194,7 +196,8 @@ class SignatureChoice:
   def _decide(self) -> timing.Decision:
     per_round = self.rounds.per_round()
     baseline = "inline" if "inline" in per_round else self.running.name
-    return timing.decide(per_round, baseline=baseline, trials=self._trials)
+    return timing.decide(per_round, baseline=baseline, trials=self._trials,
+                         memory=self.memory)
 
   def _trials(self, medians: dict[str, float]) -> tuple[timing.Trial, ...]:
     return tuple(timing.Trial(w.name, medians.get(w.name),

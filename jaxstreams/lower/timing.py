@@ -1,7 +1,9 @@
 """How a ``jaxstreams.jit`` function's candidate ways are timed, and the
 rule that decides between them: interleaved rounds of calls, as XLA's own
-autotuner times kernels, and a way kept only where it beats the baseline by
-``MIN_GAIN`` in the median and in most rounds. Decisions are kept on disk
+autotuner times kernels, and a way kept only where it beats the baseline in
+most rounds and in the median by the gain its memory asks
+(``required_gain``: ``MIN_GAIN``, more for a way that needs more device
+memory than the baseline). Decisions are kept on disk
 (the ``jaxstreams_autotune_cache`` option), keyed by program, device kind,
 candidates and versions. ``jaxstreams.lower.choose`` applies this to a
 function's calls; ``jaxstreams.serve`` to its trial of grouped against
@@ -25,8 +27,10 @@ import jax
 import jaxlib
 
 from jaxstreams import config
+from jaxstreams.lower import memory as memory_
 
 MIN_GAIN = 0.03        # a way must beat inline by this share of its time
+MEMORY_PRICE = 0.2     # and by this much more per baseline's memory it adds
 ROUNDS = 5             # interleaved rounds of every candidate
 ROUND_SECONDS = 0.005  # each candidate's share of a round, at least one call
 MAX_CALLS = 50         # calls per candidate per round, at most
@@ -58,8 +62,8 @@ class Decision:
   def describe(self) -> str:
     parts = []
     for t in self.trials:
-      memory = (f", {t.memory_bytes / 2**20:.1f} MiB" if t.memory_bytes is not None
-                else "")
+      memory = (f", {memory_.bytes_text(t.memory_bytes)}"
+                if t.memory_bytes is not None else "")
       if t.seconds is None:
         parts.append(f"{t.way}: not run ({t.skipped}{memory})")
       else:
@@ -74,33 +78,18 @@ def memory_needed(compiled) -> int | None:
   """Device bytes a warm-up run needs: its own copies of the arguments, its
   temporaries and outputs, less what outputs alias (XLA's memory
   analysis); None where XLA does not say."""
-  try:
-    stats = compiled.memory_analysis()
-  except Exception:   # not every backend implements it
-    return None
-  if stats is None:
-    return None
-  return int(stats.temp_size_in_bytes + stats.output_size_in_bytes
-             + stats.argument_size_in_bytes - stats.alias_size_in_bytes)
+  found = memory_.footprint(compiled)
+  return None if found is None else found.needed
 
 
-def free_device_memory(device) -> int | None:
-  try:
-    stats = device.memory_stats()
-  except Exception:   # a compile target's device, or no statistics
-    return None
-  if not stats or "bytes_limit" not in stats:
-    return None
-  return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-
-
-def too_big(memory: dict[str, int | None], free_bytes: int | None
-            ) -> dict[str, str]:
-  """The ways whose warm-up would not fit in ``free_bytes``, and why."""
-  if free_bytes is None:
-    return {}
-  return {w: f"needs {m / 2**20:.1f} MiB, {free_bytes / 2**20:.1f} MiB free"
-          for w, m in memory.items() if m is not None and m > free_bytes}
+def required_gain(memory_ratio: float | None) -> float:
+  """The share of the baseline's time a way must save to be chosen, for a
+  way that needs ``memory_ratio`` times the baseline's device memory:
+  ``MIN_GAIN`` (noise), plus ``MEMORY_PRICE`` for each multiple of the
+  baseline's memory it adds. A way that holds half again the memory must
+  save 13%; twice the memory, 23%; no more memory (or unknown), 3%."""
+  extra = max(0.0, (memory_ratio or 1.0) - 1.0)
+  return MIN_GAIN + MEMORY_PRICE * extra
 
 
 def time_call(way: str, run: Callable[[], Any]) -> float:
@@ -146,25 +135,53 @@ class Rounds:
 
 
 def decide(per_round: dict[str, list[float]], *, baseline: str,
-           trials: Callable[[dict[str, float]], tuple[Trial, ...]]) -> Decision:
-  """The rule: the fastest way in the median of its rounds, if it beats
-  ``baseline`` by ``MIN_GAIN`` and in most rounds; else ``baseline``.
+           trials: Callable[[dict[str, float]], tuple[Trial, ...]],
+           memory: dict[str, int | None] | None = None) -> Decision:
+  """The rule: among the ways that beat ``baseline`` in most rounds and in
+  the median by ``required_gain`` of their memory (``memory``: way ->
+  bytes XLA says it needs; a way or baseline without a figure is asked
+  ``MIN_GAIN``), the fastest in the median; else ``baseline``.
   ``trials(medians)`` reports every way."""
   medians = {w: statistics.median(v) for w, v in per_round.items()}
-  best = min(medians, key=medians.get)
   rounds = len(per_round[baseline])
-  if best == baseline:
+  base = medians[baseline]
+  memory = memory or {}
+  ratio = lambda w: (memory[w] / memory[baseline]
+                     if memory.get(w) and memory.get(baseline) else None)
+  verdicts = {}
+  for way in sorted(medians, key=medians.get):
+    if way == baseline:
+      continue
+    wins = sum(b < a for a, b in zip(per_round[baseline], per_round[way]))
+    gain = 1 - medians[way] / base
+    needs = required_gain(ratio(way))
+    verdicts[way] = (gain >= needs and wins * 2 > rounds, gain, wins, needs)
+  passing = [w for w, (ok, *_) in verdicts.items() if ok]
+  fastest = min(medians, key=medians.get)
+  if fastest == baseline:
     return Decision(baseline, f"kept {baseline!r}: no way ran faster",
                     trials(medians))
-  base = medians[baseline]
-  wins = sum(b < a for a, b in zip(per_round[baseline], per_round[best]))
-  gain = 1 - medians[best] / base
-  if gain < MIN_GAIN or wins * 2 <= rounds:
-    return Decision(baseline, f"kept {baseline!r}: the fastest, {best!r}, "
+  if not passing:
+    _, gain, wins, needs = verdicts[fastest]
+    return Decision(baseline, f"kept {baseline!r}: the fastest, {fastest!r}, "
                     f"gained {gain:.1%} and won {wins} of {rounds} rounds "
-                    f"(needs {MIN_GAIN:.0%} and most rounds)", trials(medians))
-  return Decision(best, f"chose {best!r}: {base / medians[best]:.2f}x of "
-                  f"{baseline!r}, won {wins} of {rounds} rounds", trials(medians))
+                    f"(needs {needs:.0%}{_memory_text(ratio(fastest))} and "
+                    "most rounds)", trials(medians))
+  best = passing[0]
+  _, gain, wins, _ = verdicts[best]
+  reason = (f"chose {best!r}: {base / medians[best]:.2f}x of {baseline!r}, "
+            f"won {wins} of {rounds} rounds")
+  if ratio(best) is not None:
+    reason += f", {ratio(best):.2f}x its memory"
+  if best != fastest:
+    _, gain, _, needs = verdicts[fastest]
+    reason += (f"; the fastest, {fastest!r}, gained {gain:.1%} but needs "
+               f"{needs:.0%}{_memory_text(ratio(fastest))}")
+  return Decision(best, reason, trials(medians))
+
+
+def _memory_text(ratio: float | None) -> str:
+  return f" for {ratio:.2f}x the memory" if ratio and ratio > 1 else ""
 
 
 def time_interleaved(runs: dict[str, Callable[[], Any]], *, baseline: str,

@@ -136,6 +136,11 @@ class StreamPlan:
   # Off-main regions that the installed XLA cannot compile as stream calls,
   # and why: ways with stream calls run them in place (set with the way).
   in_place: dict[int, str] = dataclasses.field(default_factory=dict)
+  # What each way needs on the device against jax.jit's program (a
+  # ``jaxstreams.lower.memory.WaysMemory``): set by ``f.plan(*args,
+  # target=...)``, which compiles every way for that GPU, and on a GPU by
+  # the candidates the first calls compiled and timed. None: not compiled.
+  memory: Any = None
 
   @property
   def notes(self) -> tuple[str, ...]:
@@ -207,6 +212,12 @@ class StreamPlan:
                    "program is lowered exactly as jax.jit lowers it")
     elif self.gpu_reason:
       lines.append(f"  on a GPU: {self.gpu_lowering!r}, {self.gpu_reason}")
+      if self.memory is not None:
+        lines += [""] + ["  " + line for line in self.memory.lines()]
+      else:
+        lines.append("  device memory of each way: not compiled yet "
+                     "(f.plan(*args, target='h100') compiles every way for "
+                     "a GPU and states it)")
     lines.append("")
     lines += _table(
         ["stream", "regions", "equations", "est. GFLOP", "est. MB", "est. us"],

@@ -9,11 +9,11 @@ module so, hands it the programs on stdin as JSON (``programs``: each a
 (``local``: this machine's own GPUs), ``target_config``, ``devices``: the
 node's GPUs, one per partition) and reads XLA's log from its stderr, where
 a line ``MARKER<k>`` starts program ``k``'s part. On stdout, as one JSON
-line, per program: the compiled HLO text and XLA's dumps of
-the program's thunk sequence (which command is which HLO instruction) and
-buffer assignment (which buffers each reads and writes: the graph's edges
-where the log cuts them off); or ``error``, where that program did not
-compile.
+line, per program: the compiled HLO text, XLA's dumps of the program's
+thunk sequence (which command is which HLO instruction) and buffer
+assignment (which buffers each reads and writes: the graph's edges where
+the log cuts them off), and XLA's memory analysis (``memory``); or
+``error``, where that program did not compile.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import sys
 import tempfile
 
 MARKER = "jaxstreams-graph-child: program "
+_MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes",
+                  "output_size_in_bytes", "alias_size_in_bytes",
+                  "generated_code_size_in_bytes")
 
 
 def main() -> None:
@@ -69,10 +72,16 @@ def _compile(program: dict, devices) -> dict:
       files[kind] = found[-1].read_text() if found else None
   sequence = (files["thunk_sequence_after_thunk_passes"]
               or files["thunk_sequence"])
+  try:
+    stats = executable.get_compiled_memory_stats()
+    memory = {f: int(getattr(stats, f, 0) or 0) for f in _MEMORY_FIELDS}
+  except Exception:  # noqa: BLE001 - a backend without memory analysis
+    memory = None
   return {"hlo": executable.hlo_modules()[0].to_string(),
           "sequence": sequence,
           "metadata": files["thunk_metadata"],
-          "buffers": files["gpu_after_optimizations-buffer-assignment"]}
+          "buffers": files["gpu_after_optimizations-buffer-assignment"],
+          "memory": memory}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import sys
 from typing import Any
 
 from jaxstreams import _compat
+from jaxstreams.lower.memory import Footprint
 from jaxstreams.xla._graph_child import MARKER
 from jaxstreams.xla.launches import (Conditional, CudaGraph, GpuProgram,
                                      GraphLaunch, Kernel, KernelLaunch, Loop,
@@ -66,11 +67,14 @@ class XlaGraphs:
 
   def __init__(self, program: GpuProgram, plan=None,
                command_types: tuple[str, ...] | None = None,
-               target: tuple[str, str] | None = None):
+               target: tuple[str, str] | None = None,
+               memory: Footprint | None = None):
     self.program = program
     self.plan = plan
     # The target compiled for: its name and description (None: unknown).
     self.target = target
+    # XLA's memory analysis of the compiled program (None: not given).
+    self.memory = memory
     # The command types XLA put into graphs for this program (its log).
     self.command_types = command_types
     self.graphs = program.graphs
@@ -149,6 +153,8 @@ class XlaGraphs:
              f"{len(loose)} launch(es) outside any graph"]
     lines = [head + "; " + ", ".join(p for p in parts if p),
              str(self.estimate)]
+    if self.memory is not None:
+      lines.append(f"device memory (XLA's analysis): {self.memory.describe()}")
     for g in self.graphs:
       lines.append(
           f"graph {g.index} ({g.name}, {g.mode}): {len(g.kernels)} kernels, "
@@ -239,15 +245,25 @@ class XlaGraphs:
 
 def read_graphs(log: str, sequence: str | None, metadata: str | None,
                 hlo: str, buffers: str | None = None, plan=None,
-                target: tuple[str, str] | None = None) -> XlaGraphs:
+                target: tuple[str, str] | None = None,
+                memory: dict | None = None) -> XlaGraphs:
   """What the GPU launches for a compiled program, from XLA's command-buffer
   log, its thunk-sequence dump, its compiled HLO text and, for graphs whose
   node list the log cut short, its buffer-assignment dump (``xla_graphs``
   gathers all of them in a child process); ``target``: the name and
   description (``target_config``) of the GPU it was compiled for, whose
-  peaks the step-time estimate uses (None: an H100)."""
+  peaks the step-time estimate uses (None: an H100); ``memory``: XLA's
+  memory analysis, by its field names."""
   return XlaGraphs(read_program(log, sequence, metadata, hlo, buffers), plan,
-                   command_types(log), target)
+                   command_types(log), target, _footprint(memory))
+
+
+def _footprint(memory: dict | None) -> Footprint | None:
+  if not memory:
+    return None
+  return Footprint(memory["temp_size_in_bytes"], memory["argument_size_in_bytes"],
+                   memory["output_size_in_bytes"], memory["alias_size_in_bytes"],
+                   memory.get("generated_code_size_in_bytes", 0))
 
 
 def _outside(call: StreamCall) -> OutsideGraph:
@@ -391,7 +407,8 @@ def xla_graphs(lowered: Any, *, target: Any = "h100",
   does). With the function's ``plan``, ``compare()`` checks the plan's
   pairs of regions. A program partitioned over several devices is compiled
   for a node of that many GPUs; the graphs are one device's. The view's
-  ``estimate`` is the step's estimated time on the target.
+  ``estimate`` is the step's estimated time on the target, its ``memory``
+  XLA's memory analysis of the compiled program.
   """
   texts = capture(lowered, target=target, compiler_options=compiler_options,
                   timeout=timeout)
@@ -437,10 +454,10 @@ def capture(lowered: Any, *, target: Any = "h100",
             timeout: float = 600) -> dict[str, Any]:
   """XLA's own text for ``lowered`` compiled for ``target`` (see
   ``xla_graphs``): its command-buffer log (``log``), thunk dump
-  (``sequence``, ``metadata``), compiled HLO (``hlo``) and buffer
-  assignment (``buffers``), which ``read_graphs`` reads. Kept as JSON,
-  they are fixtures: a GPU's own compile, checked later against a
-  deviceless one."""
+  (``sequence``, ``metadata``), compiled HLO (``hlo``), buffer
+  assignment (``buffers``) and memory analysis (``memory``), which
+  ``read_graphs`` reads. Kept as JSON, they are fixtures: a GPU's own
+  compile, checked later against a deviceless one."""
   (texts,) = capture_all({"": lowered}, target=target,
                          compiler_options=compiler_options,
                          timeout=timeout).values()
@@ -502,7 +519,8 @@ def capture_all(lowered: dict[str, Any], *, target: Any = "h100",
       continue
     captured[key] = {"log": log, "sequence": found["sequence"],
                      "metadata": found["metadata"], "hlo": found["hlo"],
-                     "buffers": found.get("buffers")}
+                     "buffers": found.get("buffers"),
+                     "memory": found.get("memory")}
   return captured
 
 
