@@ -203,7 +203,8 @@ def main():
     lines.append(summary(name, found))
     print(lines[-1], flush=True)
   suffix = "_quick" if options.quick else ""
-  path = _common.save(options.out,
+  # Compiled for an H100 (without one): its results are the H100's.
+  path = _common.save(options.out or _common.results_folder("h100"),
                       f"memory_ways_h100_jax{jax.__version__}{suffix}",
                       result, "\n".join(lines) + "\n")
   print("saved", path)
