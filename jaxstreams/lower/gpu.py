@@ -163,7 +163,7 @@ def default_top_level(plan=None) -> Way:
   ``concurrent`` where a CUDA graph can hold two of its regions side by
   side, else ``inline``. CONCURRENT graphs cost memory by themselves (XLA
   keeps apart the buffers of kernels that may run at once: same program,
-  1.3x to 2.6x its temporaries, docs/xla.md), so they are the default
+  1.07x to 2.6x its temporaries, docs/xla.md#memory), so they are the default
   only where the plan puts work they can run side by side: not where all
   that can run side by side is loops, which XLA runs outside its graphs."""
   if has_loop_groups(plan):
