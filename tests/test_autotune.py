@@ -4,6 +4,7 @@ faster, and jaxstreams told that the arguments are on a GPU. Nothing here
 depends on how long anything took."""
 
 import json
+import re
 import threading
 
 import jax
@@ -578,6 +579,26 @@ def test_a_program_with_side_effects_is_not_timed(on_a_gpu, monkeypatch, compile
   assert clock.calls == {} and len(seen) == 3
   assert compiles.count("noisy_towers") == 1       # nothing beside it
   assert "side effects" in f.plan(*_args()).gpu_reason
+
+
+def test_a_program_with_side_effects_runs_jax_jit_s_where_its_default_would_not_fit(
+    on_a_gpu, monkeypatch, compiles):
+  """Not timed, so nothing else is compiled: the default's own program is,
+  and where XLA says it needs more than is free, jax.jit's runs."""
+  monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+
+  def noisy_towers(x, w1, w2):
+    jax.debug.callback(lambda v: None, x.sum())
+    return two_towers(x, w1, w2)
+
+  f = jaxstreams.jit(noisy_towers, streams=3)
+  assert_equal_results(f(*_args()), jax.jit(two_towers)(*_args()))
+  plan = f.plan(*_args())
+  assert plan.gpu_lowering == "inline"
+  assert re.search(r"side effects, which a warm-up would repeat; 'concurrent' "
+                   r"needs [\d.]+ KiB on the device, 1000 B free: jax.jit's "
+                   r"program instead", plan.gpu_reason), plan.gpu_reason
+  assert compiles.count("noisy_towers") == 2       # the default's, jax.jit's
 
 
 def test_nothing_is_timed_where_nothing_can_differ(on_a_gpu, monkeypatch, compiles):

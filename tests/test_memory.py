@@ -50,12 +50,14 @@ def test_the_plan_states_each_way_s_memory_against_jax_jit_s(stated):
     # The view of what the GPU launches for the way, with its memory.
     assert way.graphs.memory == way.footprint
     assert "device memory (XLA's analysis)" in way.graphs.summary()
+    assert way.seconds == way.graphs.estimate.step > 0
     assert report.ratio(way.way, way.nested) == pytest.approx(
         way.needed / report.baseline.needed)
   text = str(plan)
   assert ("device memory of each way (XLA's memory analysis, compiled for "
           "h100 without a GPU; jax.jit's program is 'inline'):") in text
   assert "\n    loops (inside another jit)  " in text
+  assert "est. step: the view's estimate of the step on the target" in text
 
 
 def test_the_figures_are_xla_s_own(stated):

@@ -49,18 +49,19 @@ The first call costs what ``jax.jit``'s does:
   ``jaxstreams_autotune`` off) and ``jaxstreams_estimate_target`` names a
   GPU, the static default is the candidate way with the lowest estimated
   step on that GPU, ``inline`` unless another is estimated
-  ``timing.MIN_GAIN`` faster (``estimated``: the ways compiled for it in a
-  child process, once per signature).
+  ``timing.MIN_GAIN`` faster, more for more memory (``estimated``: the ways
+  compiled for it in a child process, once per signature).
 
 Memory is never fatal (``jaxstreams.lower.memory``): a candidate whose
 compiled program would not fit in the device's free memory is never run,
 and the timing rule asks a way that needs more memory than ``jax.jit``'s
 program for a larger gain (``timing.required_gain``). Untimed (autotuning
-off, or a static argument that cannot be hashed), the default's own
-compile is read at the first call and ``jax.jit``'s program runs where it
-would not fit. Inside another jit nothing is compiled: a bound of what the
-nested way adds, read from the jaxpr, must fit in a share of the device's
-free memory (``StreamJit._nested_runs_inline``).
+off, a static argument that cannot be hashed, a program with side
+effects), the default's own compile is read at the first call and
+``jax.jit``'s program runs where it would not fit. Inside another jit
+nothing is compiled: a bound of what the nested way adds, read from the
+jaxpr, must fit in a share of the device's free memory
+(``StreamJit._nested_runs_inline``).
 
 ``str(plan)`` (``plan.gpu_reason``) says which way a signature's calls run,
 and when and how it was chosen; ``plan.memory`` what each way needed.
@@ -218,6 +219,16 @@ def static_choice(lowering: str, plan: Callable[[], "StreamPlan"],
                 f"{names} and keep the fastest{failed}", timable=True)
 
 
+def _overflow(owner, way: gpu.Way, args, kwargs) -> str | None:
+  """``memory.overflow`` of ``way``'s top-level program for these
+  arguments (compiled only where the device says what is free; the call
+  compiles it anyway, and jax keeps it)."""
+  return None if way.name == "inline" else memory.overflow(
+      way.name, lambda: owner._jit(way, top_level=True).trace(
+          *args, **kwargs).lower().compile(),
+      first_device(args, kwargs, owner._spec.jit_kwargs))
+
+
 def _leaf_key(leaf) -> Hashable:
   shape = getattr(leaf, "shape", None)
   if shape is None:
@@ -303,24 +314,11 @@ class Chooser:
 
   def _fitting(self, owner, choice: Choice, args, kwargs) -> Choice:
     """``choice``, the untimed default, where its program fits in the
-    device's free memory; else ``jax.jit``'s program. Where the device says
-    how much is free, the default's program is compiled here (the call
-    compiles it anyway, and jax keeps it) and XLA's memory analysis read;
-    nothing else is compiled."""
-    free = memory.free_bytes(first_device(args, kwargs, owner._spec.jit_kwargs))
-    if free is None:
+    device's free memory; else ``jax.jit``'s program (``_overflow``)."""
+    overflow = _overflow(owner, choice.way, args, kwargs)
+    if overflow is None:
       return choice
-    try:
-      compiled = owner._jit(choice.way, top_level=True).trace(
-          *args, **kwargs).lower().compile()
-    except Exception:  # noqa: BLE001 - the call itself reports it, as jax.jit
-      return choice
-    needed = timing.memory_needed(compiled)
-    if needed is None or needed <= free:
-      return choice
-    return Choice(gpu.WAYS["inline"], f"{choice.reason}; {choice.way.name!r} "
-                  f"needs {memory.bytes_text(needed)} on the device, "
-                  f"{memory.bytes_text(free)} free: jax.jit's program instead")
+    return Choice(gpu.WAYS["inline"], f"{choice.reason}; {overflow}")
 
   def key(self, args, kwargs) -> Hashable | None:
     """The signature of a call: argument tree, shapes, dtypes and weak
@@ -347,10 +345,13 @@ class Chooser:
     traced = owner._jit(inline, top_level=True).trace(*args, **kwargs)
     if traced.jaxpr.effects:
       way = running or default_way(ways, plan)
+      why = ("not timed: the program has side effects, which a warm-up "
+             "would repeat")
+      overflow = None if running else _overflow(owner, way, args, kwargs)
+      if overflow:
+        way, why = inline, f"{why}; {overflow}"
       entry = self._signatures[key] = SignatureChoice(way, ways, None, None, started)
-      entry.decision = timing.Decision(
-          way.name, "not timed: the program has side effects, which a warm-up "
-          "would repeat")
+      entry.decision = timing.Decision(way.name, why)
       return way
     lowered = traced.lower()
     device = first_device(args, kwargs, owner._spec.jit_kwargs)

@@ -14,7 +14,7 @@ XLA will allocate; the numbers are XLA's own (``Footprint``, from
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 from jaxstreams import _compat
 from jaxstreams.lower.emit import FUSING_PROGRAMS, emits_inline
@@ -89,6 +89,24 @@ def too_big(needed: Mapping[str, int | None], free: int | None
     return {}
   return {w: f"needs {bytes_text(m)}, {bytes_text(free)} free"
           for w, m in needed.items() if m is not None and m > free}
+
+
+def overflow(way: str, compile: Callable[[], object], device) -> str | None:
+  """Why ``way``'s program would not fit in ``device``'s free memory, where
+  it would not; None where it fits, or where the device does not say what
+  is free (then nothing is compiled). ``compile()`` gives the compiled
+  program, whose memory analysis is read."""
+  free = free_bytes(device)
+  if free is None:
+    return None
+  try:
+    found = footprint(compile())
+  except Exception:  # noqa: BLE001 - the call itself reports it, as jax.jit
+    return None
+  if found is None or found.needed <= free:
+    return None
+  return (f"{way!r} needs {bytes_text(found.needed)} on the device, "
+          f"{bytes_text(free)} free: jax.jit's program instead")
 
 
 def bytes_text(n: float) -> str:
@@ -189,6 +207,9 @@ class WaysMemory:
     lines = [f"device memory of each way ({self.source}; jax.jit's program "
              "is 'inline'):", fmt(header)] + [fmt(r) for r in rows]
     lines += [f"  {w.label}: {w.note}" for w in self.ways if w.note]
+    if any(x.seconds is not None for x in self.ways):
+      lines.append("  est. step: the view's estimate of the step on the "
+                   "target (jaxstreams.xla.step_time), not a timing")
     return lines
 
 

@@ -7,7 +7,8 @@ Each way is lowered here, for CUDA, as a call at top level would run it
 jit runs is lowered as its own program, without options; all of them
 compile one after the other in one child process (``xla_graphs_of``: XLA's
 command-buffer log needs a process of its own), which returns XLA's
-memory analysis and the view of each. No GPU needed: the figures are those
+memory analysis and the view of each (with its estimated step,
+``jaxstreams.xla.step_time``). No GPU needed: the figures are those
 of XLA's compiler for the target, which allocates what its analysis says
 (without a device it does not autotune, so a GPU's own compile can pick
 other GEMM algorithms and workspaces).
@@ -65,12 +66,21 @@ def state_ways(fn, plan, args, kwargs, target: Any = "h100",
       view = None
     stated.append(WayMemory(
         way.name, nested, footprint=view.memory if view is not None else None,
-        graphs=view,
-        # The step-time estimate of the view goes here where one exists.
-        seconds=None, note=notes.get(key, "")))
+        graphs=view, seconds=_step(view), note=notes.get(key, "")))
   return WaysMemory(f"XLA's memory analysis, compiled for {name}"
                     + ("" if target == "local" else " without a GPU"),
                     tuple(stated))
+
+
+def _step(view) -> float | None:
+  """The view's estimated step on the target (``jaxstreams.xla.step_time``),
+  None without a view or where the launches cannot be estimated."""
+  if view is None:
+    return None
+  try:
+    return view.estimate.step
+  except Exception:  # noqa: BLE001 - the memory is stated all the same
+    return None
 
 
 def _key(way: gpu.Way, nested: bool) -> str:
