@@ -23,6 +23,7 @@ _compat.quiet_cuda_plugin_without_gpu()
 from jaxstreams._performance import PerformanceWarning
 from jaxstreams.assign import RulesFileError, StreamIdError
 from jaxstreams._jit import StreamJit, jit, plan
+from jaxstreams._adapters import filter_jit, nnx_jit
 from jaxstreams.lower.limits import LoweringError
 from jaxstreams.partition import Dependency, PlannedEquation, Region, StreamPlan
 from jaxstreams.serving import QueueFullError, Server, ServerClosedError, serve
@@ -37,7 +38,8 @@ __version__ = "0.1.0"
 __all__ = ["Dependency", "LoweringError", "PlannedEquation", "Region",
            "RulesFileError",
            "StreamIdError",
-           "StreamJit", "StreamPlan", "colocate_with", "config", "jit", "plan",
+           "StreamJit", "StreamPlan", "colocate_with", "config", "filter_jit",
+           "jit", "nnx_jit", "plan",
            "profile", "stream"]
 __all__ += ["QueueFullError", "Server", "ServerClosedError", "serve"]
 __all__ += ["PerformanceWarning", "prefetch", "stage", "staged"]
