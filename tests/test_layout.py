@@ -50,7 +50,7 @@ FLOORS = (
     ("partition",),
     ("lower",),
     ("_pipeline", "_jit", "_jit_staged"),
-    ("staging", "serving", "xla"),
+    ("staging", "serving", "xla", "_adapters"),
 )
 
 LOWER_ROOMS = ("choose", "estimated", "signature_choice", "timing", "memory",
