@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxstreams import _jit
+from jaxstreams import _compat, _jit
 
 # The keywords of jax.jit that name argument positions: they would point at
 # the split function's (state, static) arguments, not the user's.
@@ -122,7 +122,7 @@ def _make_nnx(fun: Callable, options: dict) -> SplitJit:
     out = fun(*args, **kwargs)
     _check_nnx_results(fun, out, nnx)
     return out, nnx.state(modules(args, kwargs))
-  pure.__name__ = pure.__qualname__ = _jit._function_name(fun)
+  pure.__name__ = pure.__qualname__ = _compat.function_name(fun)
 
   def split(*args, **kwargs):
     graphdef, state = nnx.split((args, kwargs))
@@ -142,7 +142,7 @@ def _check_nnx_results(fun, out, nnx) -> None:
   for leaf in jax.tree_util.tree_leaves(out, is_leaf=is_module):
     if is_module(leaf):
       raise TypeError(
-          f"jaxstreams.nnx_jit: {_jit._function_name(fun)} returned a "
+          f"jaxstreams.nnx_jit: {_compat.function_name(fun)} returned a "
           f"{type(leaf).__name__}; return arrays (the modules given are "
           f"updated in place), or nnx.state(module) and nnx.update it")
 
@@ -204,7 +204,7 @@ def _make_filter(fun: Callable, options: dict) -> SplitJit:
     out_arrays, out_static = eqx.partition(fun(*args, **kwargs), eqx.is_array)
     static_results[key(arrays, static)] = out_static
     return out_arrays
-  pure.__name__ = pure.__qualname__ = _jit._function_name(fun)
+  pure.__name__ = pure.__qualname__ = _compat.function_name(fun)
 
   def split(*args, **kwargs):
     arrays, static = eqx.partition((args, kwargs), eqx.is_array)
