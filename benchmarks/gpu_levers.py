@@ -23,10 +23,20 @@ towers, forward and training step; a bank of GRUs in ``lax.scan``; an
 ensemble of RK4 solves in ``fori_loop``) and the Inception-style model
 (convolutions); each tower workload also as PyTorch on the same weights,
 on one stream and with a ``torch.cuda.Stream`` per tower
-(``workloads/torch_towers.py``; where PyTorch sees a GPU). Method: every program compiled ahead of time; a
+(``workloads/torch_towers.py``; where PyTorch sees a GPU). ``--models
+models``: models as users write them (``flax.linen``, ``flax.nnx`` and
+equinox dual encoders with scanned towers of 12 and 12 or 24 and 12 layers,
+a checkpointed tower, a multi-task model with scanned heads; forward pass
+and optax training step), the linen dual encoder against PyTorch on its
+weights. Method: every program compiled ahead of time; a
 sample is ``calls`` calls each ended by ``block_until_ready``; ``--rounds``
 rounds in alternating order; reported: each program's median ms and the
 paired ratio jax.jit (defaults) / program (above 1: faster).
+
+Memory beside each timing: XLA's memory analysis of each compiled program
+(its temporary buffers, and arguments + outputs + temporaries less what is
+aliased: what the program holds while it runs), and for PyTorch the peak
+that ``torch.cuda.max_memory_allocated`` measured over its timed calls.
 
 Overlap evidence (``--trace``): each program run under ``jax.profiler``; from
 the trace, the share of GPU kernel time during which another kernel ran too
@@ -56,6 +66,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 import _common  # noqa: E402
 from workloads import (common, control, dlrm, dual_encoder, gru_bank,  # noqa: E402
                        inception, mlp_bank, ode_ensemble, torch_towers)
+from workloads import (equinox_dual_encoder, linen_dual_encoder,  # noqa: E402
+                       linen_multitask, nnx_dual_encoder)
 
 import jaxstreams  # noqa: E402
 from jaxstreams.lower import gpu  # noqa: E402
@@ -131,14 +143,49 @@ LOOP_MODELS = [
                                               width=256, steps=50)),
     ("inception", inception.model, dict(batch=8, hw=17, channels=64, blocks=4)),
 ]
+# Models as users write them (flax.linen, flax.nnx, equinox): --models models.
+_CLIP = dict(batch=32, width=512, heads=8, patches=50, tokens=32)
+MODEL_MODELS = [
+    ("linen_12_12", linen_dual_encoder.model,
+     dict(_CLIP, depths=(12, 12), mode="forward", wrap="plain")),
+    ("linen_12_12_train", linen_dual_encoder.model,
+     dict(_CLIP, depths=(12, 12), mode="train", wrap="plain")),
+    ("linen_24_12_train", linen_dual_encoder.model,
+     dict(_CLIP, depths=(24, 12), mode="train", wrap="plain")),
+    ("linen_remat_12_12_train", linen_dual_encoder.model,
+     dict(_CLIP, depths=(12, 12), mode="train", wrap="remat")),
+    ("nnx_12_12_train", nnx_dual_encoder.model,
+     dict(_CLIP, depths=(12, 12), mode="train")),
+    ("equinox_12_12_train", equinox_dual_encoder.model,
+     dict(_CLIP, depths=(12, 12), mode="train")),
+    ("linen_multitask_train", linen_multitask.model,
+     linen_multitask.sizes(quick=False)[1]),
+]
+_QUICK_CLIP = linen_dual_encoder.sizes(quick=True)[0]
 QUICK_SIZES = {"chains": dict(chains=2, depth=2, n=16, batch=4),
                "demo": dict(towers=2, width=16, depth=1, batch=4),
                "dual_encoder": dual_encoder.sizes(quick=True)[0],
                "gru_bank": dict(gru_bank.sizes(quick=True)[0], mode="forward"),
                "ode_ensemble": ode_ensemble.sizes(quick=True)[0]}
+
+
+def _quick_model_size(model, size):
+  """A model's quick size, with the mode, wrap and unequal depths of
+  ``size`` (depths scaled down)."""
+  quick = dict(sys.modules[model.__module__].sizes(quick=True)[0])
+  quick.update({k: size[k] for k in ("mode", "wrap") if k in size})
+  if "depths" in size and size["depths"][0] != size["depths"][1]:
+    quick["depths"] = (4, 2)
+  return quick
+
+
+QUICK_SIZES.update({name: _quick_model_size(model, size)
+                    for name, model, size in MODEL_MODELS})
 # The PyTorch model of each tower workload (torch_towers.NAMES).
 _TORCH = {"dual_encoder": "dual_encoder", "dual_encoder_train": "dual_encoder",
-          "gru_bank": "gru_bank", "ode_ensemble": "ode_ensemble"}
+          "gru_bank": "gru_bank", "ode_ensemble": "ode_ensemble",
+          **{name: "linen_dual_encoder" for name, _, _ in MODEL_MODELS
+             if name.startswith("linen_") and "multitask" not in name}}
 
 
 def compile_ways(make_fn, args):
@@ -196,6 +243,54 @@ def torch_ways(name: str, size: dict, args) -> dict:
       _TORCH[name], size, args, device="cuda", streams=streams)
       for label, streams in (("one stream", False),
                              ("a stream per tower", True))}, None
+
+
+def memory(compiled) -> dict:
+  """XLA's memory analysis of a compiled program, in MB: its temporary
+  buffers, and what it holds while it runs (arguments, outputs and
+  temporaries, less the outputs that alias arguments)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception as e:  # noqa: BLE001 - reported in the results
+    return {"error": str(e)[:200]}
+  if m is None:
+    return {"error": "no memory analysis on this backend"}
+  mb = 1 / 2 ** 20
+  held = (m.argument_size_in_bytes + m.output_size_in_bytes
+          + m.temp_size_in_bytes - m.alias_size_in_bytes)
+  return {"temp_mb": m.temp_size_in_bytes * mb, "held_mb": held * mb}
+
+
+def torch_peak(step, calls: int) -> dict:
+  """The peak device memory PyTorch allocated over ``calls`` calls of a
+  step, in MB (None off a GPU)."""
+  import torch
+  if not torch.cuda.is_available():
+    return {"peak_mb": None}
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  for _ in range(calls):
+    step()
+  torch.cuda.synchronize()
+  return {"peak_mb": torch.cuda.max_memory_allocated() / 2 ** 20}
+
+
+def anchor_check(reference_out, anchors: dict) -> dict:
+  """What PyTorch's first step returned against ``jax.jit``'s result on the
+  same weights and inputs: the largest difference of the loss (a training
+  step) or of the embeddings (a forward pass). Both on the GPU's default
+  matmul precision, so not bitwise; large differences mean the anchor
+  computes something else."""
+  import numpy as np
+  out = {}
+  for way, step in anchors.items():
+    got = step().detach().cpu().numpy()
+    if isinstance(reference_out, tuple) and len(reference_out) == 2:
+      want = np.concatenate([np.asarray(x) for x in reference_out])   # embeddings
+    else:
+      want = np.asarray(jax.tree_util.tree_leaves(reference_out)[0])   # the loss
+    out[way] = float(np.max(np.abs(got - want)))
+  return out
 
 
 def _torch_wait(out):
@@ -272,18 +367,20 @@ def main():
                  help="profile each program and report kernel overlap")
   p.add_argument("--models", default="suite",
                  help="'suite' (the six models), 'loops' (towers of loops and "
-                 "the Inception-style model, with PyTorch anchors), or names "
-                 "joined by commas")
+                 "the Inception-style model, with PyTorch anchors), 'models' "
+                 "(flax.linen, flax.nnx and equinox models), or names joined "
+                 "by commas")
   args_ = p.parse_args()
   if jax.default_backend() != "gpu" and not args_.quick:
     raise SystemExit("gpu_levers.py measures XLA:GPU options: it needs a GPU "
                      "(--quick runs it anywhere, to check that it works)")
   # Time the candidates at every default function's first call.
   jaxstreams.config.update("jaxstreams_autotune_cache", "none")
-  every = {n: (n, m, size) for n, m, size in MODELS + LOOP_MODELS}
-  chosen_names = ([n for n, _, _ in MODELS] if args_.models == "suite" else
-                  [n for n, _, _ in LOOP_MODELS] if args_.models == "loops" else
-                  args_.models.split(","))
+  every = {n: (n, m, size) for n, m, size in MODELS + LOOP_MODELS
+           + MODEL_MODELS}
+  groups = {"suite": MODELS, "loops": LOOP_MODELS, "models": MODEL_MODELS}
+  chosen_names = ([n for n, _, _ in groups[args_.models]]
+                  if args_.models in groups else args_.models.split(","))
   unknown = [n for n in chosen_names if n not in every]
   if unknown:
     raise SystemExit(f"gpu_levers.py: unknown model(s) {unknown}; known: "
@@ -308,6 +405,8 @@ def main():
     for compiled in ways.values():
       jax.block_until_ready(compiled(*args))
     anchors, no_torch = torch_ways(name, size, args)
+    checked = (anchor_check(reference(*args), anchors)
+               if anchors and _TORCH[name] == "linen_dual_encoder" else {})
     for step in anchors.values():
       _torch_wait(step())
     runs = {w: sampler(functools.partial(c, *args), calls)
@@ -317,7 +416,8 @@ def main():
     samples = _common.rounds(runs, rounds)
     case = {"model": name, "size": size, "calls_per_sample": calls,
             "default_chose": chosen, "ways": {},
-            "pytorch": no_torch or "timed"}
+            "pytorch": no_torch or "timed",
+            "pytorch_max_difference_from_jax": checked}
     lines.append(f"\n{name} {size}\n  default chose {chosen['way']!r} "
                  f"(first call {chosen['first_call_s']:.2f} s, decided after "
                  f"{chosen['calls_to_decide']} calls, {chosen['decided_s']:.2f} s): "
@@ -328,8 +428,12 @@ def main():
       ratio = _common.paired(samples["jax.jit"], samples[way])
       entry = {"median_ms": ms, "ratio_vs_jax_jit": ratio,
                "samples_ms": samples[way],
-               "call_starts": text.count("call-start(")}
+               "call_starts": text.count("call-start("),
+               "memory": memory(compiled)}
       line = f"  {way:32s} {ms:8.3f} ms  {ratio:6.3f}x"
+      if "held_mb" in entry["memory"]:
+        line += (f"  temp {entry['memory']['temp_mb']:8.1f} MB, held "
+                 f"{entry['memory']['held_mb']:8.1f} MB")
       if args_.trace:
         entry["overlap"] = traced_overlap(compiled, args, min(calls, 20))
         share = entry["overlap"].get("overlapped_share")
@@ -341,8 +445,11 @@ def main():
       ms = sorted(samples[way])[len(samples[way]) // 2]
       ratio = _common.paired(samples["jax.jit"], samples[way])
       entry = {"median_ms": ms, "ratio_vs_jax_jit": ratio,
-               "samples_ms": samples[way]}
+               "samples_ms": samples[way],
+               "memory": torch_peak(step, min(calls, 5))}
       line = f"  {way:32s} {ms:8.3f} ms  {ratio:6.3f}x"
+      if entry["memory"]["peak_mb"] is not None:
+        line += f"  peak {entry['memory']['peak_mb']:8.1f} MB"
       if args_.trace:
         entry["overlap"] = torch_overlap(step, min(calls, 20))
         line += f"  kernels overlapped {entry['overlap']['overlapped_share']:5.1%}"

@@ -7,7 +7,7 @@
 #   bash scripts/gpu_session.sh build tests     # only the steps named
 #
 # Steps: info probe build gputests tests sanitizer suite levers towers loops
-#        fixtures serve overhead firstcall sweep sweeplong prefetch demo
+#        models fixtures serve overhead firstcall sweep sweeplong prefetch demo
 #
 # One call runs at most 10 minutes and a session may get as little as 15
 # in all, machine starts included, so a session runs them in parts. On an
@@ -24,6 +24,16 @@
 # PyTorch on the same weights, one stream and a stream per tower, and kernel
 # overlap from traces, TOWERS_ROUNDS / LOOPS_ROUNDS rounds, default 5; not
 # yet run on a GPU).
+# (models: the models users write, benchmarks/gpu_levers.py --models models:
+# flax.linen dual encoders of 12 and 12 and of 24 and 12 scanned layers,
+# forward and optax training step, a checkpointed tower, flax.nnx and
+# equinox dual encoders, a multi-task model with scanned heads; the linen
+# ones against PyTorch on their weights, a CUDA stream per tower; XLA's
+# memory analysis of each program and PyTorch's measured peak beside each
+# timing; MODELS_ROUNDS rounds, default 3; MODELS_LIST, default all, names
+# joined by commas for a part. flax, optax and equinox travel in
+# .models-site: run scripts/model_packages.sh here and carry it. Not yet run
+# on a GPU.)
 # (fixtures: XLA's command-buffer log and thunk dump of the tests' programs
 # compiled on this GPU, into $LOGS/fixtures; on an H100 they belong in
 # benchmarks/results/h100/jax<version>/fixtures, where tests/test_gpu_fixtures.py checks
@@ -62,6 +72,9 @@ logs=${LOGS:-$("$py" -c 'import sys; sys.path.insert(0, "benchmarks"); import _c
 mkdir -p "$logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -d build/gpu/lib ]; then export JAXSTREAMS_FFI_LIB_DIR=$PWD/build/gpu/lib; fi
+# flax, optax and equinox for the models step (scripts/model_packages.sh),
+# after the image's own packages.
+if [ -d .models-site ]; then export PYTHONPATH=$PYTHONPATH:$PWD/.models-site; fi
 
 pack() {
   if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu_logs.tgz" -C "$logs" .; fi
@@ -142,7 +155,7 @@ step_sanitizer() {
 
 export py
 export -f step_info step_probe step_build step_gputests step_tests step_sanitizer
-all_steps=(info probe build gputests tests sanitizer suite levers towers loops fixtures serve overhead firstcall sweep sweeplong prefetch demo)
+all_steps=(info probe build gputests tests sanitizer suite levers towers loops models fixtures serve overhead firstcall sweep sweeplong prefetch demo)
 steps=("$@")
 [ ${#steps[@]} = 0 ] && steps=("${all_steps[@]}")
 for s in "${steps[@]}"; do
@@ -163,6 +176,9 @@ for s in "${steps[@]}"; do
     loops)     run_step loops 540 "$py" benchmarks/gpu_levers.py --trace \
                  --models gru_bank,ode_ensemble,inception \
                  --rounds "${LOOPS_ROUNDS:-5}" --out "$logs" ;;
+    models)    run_step models 540 "$py" benchmarks/gpu_levers.py --trace \
+                 --models "${MODELS_LIST:-models}" \
+                 --rounds "${MODELS_ROUNDS:-3}" --out "$logs" ;;
     fixtures)  run_step fixtures 300 "$py" benchmarks/xla_fixtures.py \
                  --out "$logs/fixtures" ;;
     serve)     run_step serve 480 "$py" benchmarks/serve.py --quiet --trace \

@@ -91,6 +91,9 @@ SMALLEST_RUNS = {
                      "jit_overhead_{platform}_jax*_quick.json"),
     "planning": (["--sizes", "100", "--reps", "1"], "planning_{platform}.json"),
     "gpu_levers": (["--quick"], "gpu_levers_{platform}_jax*_quick.json"),
+    # The models users write (flax.linen here: the smallest program of them).
+    "gpu_levers:models": (["--quick", "--models", "linen_12_12"],
+                          "gpu_levers_linen_12_12_{platform}_jax*_quick.json"),
     "xla_graphs": (["--quick"], "xla_graphs_h100_jax*_quick.json"),
     "memory_ways": (["--quick"], "memory_ways_h100_jax*_quick.json"),
 }
@@ -98,9 +101,10 @@ SMALLEST_RUNS = {
 
 @pytest.mark.parametrize("script", sorted(SMALLEST_RUNS))
 def test_benchmark_script_runs_and_saves(script, tmp_path):
+  args, saved = SMALLEST_RUNS[script]
+  script, _, part = script.partition(":")
   if script in ("xla_graphs", "memory_ways"):
     require_gpu_target(f"{script} compiles for an H100")
-  args, saved = SMALLEST_RUNS[script]
   saved = saved.format(platform=jax.devices()[0].platform)
   env = dict(os.environ)
   env.pop("JAXSTREAMS_STREAMS", None)
@@ -143,6 +147,15 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
                for w in ("jax.jit", "concurrent", "loops_concurrent", "nested"))
     assert found["nested_bound_bytes"] >= (ways["nested"]["temp"]
                                            - ways["jax.jit"]["temp"])
+  if script == "gpu_levers":
+    for case in result["cases"]:
+      assert all("held_mb" in way["memory"] for name, way in case["ways"].items()
+                 if not name.startswith("pytorch")), case["ways"]
+  if part == "models":
+    (case,) = result["cases"]
+    assert case["model"] == "linen_12_12"
+    assert case["pytorch"] in ("timed", "PyTorch is not installed",
+                               "PyTorch sees no CUDA device")
   if script == "xla_graphs":
     rows = result["programs"]["four_branches"]
     assert rows["jax.jit"]["parallelism"] >= 1.0

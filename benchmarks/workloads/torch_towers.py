@@ -1,7 +1,9 @@
 """The tower workloads in PyTorch: the anchor a user would reach for instead.
 
-The dual encoder, the GRU bank and the ODE ensemble of this package, on the
-same weights and inputs, written the way a PyTorch user runs towers side by
+The dual encoder, the GRU bank and the ODE ensemble of this package, and
+the flax.linen dual encoder (``linen_dual_encoder``: its parameters read
+from flax's tree, its training step with ``torch.optim.AdamW`` set as the
+JAX step's optax ``adamw``), on the same weights and inputs, written the way a PyTorch user runs towers side by
 side: each tower under ``torch.cuda.stream`` of a stream of its own, the
 default stream waiting for all of them before the towers' results meet
 (autograd runs each backward op on its forward op's stream). With
@@ -21,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-NAMES = ("dual_encoder", "gru_bank", "ode_ensemble")
+NAMES = ("dual_encoder", "gru_bank", "ode_ensemble", "linen_dual_encoder")
 
 
 def problem(device: str = "cuda") -> str | None:
@@ -37,10 +39,14 @@ def problem(device: str = "cuda") -> str | None:
 def build(name: str, size: dict, args, device: str = "cuda",
           streams: bool = True) -> Callable[[], Any]:
   import torch
+  if name == "linen_dual_encoder":   # optax's state: torch keeps its own
+    args = (args[0], *args[-2:])
   tensors = _to_torch(args, device)
   lanes = _Lanes(torch, device, streams)
   return {"dual_encoder": _dual_encoder, "gru_bank": _gru_bank,
-          "ode_ensemble": _ode_ensemble}[name](torch, size, tensors, lanes)
+          "ode_ensemble": _ode_ensemble,
+          "linen_dual_encoder": _linen_dual_encoder}[name](
+              torch, size, tensors, lanes)
 
 
 class _Lanes:
@@ -132,6 +138,78 @@ def _dual_encoder(torch, size, tensors, lanes):
 
   if size["mode"] == "forward":
     return lambda: _no_grad(torch, step)
+  return step
+
+
+# ---------------------------------------------------------------------------
+# The flax.linen dual encoder (workloads/linen_dual_encoder.py), on flax's
+# parameter tree: DenseGeneral kernels (width, heads, head) and (heads,
+# head, width), layers stacked on a leading axis by nn.scan.
+
+def _flax_norm(torch, x, p, i):
+  # flax's LayerNorm: the variance as E[x^2] - E[x]^2, at least 0.
+  mean = x.mean(-1, keepdim=True)
+  var = ((x * x).mean(-1, keepdim=True) - mean * mean).clamp(min=0)
+  return (x - mean) * torch.rsqrt(var + 1e-6) * p["scale"][i] + p["bias"][i]
+
+
+def _linen_tower(torch, p, h):
+  h = h + p["position"]
+  blocks = p["blocks"]
+  attn = blocks["attn"]
+  dense = lambda x, d, i: x @ d["kernel"][i] + d["bias"][i]
+  for i in range(blocks["up"]["kernel"].shape[0]):
+    x = _flax_norm(torch, h, blocks["ln1"], i)
+    q, k, v = (torch.einsum("btw,whd->bthd", x, attn[n]["kernel"][i])
+               + attn[n]["bias"][i] for n in ("query", "key", "value"))
+    q = q / q.shape[-1] ** 0.5
+    probs = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+    o = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    h = h + torch.einsum("bqhd,hdw->bqw", o, attn["out"]["kernel"][i]) \
+        + attn["out"]["bias"][i]
+    up = torch.nn.functional.gelu(
+        dense(_flax_norm(torch, h, blocks["ln2"], i), blocks["up"], i),
+        approximate="tanh")
+    h = h + dense(up, blocks["down"], i)
+  e = h.mean(1)
+  return e / e.norm(dim=-1, keepdim=True)
+
+
+def linen_dual_encoder_embed(torch, params, patches, tokens, lanes):
+  """The two towers' embeddings, each tower on its lane."""
+  with lanes.tower(0):
+    embed = params["patch_embed"]
+    image = _linen_tower(torch, params["image"],
+                         patches @ embed["kernel"] + embed["bias"])
+  with lanes.tower(1):
+    text = _linen_tower(torch, params["text"],
+                        params["token_embed"]["embedding"][tokens.long()])
+  lanes.join()
+  return image, text
+
+
+def _linen_dual_encoder(torch, size, tensors, lanes):
+  params, patches, tokens = tensors
+  if size["mode"] == "forward":
+    return lambda: _no_grad(torch, lambda: torch.cat(linen_dual_encoder_embed(
+        torch, params, patches, tokens, lanes)))
+  leaves = _leaves(params)
+  # optax.adamw(1e-3, weight_decay=1e-4): the same rule (decoupled decay).
+  optimizer = torch.optim.AdamW(leaves, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=1e-4)
+
+  def step():
+    image, text = linen_dual_encoder_embed(torch, params, patches, tokens,
+                                           lanes)
+    logits = 10.0 * image @ text.T
+    labels = torch.arange(logits.shape[0], device=logits.device)
+    f = torch.nn.functional.cross_entropy
+    loss = 0.5 * (f(logits, labels) + f(logits.T, labels))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+  step.params = params
   return step
 
 
