@@ -1,4 +1,5 @@
-"""jaxstreams at work: a two-tower training step placed on three streams.
+"""jaxstreams at work: a two-tower training step placed on three streams,
+and a dual encoder whose towers scan over their layers.
 
 Prints the stream plan and the way a GPU runs it; the CUDA graphs XLA:GPU
 builds for the step (compiled for an H100 on this machine, when the CUDA
@@ -8,7 +9,16 @@ side by side in what the GPU launches; checks the results against jax.jit;
 and, on a GPU, times jax.jit, jaxstreams.jit as it runs by default (its
 first call timed the candidate ways) and with each way forced.
 
+Then the case XLA's own concurrency does not reach: two towers that are
+``lax.scan`` loops over stacked layers (how most JAX models write deep
+stacks). XLA runs a loop outside its CUDA graphs, kernel by kernel, so
+under ``jax.jit`` the towers run one after the other, with XLA's
+CONCURRENT graph mode as without; jaxstreams runs the two loops as one
+whose every step runs both towers' layers, each on its stream. The demo
+shows what an H100 would launch each way, and checks the results.
+
   python examples/streams_demo.py [--towers 2] [--width 512] [--batch 8]
+                                  [--scan-depth 6]
 """
 
 import argparse
@@ -90,12 +100,91 @@ def show_gpu_graphs(programs, plan, args):
   print()
 
 
+def scanned_dual_encoder_step(params, x, y):
+  """A dual encoder's training step: two towers of residual layers, each
+  one ``lax.scan`` over its stacked weights, on streams 1 and 2, joined by
+  a contrastive loss; plain SGD."""
+  def tower(ws, h):
+    def layer(h, w):
+      return h + jnp.tanh(h @ w), None
+    h, _ = jax.lax.scan(layer, h, ws)
+    return h / jnp.linalg.norm(h, axis=-1, keepdims=True)
+
+  def loss(params):
+    with jaxstreams.stream(1):
+      image = tower(params["image"], x)
+    with jaxstreams.stream(2):
+      text = tower(params["text"], y)
+    logits = 10.0 * image @ text.T
+    return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(logits)))
+
+  value, grads = jax.value_and_grad(loss)(params)
+  return jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, params, grads), value
+
+
+def show_scanned_towers(args, depth, batch):
+  """The scanned dual encoder: the loops an H100 runs, and whether the
+  towers' layers are in flight together, under jax.jit, under jax.jit
+  with CONCURRENT graphs, and as jaxstreams runs it by default."""
+  width = min(args.width, 256)
+  keys = jax.random.split(jax.random.PRNGKey(3), 4)
+  params = {name: jax.random.normal(k, (depth, width, width)) * width ** -0.5
+            for name, k in zip(("image", "text"), keys[:2])}
+  x = jax.random.normal(keys[2], (batch, width))
+  y = jax.random.normal(keys[3], (batch, width))
+  step_args = (params, x, y)
+  print(f"a dual encoder whose towers are lax.scan loops over {depth} layers "
+        f"(width {width}), its training step:")
+  default = jaxstreams.jit(scanned_dual_encoder_step, streams=3)
+  plan = default.plan(*step_args)
+  print(f"  the plan runs {len(plan.loops)} pairs of loops as one loop each "
+        f"(forward and backward), on a GPU {plan.gpu_lowering!r}")
+  ways = {"jax.jit": "inline", "jax.jit with CONCURRENT graphs": "concurrent",
+          "jaxstreams.jit, default": None}
+  try:
+    from jaxstreams.xla.target import _check_plugin, _check_ptxas
+    _check_plugin()
+    _check_ptxas()
+  except jaxstreams.GpuTargetError as error:
+    print(f"  to see what an H100 would launch: {error}")
+    ways = {}
+  for name, way in ways.items():
+    fn = jaxstreams.jit(scanned_dual_encoder_step, streams=3, gpu_lowering=way)
+    lowered = fn.trace(*step_args).lower(lowering_platforms=("cuda",))
+    graphs = jaxstreams.xla_graphs(lowered, plan=plan)
+    together = set(graphs.parallel_regions())
+    pairs = [tuple(g.regions) for g in plan.loops]
+    side = sum(p in together for p in pairs)
+    print(f"  {name:32s} {len(graphs.loops)} loops; towers' layers in flight "
+          f"together in {side} of {len(pairs)} passes"
+          + ("" if side else ": one tower's loop after the other's"))
+  same = all(np.array_equal(a, b) for a, b in zip(
+      jax.tree_util.tree_leaves(default(*step_args)),
+      jax.tree_util.tree_leaves(jax.jit(scanned_dual_encoder_step)(*step_args))))
+  print(f"  results equal jax.jit: {'bitwise' if same else 'NO'}")
+  if jax.default_backend() == "gpu":
+    concurrent = jax.jit(scanned_dual_encoder_step).lower(*step_args).compile(
+        compiler_options={"xla_gpu_command_buffer_scheduling_mode":
+                          "CONCURRENT"})
+    times = {"jax.jit": median_time(jax.jit(scanned_dual_encoder_step),
+                                    step_args),
+             "jax.jit with CONCURRENT graphs": median_time(concurrent,
+                                                           step_args),
+             "jaxstreams.jit, default": median_time(default, step_args)}
+    for name, t in times.items():
+      print(f"  step time: {name:32s} {t * 1e3:.3f} ms, "
+            f"x{times['jax.jit'] / t:.2f} of jax.jit")
+  print()
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--towers", type=int, default=2)
   parser.add_argument("--width", type=int, default=512)
   parser.add_argument("--depth", type=int, default=4)
   parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--scan-depth", type=int, default=6,
+                      help="layers of each scanned tower (0: leave it out)")
   args = parser.parse_args()
 
   step = make_step(args.towers)
@@ -136,6 +225,10 @@ def main():
   close = all(np.allclose(a, b, rtol=2e-2, atol=2e-2) for a, b in pairs)
   print(f"with stream calls, results equal jax.jit: "
         f"{'bitwise' if same else 'to rounding' if close else 'NO'}")
+
+  print()
+  if args.scan_depth:
+    show_scanned_towers(args, args.scan_depth, args.batch)
 
   if jax.default_backend() == "gpu":
     ways = {"jax.jit": plain,

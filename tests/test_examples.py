@@ -42,6 +42,16 @@ def test_streams_demo_shows_plan_gpu_graphs_and_equal_results():
     assert "lowered for CUDA: 4 region calls, on streams [1, 2]" in out, out
   assert "results equal jax.jit: bitwise" in out, out
   assert "with stream calls, results equal jax.jit: bitwise" in out, out
+  # The scanned dual encoder: what XLA's own concurrency does not reach.
+  scanned = out.split("a dual encoder whose towers are lax.scan loops")[1]
+  assert "2 pairs of loops as one loop each" in scanned, out
+  if gpu_target_problem() is None:
+    for way in ("jax.jit", "jax.jit with CONCURRENT graphs"):
+      assert re.search(rf"^  {re.escape(way)} +4 loops; towers' layers in "
+                       r"flight together in 0 of 2 passes", scanned, re.M), out
+    assert re.search(r"^  jaxstreams.jit, default +2 loops; towers' layers in "
+                     r"flight together in 2 of 2 passes$", scanned, re.M), out
+  assert "  results equal jax.jit: bitwise" in scanned, out
 
 
 # ---------------------------------------------------------------------------
