@@ -42,8 +42,9 @@ Overlap evidence (``--trace``): each program run under ``jax.profiler``; from
 the trace, the share of GPU kernel time during which another kernel ran too
 (0 where everything ran in sequence).
 
-  python benchmarks/gpu_levers.py [--models suite|loops|NAMES] [--rounds 15]
-                                 [--trace] [--quick] [--out DIR]
+  python benchmarks/gpu_levers.py [--models suite|loops|models|NAMES]
+                                 [--rounds 15] [--ways NAMES] [--trace]
+                                 [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -188,17 +189,19 @@ _TORCH = {"dual_encoder": "dual_encoder", "dual_encoder_train": "dual_encoder",
              if name.startswith("linen_") and "multitask" not in name}}
 
 
-def compile_ways(make_fn, args):
-  """name -> compiled program, and what the default chose, for every way."""
+def compile_ways(make_fn, args, only=None):
+  """name -> compiled program, and what the default chose, for every way
+  (``jax.jit``, the default and the ways named in ``only`` where given)."""
   plain = jax.jit(make_fn(common.place_none))
-  ways = {
-      "jax.jit": plain.lower(*args).compile(),
-      "jax.jit, CONCURRENT": plain.lower(*args).compile(
-          compiler_options=common.CONCURRENT_OPTIONS),
-      "jax.jit, no command buffers": plain.lower(*args).compile(
-          compiler_options=NO_COMMAND_BUFFERS),
-  }
+  wanted = lambda name: only is None or name in only
+  ways = {"jax.jit": plain.lower(*args).compile()}
+  for name, options in (("jax.jit, CONCURRENT", common.CONCURRENT_OPTIONS),
+                        ("jax.jit, no command buffers", NO_COMMAND_BUFFERS)):
+    if wanted(name):
+      ways[name] = plain.lower(*args).compile(compiler_options=options)
   for way in gpu.WAYS:
+    if not wanted(f"jaxstreams {way}"):
+      continue
     forced = jaxstreams.jit(make_fn(common.place_jaxstreams), streams=STREAMS,
                             gpu_lowering=way)
     ways[f"jaxstreams {way}"] = forced.lower(*args).compile()
@@ -363,6 +366,9 @@ def main():
                      "3 rounds, the two smallest models at tiny sizes")
   p.add_argument("--rounds", type=int, default=15)
   p.add_argument("--target-ms", type=float, default=20.0)
+  p.add_argument("--ways", default=None,
+                 help="only these ways besides jax.jit and the default, "
+                 "names as printed, joined by commas (default: every way)")
   p.add_argument("--trace", action="store_true",
                  help="profile each program and report kernel overlap")
   p.add_argument("--models", default="suite",
@@ -395,7 +401,8 @@ def main():
            "defaults) / program, paired per round (> 1: faster)"]
   for name, model, size in models:
     make_fn, args = model(size, STREAMS, jax.random.PRNGKey(0))
-    ways, chosen = compile_ways(make_fn, args)
+    ways, chosen = compile_ways(
+        make_fn, args, args_.ways.split(",") if args_.ways else None)
     reference = ways["jax.jit"]
     jax.block_until_ready(reference(*args))
     start = time.perf_counter()

@@ -290,7 +290,7 @@ def require_gpu_target(what="compiling for an H100"):
     pytest.skip(message)
 
 
-def run_example(name, *flags, env=None):
+def run_example(name, *flags, env=None, timeout=120):
   """Run ``examples/<name>`` from the repository root, as a user would (the
   stream count from the environment left out unless ``env`` sets it);
   returns its standard output, failing with its output if it fails."""
@@ -299,7 +299,7 @@ def run_example(name, *flags, env=None):
   environ.update(env or {})
   proc = subprocess.run(
       [sys.executable, str(ROOT / "examples" / name), *flags], cwd=ROOT,
-      env=environ, capture_output=True, text=True, timeout=120)
+      env=environ, capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, (
       f"{name} exited with {proc.returncode}\nstdout:\n{proc.stdout}\n"
       f"stderr:\n{proc.stderr[-4000:]}")

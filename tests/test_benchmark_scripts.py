@@ -91,8 +91,10 @@ SMALLEST_RUNS = {
                      "jit_overhead_{platform}_jax*_quick.json"),
     "planning": (["--sizes", "100", "--reps", "1"], "planning_{platform}.json"),
     "gpu_levers": (["--quick"], "gpu_levers_{platform}_jax*_quick.json"),
-    # The models users write (flax.linen here: the smallest program of them).
-    "gpu_levers:models": (["--quick", "--models", "linen_12_12"],
+    # The models users write (flax.linen here: the smallest program of
+    # them), one way besides jax.jit and the default: compiles are slow.
+    "gpu_levers:models": (["--quick", "--models", "linen_12_12", "--ways",
+                           "jaxstreams loops"],
                           "gpu_levers_linen_12_12_{platform}_jax*_quick.json"),
     "xla_graphs": (["--quick"], "xla_graphs_h100_jax*_quick.json"),
     "memory_ways": (["--quick"], "memory_ways_h100_jax*_quick.json"),
@@ -154,6 +156,8 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
   if part == "models":
     (case,) = result["cases"]
     assert case["model"] == "linen_12_12"
+    assert set(case["ways"]) == {"jax.jit", "jaxstreams loops",
+                                 "jaxstreams default"}
     assert case["pytorch"] in ("timed", "PyTorch is not installed",
                                "PyTorch sees no CUDA device")
   if script == "xla_graphs":
