@@ -53,7 +53,15 @@ CONTEXTS = ("top", "jit", "grad", "vmap")
 # steps already (their gradient would be a second derivative: compile time,
 # no new construct).
 NOT_DIFFERENTIABLE = frozenset({"while_towers"})
-TRAINING_STEPS = frozenset({"demo", "dlrm", "dual_encoder", "gru_bank"})
+TRAINING_STEPS = frozenset({"demo", "dlrm", "dual_encoder", "gru_bank",
+                            "dual_encoders_train"})
+# Programs of many groups, and towers inside wrappers (taken apart before
+# any way is chosen, so every way is the plain towers' way): the default at
+# top level, inside another jit and under jax.grad, and stream calls at top
+# level (CI time).
+FEW_CELLS = frozenset({"dual_encoders", "dual_encoders_train",
+                       "checkpointed_towers", "jitted_towers",
+                       "custom_vjp_towers"})
 # Programs without loops: inside another trace, every way's program is one
 # of those the default picks from (the suite's tests compile them too).
 LOOPLESS = frozenset({"constant_towers", "demo", "dlrm", "inception",
@@ -122,6 +130,70 @@ def _tower_program(tower, layers=(LAYERS, LAYERS)):
   return make
 
 
+def _encoder_tower(ws, x):
+  """A dual encoder's tower, small: a scanned stack of residual layers,
+  its output normalized."""
+  h = lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, ws)[0]
+  return h / jnp.linalg.norm(h, axis=-1, keepdims=True)
+
+
+@jax.custom_vjp
+def _custom_vjp_tower(ws, x):
+  return _encoder_tower(ws, x)
+
+
+def _custom_vjp_tower_fwd(ws, x):
+  return _encoder_tower(ws, x), (ws, x)
+
+
+def _custom_vjp_tower_bwd(residuals, cotangent):
+  return jax.vjp(_encoder_tower, *residuals)[1](cotangent)
+
+
+_custom_vjp_tower.defvjp(_custom_vjp_tower_fwd, _custom_vjp_tower_bwd)
+
+TOWER_WRAPS = {None: _encoder_tower,
+               "checkpoint": jax.checkpoint(_encoder_tower),
+               "jit": jax.jit(_encoder_tower),
+               "custom_vjp": _custom_vjp_tower}
+# Dual encoders as users write them: (image, text) depths and how each
+# tower is wrapped. Real ones differ in depth (ViT-L/14's image tower has
+# 24 layers, its text tower 12). Towers inside wrappers, in the view:
+# tests/test_loops.py.
+ENCODERS = (((4, 4), None), ((6, 3), None), ((24, 12), None))
+
+
+def dual_encoders(encoders=ENCODERS, training=False):
+  """``(fn, args, streams)``: dual encoders side by side in one step, each
+  with its image tower on stream 1 and its text tower on stream 2, a
+  contrastive loss over each pair; the step returns the embeddings, or
+  with ``training`` the loss and its gradients."""
+  def embed(params, images, texts):
+    out = []
+    for (image_ws, text_ws), (_, wrap) in zip(params, encoders):
+      tower = TOWER_WRAPS[wrap]
+      with jaxstreams.stream(1):
+        a = tower(image_ws, images)
+      with jaxstreams.stream(2):
+        b = tower(text_ws, texts)
+      out.append((a, b))
+    return out
+
+  def loss(params, images, texts):
+    total = 0.0
+    for a, b in embed(params, images, texts):
+      logits = a @ b.T * 10.0
+      total += -jnp.mean(jnp.diagonal(jax.nn.log_softmax(logits, axis=-1)))
+    return total
+
+  params = [(_weights(2 * i, a, WIDTH // 2) * 0.5,
+             _weights(2 * i + 1, b, WIDTH // 2) * 0.5)
+            for i, ((a, b), _) in enumerate(encoders)]
+  args = (params, jnp.ones((BATCH, WIDTH // 2)) * 0.1,
+          jnp.ones((BATCH, WIDTH // 2)) * 0.2)
+  return (jax.value_and_grad(loss) if training else embed), args, 3
+
+
 def _suite(module_name):
   def make():
     from benchmarks.workloads import common
@@ -151,6 +223,15 @@ PROGRAMS = {
     # No common divisor: one loop of three steps, then the layer left.
     "remainder_scan_towers": _tower_program(_scan_tower, (7, 3)),
     "constant_towers": _tower_program(_constant_tower),
+    # Towers wrapped as users write them (jax.checkpoint of a whole tower,
+    # a jax.jit function, a custom_vjp function), of different depths.
+    "checkpointed_towers": _tower_program(TOWER_WRAPS["checkpoint"],
+                                          (LAYERS, LAYERS // 2)),
+    "jitted_towers": _tower_program(TOWER_WRAPS["jit"], (LAYERS, LAYERS // 2)),
+    "custom_vjp_towers": _tower_program(TOWER_WRAPS["custom_vjp"],
+                                        (LAYERS, LAYERS // 2)),
+    "dual_encoders": dual_encoders,
+    "dual_encoders_train": lambda: dual_encoders(training=True),
     "demo": _demo,
     "dlrm": _suite("dlrm"),
     "inception": _suite("inception"),

@@ -102,31 +102,45 @@ def test_scan_towers_training_step_runs_both_passes_side_by_side():
   assert len(graphs.loops) == 2
 
 
-# jaxlib 0.10's memory scheduler runs a step's stream calls one after the
-# other where a body returns many values (the residuals of a training step's
-# forward pass), whatever the barriers around them (docs/xla.md).
-_MANY_RESULTS_IN_SEQUENCE = pytest.mark.xfail(
-    _compat_jaxlib() < (0, 11), strict=True,
-    reason="jaxlib 0.10 schedules a step's multi-result stream calls one "
-           "after the other (docs/xla.md)")
+@pytest.mark.parametrize("name, context", [
+    ("dual_encoders", "top"), ("dual_encoders", "jit"),
+    ("dual_encoders_train", "top"), ("dual_encoders_train", "jit")])
+def test_dual_encoders_as_users_write_them_run_side_by_side(name, context):
+  """Dual encoders of depths (4, 4), (6, 3) and (24, 12) (compile_matrix.
+  ENCODERS), forward and training step, at top level and inside another
+  jit: every pair of towers' loops runs as one loop with both bodies in
+  flight in every step. (Towers inside wrappers: tests/test_loops.py.)"""
+  fn, args, streams = _program(name)
+  graphs, plan = _view(fn, args, streams, context=context)
+  groups = 3 if name == "dual_encoders" else 6
+  assert len(plan.loops) == groups, str(plan)
+  assert {g.lengths for g in plan.loops} >= {(4, 4), (6, 3), (24, 12)}
+  together = graphs.parallel_regions()
+  apart = [p for p in _tower_pairs(plan) if p not in together]
+  assert not apart, str(graphs)
+  assert len(graphs.loops) == groups
 
 
-@_MANY_RESULTS_IN_SEQUENCE
-@pytest.mark.parametrize("context", ["top", "jit"])
-def test_towers_of_different_depths_run_side_by_side(context):
-  """Towers of 4 and 2 layers: one loop of two steps, the deeper tower's
-  body running two layers a step; forward and backward loops alike."""
+# From jaxlib 0.11 nothing is packed: one case to compile, not two alike.
+@pytest.mark.parametrize("packed", [True, False] if _compat_jaxlib() < (0, 11)
+                         else [False])
+def test_jaxlib_0_10_runs_multi_result_calls_in_turn(packed, monkeypatch):
+  """What _compat.MULTI_RESULT_CALLS_RUN_IN_TURN records: jaxlib 0.10's
+  scheduler runs a stream call with several results to its done before
+  the next one starts, so a training step's towers (whose forward bodies
+  return residuals) run one after the other unless each body returns its
+  results in one buffer; later XLA runs them side by side either way."""
+  from jaxstreams import _compat
+  monkeypatch.setattr(_compat, "MULTI_RESULT_CALLS_RUN_IN_TURN",
+                      packed and _compat_jaxlib() < (0, 11))
   fn, args, streams = _program("unequal_scan_towers")
 
   def step(w1, w2, x):
     return jax.value_and_grad(fn, argnums=(0, 1))(w1, w2, x)
 
-  graphs, plan = _view(step, args, streams, context=context)
-  assert [g.steps for g in plan.loops] == [2, 2]
-  together = graphs.parallel_regions()
-  assert all(p in together for p in _tower_pairs(plan)), str(graphs)
-  assert all(_on_two_streams(graphs, p) for p in _tower_pairs(plan))
-  assert sorted(loop.trip_count for loop in graphs.loops) == [2, 2]
+  graphs, plan = _view(step, args, streams)
+  together = all(p in graphs.parallel_regions() for p in _tower_pairs(plan))
+  assert together == (packed or _compat_jaxlib() >= (0, 11)), str(graphs)
 
 
 def test_a_gradient_taken_outside_runs_the_towers_side_by_side():
@@ -275,17 +289,6 @@ def test_jaxstreams_imports_where_no_plugin_is_installed():
   assert run.stdout.split() == ["None"]
 
 
-# jaxlib 0.10 leaves the dual encoder's training step's loop body out of
-# the CUDA graph (its slices are DynamicSliceFusion thunks it cannot put in
-# one there), and its memory scheduler runs each body's stream call to its
-# done before the next one's start: a body that returns many values (the
-# forward pass's residuals) cannot be pinned. The view shows it.
-_BODIES_IN_SEQUENCE = pytest.mark.xfail(
-    _compat_jaxlib() < (0, 11), strict=True,
-    reason="jaxlib 0.10 schedules a step's multi-result stream calls one "
-           "after the other (docs/xla.md)")
-
-
 # jaxlib 0.12 schedules stream calls itself, and in the GRU bank's training
 # step puts the forward loop's off-main body's done before the main-stream
 # body (the stacked outputs' updates wait on it); the barriers that would
@@ -298,7 +301,7 @@ _FORWARD_BODY_FIRST = pytest.mark.xfail(
 
 @pytest.mark.parametrize("name", [
     "demo", "dlrm", "inception", "mlp_bank", "control",
-    pytest.param("dual_encoder", marks=_BODIES_IN_SEQUENCE),
+    "dual_encoder",
     pytest.param("gru_bank", marks=_FORWARD_BODY_FIRST), "ode_ensemble"])
 def test_the_view_reads_every_program_of_the_suite(name):
   fn, args, streams = _program(name)

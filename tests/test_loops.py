@@ -4,10 +4,13 @@ stream (``jaxstreams.partition.loops``, ``jaxstreams.lower.loops``).
 On CPU the results are bitwise those of ``jax.jit`` whatever the way; the
 GPU program is read from the lowering for CUDA (no GPU needed). What XLA
 compiles and launches from it is ``test_compile_matrix.py`` and
-``test_gpu_view.py``'s.
+``test_gpu_view.py``'s, but for towers inside the wrappers users write
+(nested jits, ``jax.checkpoint``, ``custom_vjp`` / ``custom_jvp``), whose
+view is read here, beside their plan.
 """
 
 import contextlib
+import functools
 import re
 
 import jax
@@ -19,7 +22,10 @@ from jax import lax
 import jaxstreams
 from jaxstreams import _compat
 from jaxstreams.partition.loops import MAX_LAYERS_PER_STEP, layout
-from programs import random_inputs
+from jaxstreams.tag.read import any_equation, expose_tags
+from programs import random_inputs, require_gpu_target
+
+import compile_matrix
 
 
 def _scan(ws, x):
@@ -301,3 +307,192 @@ def test_the_gpu_program_cuts_only_where_layers_are_left(args):
                       % layers, text)
   assert not cuts(text((8, 4)), 8)
   assert len(cuts(text((7, 3)), 7)) == 2   # layers 0-5 and layer 6
+
+
+# ---------------------------------------------------------------------------
+# Scans inside the wrappers users write: nested jits, jax.checkpoint of a
+# whole tower, custom_vjp and custom_jvp functions.
+
+@jax.custom_jvp
+def _custom_jvp_tower(ws, x):
+  return compile_matrix._encoder_tower(ws, x)
+
+
+@_custom_jvp_tower.defjvp
+def _custom_jvp_tower_jvp(primals, tangents):
+  return jax.jvp(compile_matrix._encoder_tower, primals, tangents)
+
+
+_WRAPPED = {**compile_matrix.TOWER_WRAPS,
+            "checkpoint_dots": jax.checkpoint(
+                compile_matrix._encoder_tower,
+                policy=jax.checkpoint_policies.dots_saveable),
+            "custom_jvp": _custom_jvp_tower}
+
+
+def _wrapped_towers(tower):
+  def step(w1, w2, x):
+    with jaxstreams.stream(1):
+      a = tower(w1, x)
+    with jaxstreams.stream(2):
+      b = tower(w2, x)
+    return jnp.sum(a * b)
+  return step
+
+
+def _wrapped_args():
+  w1, w2 = random_inputs((4, 16, 16), (2, 16, 16))
+  return w1 * 0.3, w2 * 0.3, random_inputs((4, 16), seed=1)[0]
+
+
+# Each wrapper's towers (4 and 2 layers) in one program: what each must
+# make of a training step, besides its forward group and its backward
+# group, is a group of the recomputed forward scans (a checkpoint's, and a
+# custom_vjp backward rule's that calls jax.vjp); custom_jvp and a jit
+# recompute nothing.
+_WRAPS = ("jit", "checkpoint", "checkpoint_dots", "custom_vjp", "custom_jvp")
+_RECOMPUTING = ("checkpoint", "checkpoint_dots", "custom_vjp")
+
+
+def _all_wrapped(params, x):
+  total = 0.0
+  for (w1, w2), wrap in zip(params, _WRAPS):
+    total = total + _wrapped_towers(_WRAPPED[wrap])(w1, w2, x)
+  return total
+
+
+def _all_wrapped_args():
+  ws = random_inputs(*[(4, 16, 16), (2, 16, 16)] * len(_WRAPS))
+  params = [(ws[2 * i] * 0.3, ws[2 * i + 1] * 0.3)
+            for i in range(len(_WRAPS))]
+  return params, random_inputs((4, 16), seed=1)[0]
+
+
+_ALL_WRAPPED = {"forward": _all_wrapped,
+                "training": jax.value_and_grad(_all_wrapped)}
+_WRAPPED_GROUPS = {
+    "forward": [(False, (4, 2))] * len(_WRAPS),
+    "training": ([(False, (4, 2))] * len(_WRAPS)
+                 + [(True, (2, 4))] * len(_WRAPS)
+                 + [(False, (2, 4))] * len(_RECOMPUTING))}
+
+
+@functools.cache
+def _all_wrapped_jit(kind):
+  """The jaxstreams.jit function of the wrapped towers' program whose
+  view is read (shared: its plan is made once). Never called at top level:
+  on CPU that would settle CPU's way for its calls inside another jit."""
+  return jaxstreams.jit(_ALL_WRAPPED[kind], streams=3)
+
+
+@pytest.mark.parametrize("kind", ["forward", "training"])
+def test_scans_inside_wrappers_are_grouped_as_if_written_plainly(kind):
+  """Towers in a nested jax.jit, a jax.checkpoint (two policies), a
+  custom_vjp and a custom_jvp function: forward, each pair of towers is
+  one group; in a training step the forward and backward scans group,
+  and so do the recomputations (_WRAPPED_GROUPS). Results bitwise
+  jax.jit's."""
+  args = _all_wrapped_args()
+  f = jaxstreams.jit(_ALL_WRAPPED[kind], streams=3)
+  plan = f.plan(*args)
+  assert sorted((g.reverse, g.lengths) for g in plan.loops) \
+      == sorted(_WRAPPED_GROUPS[kind]), str(plan)
+  for got, want in zip(jax.tree_util.tree_leaves(f(*args)),
+                       jax.tree_util.tree_leaves(
+                           jax.jit(_ALL_WRAPPED[kind])(*args))):
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind, context", [
+    ("forward", "top"), ("training", "top"), ("training", "jit")])
+def test_wrapped_towers_are_in_flight_together_on_an_h100(kind, context):
+  """What XLA compiles for an H100 (without one) from the wrapped towers'
+  program, at top level and called inside another jit: every group's
+  towers run as one loop with both bodies in flight in every step, a
+  checkpoint's recomputation included."""
+  require_gpu_target()
+  args = _all_wrapped_args()
+  f = _all_wrapped_jit(kind)
+  plan = f.plan(*args)
+  outer = f if context == "top" else jax.jit(lambda *a: f(*a))
+  graphs = jaxstreams.xla_graphs(
+      outer.trace(*args).lower(lowering_platforms=("cuda",)), plan=plan)
+  together = graphs.parallel_regions()
+  apart = [g.regions for g in plan.loops
+           if tuple(g.regions[:2]) not in together]
+  assert not apart, str(graphs)
+  assert len(graphs.loops) == len(_WRAPPED_GROUPS[kind]), str(graphs)
+
+
+def _scan_outputs(closed, reverse):
+  """The avals of the scans' results (``reverse`` ones), at any depth."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scan" and eqn.params["reverse"] == reverse:
+        found.append(tuple(str(v.aval) for v in eqn.outvars))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(closed.jaxpr)
+  return sorted(found)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "checkpoint_dots"])
+def test_a_checkpoint_saves_what_its_policy_says(wrap):
+  """In a training step, the forward scans (grouped) save the residuals
+  jax.checkpoint's policy saves under jax.jit, no more."""
+  step = _training_step(_wrapped_towers(_WRAPPED[wrap]), 2)
+  args = _wrapped_args()
+  traced = jax.make_jaxpr(step)(*args)
+  program = expose_tags(traced)
+  assert all(e.primitive.name != "remat2" for e in program.jaxpr.eqns)
+  exposed = jax.extend.core.ClosedJaxpr(program.jaxpr, program.consts)
+  assert _scan_outputs(exposed, False) == _scan_outputs(traced, False)
+
+
+def _scaled_vjp_tower():
+  """A custom_vjp tower whose backward rule is not the derivative (three
+  times it): differentiated, only the rule gives its result."""
+  @jax.custom_vjp
+  def tower(ws, x):
+    return compile_matrix._encoder_tower(ws, x)
+
+  def fwd(ws, x):
+    return tower(ws, x), (ws, x)
+
+  def bwd(residuals, cotangent):
+    return jax.vjp(compile_matrix._encoder_tower, *residuals)[1](
+        cotangent * 3.0)
+  tower.defvjp(fwd, bwd)
+  return tower
+
+
+def _holds(closed, name) -> bool:
+  return any_equation(closed.jaxpr.eqns, lambda e: e.primitive.name == name)
+
+
+def test_differentiated_from_outside_each_wrapper_keeps_its_meaning():
+  """jax.grad applied outside a jaxstreams.jit function whose towers are
+  checkpointed or custom_vjp functions (taken apart to group their scans):
+  the checkpoint still recomputes in the backward pass and the user's
+  rule still gives the gradient, bitwise as under jax.jit."""
+  args = _wrapped_args()
+
+  def gradient(fn):
+    return jax.jit(jax.grad(fn, argnums=(0, 1)))
+
+  for tower, must_hold in ((_WRAPPED["checkpoint"], "remat2"),
+                           (_scaled_vjp_tower(), None)):
+    fn = _wrapped_towers(tower)
+    js = jaxstreams.jit(fn, streams=3)
+    assert js.plan(*args).loops
+    outside = gradient(lambda *a: js(*a))
+    expected = gradient(fn)(*args)
+    for got, want in zip(outside(*args), expected):
+      np.testing.assert_array_equal(got, want)
+    if must_hold:
+      assert _holds(jax.make_jaxpr(outside)(*args), must_hold)
+  # The last tower's rule is not the derivative: its gradient is the rule's.
+  plain = gradient(_wrapped_towers(compile_matrix._encoder_tower))(*args)
+  np.testing.assert_allclose(expected[0], 3 * plain[0], rtol=1e-4, atol=1e-7)

@@ -65,6 +65,10 @@ def jaxlib_text() -> str:
 # ordered it, and only the order jaxstreams emits can open a window
 # (lower/order.py, sequence points).
 XLA_SCHEDULES_STREAM_CALLS = jaxlib_version() >= (0, 12)
+# jaxlib 0.10's scheduler runs a stream call with several results to its
+# done before the next call starts, whatever barriers order them; a call
+# with one result they pin (tests/test_gpu_view.py).
+MULTI_RESULT_CALLS_RUN_IN_TURN = jaxlib_version() < (0, 11)
 
 # From jaxlib 0.12 XLA compiles an annotated call on its "parallel"
 # execution thread, where it neither sanitizes constants' names nor runs the
@@ -78,7 +82,15 @@ CALLS_RUN_ON_PARALLEL_THREAD = jaxlib_version() >= (0, 12)
 BARRIER_JOINS_VARYING_AXES = _version_tuple(jax.__version__) < (0, 11)
 
 # The name jax gives the nested-jit primitive: "pjit" before 0.8, "jit" since.
-NESTED_JIT_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
+# "eval_jaxpr" is jax 0.11's closed_call (jax.checkpoint's forward pass
+# under jax.grad binds it).
+NESTED_JIT_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call",
+                                   "eval_jaxpr"})
+# Wrappers whose meaning is how jax differentiates their body
+# (nested_jaxpr): jax.checkpoint's, custom_jvp's and custom_vjp's.
+CHECKPOINT_PRIMITIVE = "remat2"
+DERIVATIVE_WRAPPERS = frozenset({CHECKPOINT_PRIMITIVE, "custom_jvp_call",
+                                 "custom_vjp_call"})
 
 
 # ---------------------------------------------------------------------------
@@ -169,6 +181,19 @@ def jit_params_are_plain(params: dict) -> bool:
     if not all(is_unspecified_sharding(s) for s in params.get(key, ())):
       return False
   return not any(params.get("donated_invars", ()))
+
+
+def checkpoint_barrier_operands(eqn) -> list[bool]:
+  """Per operand of a ``jax.checkpoint`` equation, whether jax lowers it
+  through an optimization barrier: in a backward pass's recomputation
+  (``differentiated``) with ``prevent_cse`` (one flag; from jax 0.11 also
+  one per operand), so XLA cannot merge it with the forward pass."""
+  params, count = eqn.params, len(eqn.invars)
+  prevent = params.get("prevent_cse", True)
+  if not params.get("differentiated", False):
+    return [False] * count
+  return ([prevent] * count if isinstance(prevent, bool)
+          else [bool(p) for p in prevent])
 
 
 def nested_jaxpr(params: dict):

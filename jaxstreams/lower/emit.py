@@ -96,7 +96,40 @@ def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False
   A region that the installed XLA cannot compile as a stream call
   (``jaxstreams.lower.limits``) is emitted in place; with ``strict`` (a way
   the user asked for) lowering it for a GPU is a ``LoweringError``
-  instead."""
+  instead.
+
+  Where planning took a ``jax.checkpoint`` or a custom_jvp / custom_vjp
+  function apart (``ExposedProgram.differentiate_as``), the emitted
+  program is a ``jax.custom_jvp`` function whose derivative is the traced
+  program's: differentiated from outside (``jax.grad`` of a function that
+  calls this one), it recomputes what the checkpoint's policy says and
+  runs the user's derivative rules, as under ``jax.jit``."""
+  traced = plan.program.differentiate_as
+  if traced is None:
+    return _emit(plan, args, profile, gpu_lowering, strict)
+
+  @jax.custom_jvp
+  def run(*values):
+    return _arrays(_emit(plan, values, profile, gpu_lowering, strict))
+
+  @run.defjvp
+  def derivative(primals, tangents):
+    outs, out_tangents = jax.jvp(jcore.jaxpr_as_fun(traced), primals,
+                                 tangents)
+    return _arrays(outs), list(out_tangents)
+
+  return run(*args)
+
+
+def _arrays(values) -> list[Any]:
+  """A custom_jvp function's results: arrays (a result that is a literal
+  of the program comes as its Python or NumPy value)."""
+  return [v if isinstance(v, jax.Array) or isinstance(v, jax.core.Tracer)
+          else jax.numpy.asarray(v) for v in values]
+
+
+def _emit(plan: PartitionedProgram, args: Sequence[Any], profile: bool,
+          gpu_lowering: str, strict: bool) -> list[Any]:
   program = plan.program
   graph = plan.graph
   # Profiled, regions are calls too, except where calls cannot compile (the

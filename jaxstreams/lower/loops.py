@@ -31,6 +31,7 @@ from jaxstreams import _compat
 from jaxstreams.lower.calls import (install_region_rules, order_barrier,
                                     stream_call)
 from jaxstreams.lower.limits import body_hazard, without_cse_barriers
+from jaxstreams.lower.packing import Packing
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.loops import Phase, layout, loop_length
 from jaxstreams.partition.partitioned import PartitionedProgram
@@ -158,21 +159,27 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
       at += len(read_vars)
     return results
 
-  def body_call(m: _Member, layers: int):
+  def body_call(m: _Member, layers: int) -> tuple[Callable, "_Packed | None"]:
     """A function of (constants, carry, this step's slices) running
     ``layers`` of ``m``'s layers (in the scan's direction), returning
-    (carry, the step's results): on its stream where it can be."""
+    (carry, the step's results): on its stream where it can be. Where
+    XLA's scheduler runs a call with several results to its done before
+    the next call starts (jaxlib 0.10), the call returns them in one
+    buffer (the ``_Packed``, which unpacks them after the step's barrier
+    over the calls' results: a single-result done waits for it)."""
     run = m.step(layers, reverse)
-    if m.on_stream:
-      if out_of_graphs:
-        run = _outside_graphs(run)
-      run = stream_call(run, stream_of(m.region), m.region)
-    return run
+    if not m.on_stream:
+      return run, None
+    if out_of_graphs:
+      run = _outside_graphs(run)
+    packed = (_Packed(run) if pinned and _compat.MULTI_RESULT_CALLS_RUN_IN_TURN
+              else None)
+    return stream_call(packed or run, stream_of(m.region), m.region), packed
 
   def one_loop(phase: Phase, consts, carry, xs):
     """Run ``phase`` (members by position in it); returns (carry, ys)."""
     group = [members[i] for i in phase.members]
-    calls = [body_call(m, k) for m, k in zip(group, phase.per_step)]
+    calls, packs = zip(*(body_call(m, k) for m, k in zip(group, phase.per_step)))
     unrolls = {min(m.unroll, phase.steps) for m in group}
     unroll = (unrolls.pop() if len(unrolls) == 1
               and set(phase.per_step) == {1} else 1)
@@ -186,7 +193,8 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
         with scope(m.region):
           outs.append(list(call(*values)))
       if pinned:
-        outs = _together(outs)
+        outs = [out if packed is None else packed.unpack(out)
+                for packed, out in zip(packs, _together(outs))]
       return ([out[:m.num_carry] for m, out in zip(group, outs)],
               [out[m.num_carry:] for m, out in zip(group, outs)])
 
@@ -268,6 +276,36 @@ def _layers_of(y, per_step: int):
   if per_step > 1:
     y = y.reshape((y.shape[0] * y.shape[1], *y.shape[2:]))
   return y
+
+
+class _Packed:
+  """A body that returns its results in one buffer (``Packing``) where
+  they can share one (one floating dtype, integers it holds exactly);
+  decided when the call traces it. ``unpack`` gives the results back."""
+
+  def __init__(self, run: Callable[..., list]):
+    self.run = run
+    self.packing = None
+    self.slots: list = []
+
+  def __call__(self, *values):
+    outs = list(self.run(*values))
+    if len(outs) > 1:
+      self.slots = [_Slot(jax.typeof(v)) for v in outs]
+      self.packing = Packing.of(self.slots)
+    return outs if self.packing is None else [self.packing.pack(outs)]
+
+  def unpack(self, outs: list) -> list:
+    if self.packing is None:
+      return outs
+    return [self.packing.unpack(outs[0], slot) for slot in self.slots]
+
+
+class _Slot:
+  """One result as ``Packing`` reads it: its aval."""
+
+  def __init__(self, aval):
+    self.aval = aval
 
 
 def _together(groups: Sequence[Sequence[Any]]) -> list[list[Any]]:

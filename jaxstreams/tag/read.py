@@ -9,13 +9,26 @@ hold tags are inlined (XLA inlines them anyway, so the result is the same
 program), and the colocate anchors are taken out and returned separately.
 The result, an ``ExposedProgram``, carries the def-use index the later
 stages read.
+
+Scans that could run as one loop (``partition.loops``) must be at the top
+level too. Where the program holds two or more, the wrappers users write
+around them are inlined: nested jits (what flax's ``nn.jit`` and equinox's
+``filter_jit`` make), ``jax.checkpoint`` and ``custom_jvp`` /
+``custom_vjp`` functions. Run, each of those is its body; a checkpoint in
+the backward pass also puts its operands through an optimization barrier,
+as jax's lowering does (so that XLA does not merge the recomputation with
+the forward pass), and so does its inlined form. What they mean to jax's
+differentiation is kept apart: the program, differentiated, is
+differentiated as traced (``ExposedProgram.differentiate_as``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.extend.core as jcore
 
 from jaxstreams import _compat
@@ -171,6 +184,10 @@ class ExposedProgram:
   jaxpr: Any                    # jax.extend.core.Jaxpr
   consts: list[Any]
   anchors: dict[int, Any]       # colocate token -> the atom it anchors
+  # The program as traced, where inlining took a jax.checkpoint or a
+  # custom_jvp/custom_vjp function apart: jax differentiates it instead of
+  # this one (lowering sees to it), so that each keeps its meaning there.
+  differentiate_as: Any = None
   producer: dict[Any, int] = dataclasses.field(init=False, repr=False)
   sources: list[tuple[int, ...]] = dataclasses.field(init=False, repr=False)
 
@@ -191,24 +208,72 @@ class ExposedProgram:
 
 def expose_tags(closed_jaxpr) -> ExposedProgram:
   jaxpr = closed_jaxpr.jaxpr
-  builder = _Builder(list(jaxpr.constvars), list(closed_jaxpr.consts))
+  group = _scans_within(jaxpr.eqns, derivatives=True) >= 2
+  builder = _Builder(list(jaxpr.constvars), list(closed_jaxpr.consts),
+                     inline_calls=group,
+                     inline_derivatives=group and not jaxpr.effects)
   builder.add_eqns(jaxpr.eqns, outer=None)
   outvars = [builder.read(v) for v in jaxpr.outvars]
   new_jaxpr = _compat.make_jaxpr(jaxpr.invars, outvars, builder.eqns,
                                  constvars=builder.constvars,
                                  consts=builder.consts)
-  return ExposedProgram(new_jaxpr, builder.consts, builder.anchors)
+  return ExposedProgram(
+      new_jaxpr, builder.consts, builder.anchors,
+      differentiate_as=closed_jaxpr if builder.took_derivatives_apart
+      else None)
+
+
+# The loops partition groups (partition.loops).
+_SCAN = "scan"
+
+
+@functools.cache
+def _barrier_primitive():
+  return jax.make_jaxpr(jax.lax.optimization_barrier)(1.0).jaxpr.eqns[0].primitive
+
+
+def _wrapped(eqn, derivatives: bool):
+  """The closed jaxpr a wrapper equation runs, if it is one that inlining
+  may take apart: a plain nested jit or call, and with ``derivatives`` a
+  checkpoint or custom_jvp / custom_vjp function; else None."""
+  name = eqn.primitive.name
+  if name in _compat.NESTED_JIT_PRIMITIVES:
+    if not _compat.jit_params_are_plain(eqn.params):
+      return None
+  elif not (derivatives and name in _compat.DERIVATIVE_WRAPPERS):
+    return None
+  return _compat.nested_jaxpr(eqn.params)
+
+
+def _scans_within(eqns, derivatives: bool) -> int:
+  """The scans in ``eqns`` or inside the wrappers among them that inlining
+  would bring to the top level."""
+  count = 0
+  for eqn in eqns:
+    if eqn.primitive.name == _SCAN:
+      count += 1
+      continue
+    inner = _wrapped(eqn, derivatives)
+    if inner is not None:
+      count += _scans_within(inner.jaxpr.eqns, derivatives)
+  return count
 
 
 class _Builder:
-  """Accumulates equations while inlining nested jits that hold tags."""
+  """Accumulates equations while inlining nested jits that hold tags, and
+  with ``inline_calls`` / ``inline_derivatives`` the wrappers (nested jits
+  and calls / checkpoints and custom derivatives) that hold scans."""
 
-  def __init__(self, constvars, consts):
+  def __init__(self, constvars, consts, inline_calls: bool = False,
+               inline_derivatives: bool = False):
     self.constvars = constvars
     self.consts = consts
     self.eqns: list[Any] = []
     self.anchors: dict[int, Any] = {}
     self._subst: dict[Any, Any] = {}
+    self.inline_calls = inline_calls
+    self.inline_derivatives = inline_derivatives
+    self.took_derivatives_apart = False
 
   def read(self, atom):
     if isinstance(atom, jcore.Literal):
@@ -229,13 +294,15 @@ class _Builder:
         continue
       self.eqns.append(eqn)
 
-  @staticmethod
-  def _should_inline(eqn) -> bool:
-    if eqn.primitive.name not in _compat.NESTED_JIT_PRIMITIVES:
+  def _should_inline(self, eqn) -> bool:
+    inner = _wrapped(eqn, self.inline_derivatives)
+    if inner is None:
       return False
-    inner = _compat.nested_jaxpr(eqn.params)
-    return (inner is not None and _compat.jit_params_are_plain(eqn.params)
-            and has_tags(inner))
+    if (eqn.primitive.name in _compat.NESTED_JIT_PRIMITIVES
+        and has_tags(inner)):
+      return True
+    return ((self.inline_calls or self.inline_derivatives)
+            and _scans_within(inner.jaxpr.eqns, self.inline_derivatives) > 0)
 
   def _inline(self, eqn) -> None:
     inner = _compat.nested_jaxpr(eqn.params)
@@ -244,7 +311,12 @@ class _Builder:
       self.constvars.append(fresh)
       self.consts.append(const)
       self._subst[var] = fresh
-    for var, atom in zip(inner.jaxpr.invars, eqn.invars):
+    operands = list(eqn.invars)
+    if eqn.primitive.name in _compat.DERIVATIVE_WRAPPERS:
+      self.took_derivatives_apart = True
+    if eqn.primitive.name == _compat.CHECKPOINT_PRIMITIVE:
+      operands = self._behind_barrier(eqn, operands)
+    for var, atom in zip(inner.jaxpr.invars, operands):
       self._subst[var] = atom
     # The same inner jaxpr may be inlined twice: give its results fresh names.
     renamed = []
@@ -263,3 +335,19 @@ class _Builder:
     for outer_var, inner_atom in zip(eqn.outvars, inner.jaxpr.outvars):
       if not isinstance(outer_var, jcore.DropVar):
         self._subst[outer_var] = self.read(inner_atom)
+
+  def _behind_barrier(self, eqn, operands: list) -> list:
+    """``operands`` of a checkpoint equation, those jax lowers through an
+    optimization barrier passed through one (``eqn`` carries its name
+    stack already)."""
+    flags = _compat.checkpoint_barrier_operands(eqn)
+    held = [v for v, flag in zip(operands, flags)
+            if flag and not isinstance(v, jcore.Literal)]
+    if not held:
+      return operands
+    passed = [_compat.new_var(v.aval) for v in held]
+    self.eqns.append(jcore.new_jaxpr_eqn(held, passed, _barrier_primitive(),
+                                         {}, set(), eqn.source_info))
+    through = dict(zip(held, passed))
+    return [through.get(v, v) if not isinstance(v, jcore.Literal) else v
+            for v in operands]
