@@ -12,8 +12,8 @@ stages read.
 
 Scans that could run as one loop (``partition.loops``) must be at the top
 level too. Where the program holds two or more, the wrappers users write
-around them are inlined: nested jits (what flax's ``nn.jit`` and equinox's
-``filter_jit`` make), ``jax.checkpoint`` and ``custom_jvp`` /
+around them are inlined: nested jits (flax's ``nn.jit`` and equinox's
+``filter_jit`` are built on jax.jit), ``jax.checkpoint`` and ``custom_jvp`` /
 ``custom_vjp`` functions. Run, each of those is its body; a checkpoint in
 the backward pass also puts its operands through an optimization barrier,
 as jax's lowering does (so that XLA does not merge the recomputation with
