@@ -34,12 +34,11 @@ What skips, and why (each says so in its reason):
   jaxstreams packs a region it pins skips on 0.12, where it pins none.
 
 Strict expected failures that wait on other work name it in their reason
-(``test_models.py``: checkpointed and jitted towers, waiting on scans
-through wrappers, #48 item 2); they fail loudly once it lands, to be
-turned into tests. ``test_models.py`` also pins two jaxlib behaviours
-with strict expected failures: jaxlib 0.10 running a training step's
-bodies one after the other, and jaxlib 0.12 aborting the deviceless
-compile of one nested training step (its memory scheduler's check).
+(``test_models.py``: flax ``nn.remat`` towers in a training step, #48
+item 2); they fail loudly once it lands, to be turned into tests.
+``test_models.py`` also pins a jaxlib behaviour with a strict expected
+failure: jaxlib 0.12 aborting the deviceless compile of one nested
+training step (its memory scheduler's check).
 
 One expected failure: ``test_profiled_regions_overlap_in_time`` under
 stream calls on a GPU with jax < 0.12, strict, because XLA's CUDA graph
