@@ -26,7 +26,7 @@ def _run_quick(out_dir):
       p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
   proc = subprocess.run(
       [sys.executable, str(SUITE), "--quick", "--out", str(out_dir)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, (
       f"suite exited with {proc.returncode}\nstdout:\n{proc.stdout}\n"
       f"stderr:\n{proc.stderr[-4000:]}")
