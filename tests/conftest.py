@@ -40,6 +40,13 @@ item 2); they fail loudly once it lands, to be turned into tests.
 failure: jaxlib 0.12 aborting the deviceless compile of one nested
 training step (its memory scheduler's check).
 
+What runs once per CI run (marker ``once``): end-to-end runs of the
+benchmark scripts and examples and the compile matrix's ways beyond the
+default. Each exercises jax through the same library code that the rest of
+the suite tests on every jax, at a cost of minutes per version, so
+``.ci/run`` runs them on its first jax (the README's command, which runs
+everything) and deselects them on the others (``-m "not once"``).
+
 One expected failure: ``test_profiled_regions_overlap_in_time`` under
 stream calls on a GPU with jax < 0.12, strict, because XLA's CUDA graph
 chains stream calls there (``docs/xla.md``; jaxstreams' GPU default is not
@@ -72,9 +79,22 @@ def no_leaked_threads():
   serve workers stop on close, on error and when collected)."""
   before = set(jaxstreams_threads())
   yield
+  settled = lambda: set(jaxstreams_threads()) <= before
+  # A full collection takes about a second with jax, flax and equinox
+  # loaded: only where a worker is still there after a moment (one that
+  # stops when its owner is collected).
+  if not wait_until(settled, seconds=0.2):
+    gc.collect()
+    assert wait_until(settled), jaxstreams_threads()
+
+
+def pytest_collection_finish(session):
+  """What the imports and collection made lives to the end: moved out of
+  the collector's sight, so that each collection (Python's own, and the
+  tests' gc.collect) walks only what the tests made."""
+  del session
   gc.collect()
-  assert wait_until(lambda: set(jaxstreams_threads()) <= before), \
-      jaxstreams_threads()
+  gc.freeze()
 
 
 @pytest.fixture
@@ -108,6 +128,9 @@ def _has_gpu() -> bool:
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "gpu: the test needs a GPU")
+  config.addinivalue_line(
+      "markers", "once: an end-to-end or exhaustive run that CI runs on one "
+      "jax only (see this module's docstring)")
   config.addinivalue_line(
       "markers", "cpu_backend: the test checks behaviour on XLA:CPU, JAX's default there")
 

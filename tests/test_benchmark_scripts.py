@@ -101,6 +101,7 @@ SMALLEST_RUNS = {
 }
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("script", sorted(SMALLEST_RUNS))
 def test_benchmark_script_runs_and_saves(script, tmp_path):
   args, saved = SMALLEST_RUNS[script]
@@ -178,6 +179,7 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
     assert all(r["step_ms_calibrated"] > 0 for r in rows)
 
 
+@pytest.mark.once
 def test_jax_tests_tells_what_fails_only_when_swapped(tmp_path):
   """jax_tests.py on a made-up JAX source tree: one test that passes both
   ways, one that tells jax.jit from jaxstreams.jit, one skipped."""

@@ -12,11 +12,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SUITE = ROOT / "benchmarks" / "suite.py"
 WORKLOADS = {"inception", "dlrm", "mlp_bank", "dual_encoder", "gru_bank",
              "ode_ensemble", "staging", "control"}
 STANDARD = ("jax.jit", "XLA CONCURRENT", "compute_on")
+# Minutes per jax (see conftest.py).
+pytestmark = pytest.mark.once
 
 
 def _run_quick(out_dir):

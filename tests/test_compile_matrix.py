@@ -17,6 +17,11 @@ What must hold, on the installed jax:
 * every way compiles as the default's first call on a GPU would compile it
   to time it (``gpu.candidates`` picks among these per plan).
 
+The default's cells run on every jax; the other ways' cells (``once``, see
+``conftest.py``) on CI's first jax only: they are most of the matrix's
+minutes, and the ways' programs are checked on every jax by the view's
+tests (``test_gpu_view.py``, ``test_loops.py``, ``test_gpu_compile.py``).
+
 Needs the CUDA plugin at jaxlib's version (see ``jaxstreams.xla.target``):
 skips without it, fails instead with ``JAXSTREAMS_REQUIRE_GPU_TARGET=1``.
 """
@@ -64,11 +69,11 @@ def cells_of(program: str) -> list[str]:
   return cells + [f"{program}/vmap/default"]
 
 
-def run_matrix(program: str) -> dict[str, dict]:
-  """The program's cells' results; a way refused when asked for is also
+def run_matrix(cells: list[str]) -> dict[str, dict]:
+  """The cells' results; a way refused when asked for at top level is also
   compiled as the default's first call on a GPU compiles it to time it
   (that function runs such a region in place instead)."""
-  results = run_cells(cells_of(program))
+  results = run_cells(cells)
   refused = [c.replace("/top/", "/candidate/") for c, r in results.items()
              if "/top/" in c and r["status"] == "refused"]
   return {**results, **(run_cells(refused) if refused else {})}
@@ -104,10 +109,7 @@ def run_cells(cells: list[str]) -> dict[str, dict]:
   return results
 
 
-@pytest.mark.parametrize("program", sorted(compile_matrix.PROGRAMS))
-def test_every_way_compiles_or_is_refused(program):
-  require_gpu_target()
-  results = run_matrix(program)
+def _check(results):
   failed = {c: r for c, r in results.items()
             if r["status"] not in ("ok", "refused")}
   assert not failed, json.dumps(failed, indent=1)[:6000]
@@ -117,3 +119,17 @@ def test_every_way_compiles_or_is_refused(program):
   # What the first call on a GPU would time compiles, whatever the plan.
   candidates = {c: r for c, r in results.items() if "/candidate/" in c}
   assert all(r["status"] == "ok" for r in candidates.values()), candidates
+
+
+@pytest.mark.parametrize("program", sorted(compile_matrix.PROGRAMS))
+def test_the_default_compiles_in_every_context(program):
+  require_gpu_target()
+  _check(run_cells([c for c in cells_of(program) if c.endswith("/default")]))
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("program", sorted(compile_matrix.PROGRAMS))
+def test_every_way_compiles_or_is_refused(program):
+  require_gpu_target()
+  _check(run_matrix([c for c in cells_of(program)
+                     if not c.endswith("/default")]))

@@ -9,7 +9,12 @@ stream count it was given, losses going down, and results equal to jax.jit
 
 import re
 
+import pytest
+
 from programs import gpu_target_problem, run_example
+
+# Each example is a process of its own that imports jax (see conftest.py).
+pytestmark = pytest.mark.once
 
 
 def backend(out):

@@ -9,7 +9,12 @@ printed by the examples and only checked to be there, never compared.
 
 import re
 
+import pytest
+
 from programs import run_example
+
+# Each example is a process of its own that imports jax (see conftest.py).
+pytestmark = pytest.mark.once
 
 
 def line(pattern, out):

@@ -916,6 +916,7 @@ def test_by_platform_trial_after_a_failed_first_request(fake_gpu):
 # ---------------------------------------------------------------------------
 # The example.
 
+@pytest.mark.once
 def test_inference_example_runs():
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
