@@ -170,6 +170,31 @@ def test_the_view_compiles_with_the_jaxstreams_this_process_runs(
   assert graphs.loops, graphs.summary()
 
 
+def test_one_child_serves_the_views_and_a_dead_one_is_replaced(monkeypatch):
+  """The view's compile child is started once and kept for the next view;
+  one that died (XLA's compiler can abort it) is replaced, and another
+  environment gets a child of its own."""
+  from jaxstreams.xla._graph_child import CompileChild
+  target = jaxstreams.gpu_target("h100")
+  lowered = jax.jit(lambda x: x * 2.0 + 1.0).lower(
+      *target.abstract(jax.numpy.ones(8)))
+  first = jaxstreams.xla_graphs(lowered)
+  pid = CompileChild._current.process.pid
+  again = jaxstreams.xla_graphs(lowered)
+  assert CompileChild._current.process.pid == pid
+  assert str(again) == str(first)
+
+  CompileChild._current.process.kill()
+  CompileChild._current.process.wait()
+  assert str(jaxstreams.xla_graphs(lowered)) == str(first)
+  assert CompileChild._current.process.pid != pid
+
+  pid = CompileChild._current.process.pid
+  monkeypatch.setenv("JAXSTREAMS_TEST_ANOTHER_ENVIRONMENT", "1")
+  assert str(jaxstreams.xla_graphs(lowered)) == str(first)
+  assert CompileChild._current.process.pid != pid
+
+
 def test_a_chain_of_loops_stays_one_chain():
   """Loops that need each other's results cannot run side by side: no
   group, and no pair of regions in flight together."""

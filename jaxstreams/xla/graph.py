@@ -27,13 +27,11 @@ import functools
 import json
 import os
 import re
-import subprocess
-import sys
 from typing import Any
 
 from jaxstreams import _compat
 from jaxstreams.lower.memory import Footprint
-from jaxstreams.xla._graph_child import MARKER
+from jaxstreams.xla._graph_child import MARKER, ChildFailed, CompileChild
 from jaxstreams.xla.launches import (Conditional, CudaGraph, GpuProgram,
                                      GraphLaunch, Kernel, KernelLaunch, Loop,
                                      StreamCall, read_program)
@@ -487,8 +485,8 @@ def capture_all(lowered: dict[str, Any], *, target: Any = "h100",
     devices = max(devices, int(partitions.group(1)) if partitions else 1)
     programs.append({"module": text, "compiler_options": {
         k: _option_text(v) for k, v in options.items()}})
-  request = json.dumps({"programs": programs, "target_name": name,
-                        "target_config": config_text, "devices": devices})
+  request = {"programs": programs, "target_name": name,
+             "target_config": config_text, "devices": devices}
   package_root = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=LOG_MODULES,
@@ -496,21 +494,15 @@ def capture_all(lowered: dict[str, Any], *, target: Any = "h100",
                  [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
   if not local:
     env["JAX_PLATFORMS"] = "cpu"
-  # -P: the working directory (a source checkout without built native
-  # libraries, say) must not shadow the jaxstreams this process imported,
-  # whose FFI handlers the compile needs; package_root comes first instead.
-  result = subprocess.run([sys.executable, "-P", "-m", "jaxstreams.xla._graph_child"],
-                          input=request, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-  if result.returncode != 0:
-    raise GraphLogError(f"compiling for {name} in a child process failed "
-                        f"(exit {result.returncode}):\n{result.stderr[-3000:]}")
   try:
-    out = json.loads(result.stdout.strip().splitlines()[-1])["programs"]
-  except (ValueError, IndexError, KeyError, TypeError):
-    raise GraphLogError("the child process printed no result:\n"
-                        + result.stdout[-2000:]) from None
-  logs = _split_log(result.stderr, len(out))
+    answer, log = CompileChild.request(request, env, timeout)
+    out = answer["programs"]
+  except ChildFailed as error:
+    raise GraphLogError(f"compiling for {name} in a child process failed "
+                        f"({error})") from None
+  except (KeyError, TypeError):
+    raise GraphLogError("the child process answered no programs") from None
+  logs = _split_log(log, len(out))
   captured: dict[str, dict[str, Any] | GraphLogError] = {}
   for key, log, found in zip(lowered, logs, out):
     if "error" in found:
