@@ -100,6 +100,20 @@ def test_scan_towers_training_step_runs_both_passes_side_by_side():
   assert all(p in together for p in _tower_pairs(plan)), str(graphs)
   assert all(_on_two_streams(graphs, p) for p in _tower_pairs(plan))
   assert len(graphs.loops) == 2
+  # Before jaxlib 0.12 each step's two body calls are inside the step's
+  # CUDA graph: with CONCURRENT graphs the way lowers XLA's minimum graph
+  # size to two calls (jaxstreams.lower.gpu.MIN_GRAPH_SIZE; XLA's default,
+  # 5, is not). jaxlib 0.12 schedules its own asynchronous copies of the
+  # step's slices inside the calls' windows, which keeps them out of any
+  # graph, and the view names them.
+  from jaxstreams.xla.launches import GraphLaunch, StreamCall
+  for loop in graphs.loops:
+    calls = [l for l in loop.body if isinstance(l, StreamCall) and l.planned]
+    assert bool(calls) == (_compat_jaxlib() >= (0, 12)), str(graphs)
+    assert calls or any(isinstance(l, GraphLaunch) for l in loop.body)
+  assert bool(graphs.outside) == any(
+      "XLA's own asynchronous work" in o.reason for o in graphs.outside), \
+      str(graphs)
 
 
 @pytest.mark.parametrize("name, context", [
@@ -121,6 +135,61 @@ def test_dual_encoders_as_users_write_them_run_side_by_side(name, context):
   assert len(graphs.loops) == groups
 
 
+@pytest.fixture(scope="module")
+def nested_training_step():
+  """The scan towers' training step called inside another jit (no
+  compiler options reach it: ``loops`` before jaxlib 0.12, ``streams``
+  from it), compiled once for the tests below."""
+  fn, args, streams = _program("scan_towers")
+
+  def step(w1, w2, x):
+    return jax.value_and_grad(fn, argnums=(0, 1))(w1, w2, x)
+  return _view(step, args, streams, context="jit")
+
+
+def test_each_loop_step_runs_each_body_as_one_stream_call(nested_training_step):
+  """A body that is one region is one call per loop step, forward and
+  backward, on every jaxlib. XLA from 0.11 makes a call of its own of each
+  annotated instruction, and its translation gives the get-tuple-element
+  of each result of a call the call's attributes: a body of k results was
+  1 + k calls a step, each with its events (#48), unless the call returns
+  one tuple (``_compat.results_through_one_tuple``)."""
+  from jaxstreams.xla.launches import StreamCall
+  graphs, plan = nested_training_step
+  groups = {frozenset(g.regions) for g in plan.loops}
+  assert len(graphs.loops) == len(groups) == 2, str(graphs)
+  for loop in graphs.loops:
+    calls = [l.region for l in loop.body
+             if isinstance(l, StreamCall) and l.planned]
+    assert len(calls) == len(set(calls)) and frozenset(calls) in groups, \
+        graphs.launch_order()
+  assert "calls)" not in graphs.summary()
+  assert all(p in graphs.parallel_regions() for p in _tower_pairs(plan))
+
+
+def test_xla_makes_a_call_of_each_annotated_result():
+  """What the one-tuple result works around (jaxlib 0.11 and 0.12; 0.10
+  wraps calls only): a call with two results and the stream annotation
+  becomes three stream calls; jaxstreams' region call stays one."""
+  import jax.numpy as jnp
+  from jaxstreams import _compat
+  from jaxstreams.lower.calls import install_region_rules, stream_call
+  install_region_rules()
+  target = jaxstreams.gpu_target("h100")
+  x = jnp.ones((8, 128))
+  body = lambda x: (jnp.tanh(x), jnp.cos(x))
+
+  def call_starts(fn):
+    text = jax.jit(fn).lower(*target.abstract(x)).compile().as_text()
+    return text.count(" call-start(")
+
+  plain = _compat.xla_metadata_call(
+      body, _xla_stream_annotation="1", inlineable="false")
+  assert call_starts(lambda x: sum(plain(x))) == (
+      3 if _compat_jaxlib() >= (0, 11) else 1)
+  assert call_starts(lambda x: sum(stream_call(body, 1, 0)(x))) == 1
+
+
 # From jaxlib 0.11 nothing is packed: one case to compile, not two alike.
 @pytest.mark.parametrize("packed", [True, False] if _compat_jaxlib() < (0, 11)
                          else [False])
@@ -129,7 +198,10 @@ def test_jaxlib_0_10_runs_multi_result_calls_in_turn(packed, monkeypatch):
   scheduler runs a stream call with several results to its done before
   the next one starts, so a training step's towers (whose forward bodies
   return residuals) run one after the other unless each body returns its
-  results in one buffer; later XLA runs them side by side either way."""
+  results in one buffer; later XLA runs them side by side either way. Seen
+  inside another jit, where the bodies' calls run outside the graphs (at
+  top level, CONCURRENT graphs take the step whole, whatever the
+  schedule)."""
   from jaxstreams import _compat
   monkeypatch.setattr(_compat, "MULTI_RESULT_CALLS_RUN_IN_TURN",
                       packed and _compat_jaxlib() < (0, 11))
@@ -138,7 +210,7 @@ def test_jaxlib_0_10_runs_multi_result_calls_in_turn(packed, monkeypatch):
   def step(w1, w2, x):
     return jax.value_and_grad(fn, argnums=(0, 1))(w1, w2, x)
 
-  graphs, plan = _view(step, args, streams)
+  graphs, plan = _view(step, args, streams, context="jit")
   together = all(p in graphs.parallel_regions() for p in _tower_pairs(plan))
   assert together == (packed or _compat_jaxlib() >= (0, 11)), str(graphs)
 

@@ -94,6 +94,20 @@ def test_the_gpu_program_runs_the_group_as_one_loop_of_stream_calls(args):
   assert re.search(r'_xla_stream_annotation = "2"', loops)
 
 
+def test_each_body_call_returns_one_value(args):
+  """Each body's stream call returns its results as one value (one tuple,
+  or one packed buffer on jaxlib 0.10): XLA:GPU, from jaxlib 0.11, would
+  run each result of a call with several as a stream call of its own
+  (tests/test_gpu_view.py)."""
+  step = jax.value_and_grad(towers, argnums=(0, 1))
+  text = _cuda_text(jaxstreams.jit(step, streams=3, gpu_lowering="loops"),
+                    *args)
+  annotated = [line for line in text.splitlines()
+               if "call @" in line and "_xla_stream_annotation" in line]
+  assert len(annotated) == 4   # two bodies, forward and backward
+  assert all(re.search(r"\) -> (tuple|tensor)<", line) for line in annotated)
+
+
 def test_the_default_picks_loops_where_the_plan_has_them(args):
   plan = jaxstreams.jit(towers, streams=3).plan(*args)
   assert plan.gpu_lowering == "loops_concurrent"

@@ -32,6 +32,7 @@ from jax._src.interpreters.batching import BatchTracer  # vmap's: val, batch_dim
 # Calls with frontend attributes (jax's xla_metadata_call, its lowering and
 # partial evaluation), in a room of their own.
 from jaxstreams._compat.calls import (call_metadata, default_lowering,
+                                      results_through_one_tuple,
                                       split_calls_by_known_inputs,
                                       xla_metadata_call)
 

@@ -92,3 +92,51 @@ def split_calls_by_known_inputs(primitive, applies: Callable[[dict], bool]
     return [next(unknown_iter) if u else next(known_iter) for u in unknown_out]
 
   pe.custom_partial_eval_rules[primitive] = partial_eval
+
+
+def results_through_one_tuple(ctx, results: list) -> list:
+  """Make the call op that lowered to ``results`` (jax's ``func.call`` of a
+  region, with its frontend attributes) return them as one tuple, taken
+  apart by ``get_tuple_element`` ops of their own; returns the new values.
+
+  XLA's translation of a call with several results gives each of the
+  ``get-tuple-element`` instructions it makes for them the call's frontend
+  attributes, and from jaxlib 0.11 XLA:GPU runs every instruction that
+  carries ``_xla_stream_annotation`` as a stream call of its own (its
+  ``ExplicitStreamAnnotationAsyncWrapper`` wraps what is not a call into
+  one): a region of k results became 1 + k calls, each with its events.
+  Separate ops carry no attributes, so the region stays one call. Internal
+  to jax (its MLIR bindings and module context)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import func as func_dialect
+  from jax._src.lib.mlir.dialects import hlo
+  if len(results) < 2:
+    return results
+  call = results[0].owner
+  if (not isinstance(call, func_dialect.CallOp)
+      or [r for r in call.results] != list(results)):
+    return results
+  types = [r.type for r in results]
+  tupled = ir.TupleType.get_tuple(types)
+  operands = list(call.operands)
+  with ir.InsertionPoint(ctx.module_context.module.body), call.location:
+    wrapper = func_dialect.FuncOp(
+        call.attributes["callee"].value + "_tupled",
+        ([v.type for v in operands], [tupled]))
+  wrapper.attributes["sym_visibility"] = ir.StringAttr.get("private")
+  ctx.module_context.symbol_table.insert(wrapper)
+  block = wrapper.add_entry_block()
+  with ir.InsertionPoint(block), call.location:
+    inner = func_dialect.CallOp(types, call.attributes["callee"],
+                                list(block.arguments))
+    func_dialect.ReturnOp([hlo.tuple(list(inner.results))])
+  with ir.InsertionPoint(call), call.location:
+    outer = func_dialect.CallOp(
+        [tupled], ir.FlatSymbolRefAttr.get(wrapper.name.value), operands)
+    for name in ("mhlo.frontend_attributes",):
+      if name in call.attributes:
+        outer.attributes[name] = call.attributes[name]
+    values = [hlo.get_tuple_element(outer.result, i)
+              for i in range(len(types))]
+  call.erase()
+  return values

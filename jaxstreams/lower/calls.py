@@ -180,8 +180,11 @@ def _install_gpu_region_lowering() -> None:
     metadata = _compat.call_metadata(params)
     if REFUSED_ATTRIBUTE in metadata:
       raise LoweringError(metadata[REFUSED_ATTRIBUTE])
-    if REGION_ATTRIBUTE not in metadata or _PREPARED_ATTRIBUTE in metadata:
+    if REGION_ATTRIBUTE not in metadata:
       return default_rule(ctx, *args, jaxpr=jaxpr, **params)
+    if _PREPARED_ATTRIBUTE in metadata:
+      return _compat.results_through_one_tuple(
+          ctx, default_rule(ctx, *args, jaxpr=jaxpr, **params))
     run = _prepared_call(jaxpr, {**metadata, _PREPARED_ATTRIBUTE: "1"})
     return jax.interpreters.mlir.lower_fun(run, multiple_results=True)(
         ctx, *args)

@@ -76,6 +76,15 @@ _DEFAULT_COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL",
                                  "CUDNN", "CONDITIONAL", "DYNAMIC_SLICE_FUSION")
 CONVOLUTIONS = frozenset({"conv_general_dilated"})
 
+# XLA makes a CUDA graph of a span of commands only from this many top-level
+# thunks on (5 by default in XLA's debug options), and a stream call is two
+# (its start and its done): a loop step whose only commands are two bodies'
+# calls (4) would stay out of every graph, its kernels launched one by one.
+# With CONCURRENT graphs, where such a step is meant to be one graph, the
+# programs with calls lower the threshold to that.
+MIN_GRAPH_SIZE = "xla_gpu_graph_min_graph_size"
+_TWO_CALLS = 4
+
 
 def xla_command_buffer_types() -> tuple[str, ...]:
   """The installed XLA's default command-buffer types."""
@@ -87,6 +96,13 @@ def xla_command_buffer_types() -> tuple[str, ...]:
 def holds_convolutions(plan) -> bool:
   """Whether a region of ``plan`` (a ``StreamPlan``) has a convolution."""
   return plan is not None and any(r.holds & CONVOLUTIONS for r in plan.regions)
+
+
+def _makes_calls(plan) -> bool:
+  """Whether a program of stream calls or loops run as one makes calls for
+  ``plan`` (a ``StreamPlan``; None: not known, so it may)."""
+  return plan is None or bool(plan.loops) or any(r.is_call
+                                                 for r in plan.regions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +122,8 @@ class Way:
     Inception-style step has no graph at all, its kernels launched one by
     one on one stream)."""
     options = dict(CONCURRENT_GRAPHS) if self.concurrent else {}
+    if self.concurrent and self.program != "inline" and _makes_calls(plan):
+      options[MIN_GRAPH_SIZE] = str(_TWO_CALLS)
     if self.concurrent and holds_convolutions(plan):
       options[COMMAND_BUFFER_TYPES] = ",".join(
           (*xla_command_buffer_types(), "CONVOLUTION"))

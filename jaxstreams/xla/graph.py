@@ -77,8 +77,9 @@ class XlaGraphs:
     self.command_types = command_types
     self.graphs = program.graphs
     launches = tuple(program.walk())
-    self.outside = tuple(_outside(call) for call in launches
-                         if isinstance(call, StreamCall) and call.planned)
+    self.outside = tuple(_outside(call, window)
+                         for call, window in _calls_in_sequence(
+                             program.launches))
     self.loops = tuple(l for l in launches if isinstance(l, Loop))
     self.conditionals = tuple(c for c in launches if isinstance(c, Conditional))
     # Launches made one by one, outside any graph.
@@ -264,16 +265,52 @@ def _footprint(memory: dict | None) -> Footprint | None:
                    memory.get("generated_code_size_in_bytes", 0))
 
 
-def _outside(call: StreamCall) -> OutsideGraph:
+def _calls_in_sequence(launches):
+  """Each planned stream call with the launches made while it is in flight
+  (its window, in the sequence that holds it), nested ones after."""
+  for at, launch in enumerate(launches):
+    if isinstance(launch, StreamCall):
+      if launch.planned:
+        yield launch, launches[at + 1:at + 1 + launch.window]
+      yield from _calls_in_sequence(launch.launches)
+    elif isinstance(launch, Loop):
+      yield from _calls_in_sequence(launch.condition)
+      yield from _calls_in_sequence(launch.body)
+    elif isinstance(launch, Conditional):
+      for branch in launch.branches:
+        yield from _calls_in_sequence(branch)
+    elif isinstance(launch, GraphLaunch):
+      yield from _calls_in_sequence(launch.nested)
+
+
+def _outside(call: StreamCall, window=()) -> OutsideGraph:
+  """Why XLA left ``call`` out of every graph: what it holds or what its
+  ``window`` holds that XLA does not put in a graph (a call, and every call
+  in flight with it, go into one graph or none), or else a span of fewer
+  top-level commands than XLA's minimum graph size."""
   launches = [l for l in _flatten(call.launches)]
   kinds = sorted({l.thunk for l in launches if isinstance(l, KernelLaunch)}
                  - {"kCustomKernel", "kKernel"})
   kinds += sorted({type(l).__name__.lower() for l in launches
                    if isinstance(l, (Loop, Conditional))})
-  reason = (f"it holds {', '.join(kinds)}, which XLA does not put in a "
-            "graph" if kinds else
-            "XLA did not convert it (fewer commands than "
-            "xla_gpu_graph_min_graph_size, or interleaved with such a call)")
+  own = [l.instruction for l in window
+         if isinstance(l, StreamCall) and not l.planned]
+  beside = ([f"XLA's own asynchronous work ({', '.join(own)})"]
+            if own else [])
+  beside += [f"{type(l).__name__.lower()} {l.instruction}" for l in window
+             if isinstance(l, (Loop, Conditional))]
+  beside += [l.instruction or l.name for l in window
+             if isinstance(l, KernelLaunch)
+             and l.thunk not in ("kCustomKernel", "kKernel")]
+  if kinds:
+    reason = f"it holds {', '.join(kinds)}, which XLA does not put in a graph"
+  elif beside:
+    reason = (f"it is in flight over {', '.join(beside)}, which XLA does not "
+              "put in a graph")
+  else:
+    reason = ("XLA did not convert it (its span has fewer top-level commands "
+              "than xla_gpu_graph_min_graph_size, 5 by default, a stream call "
+              "counting two; or it is in flight with a call left out)")
   names = tuple(l.name if isinstance(l, KernelLaunch) else
                 f"graph {l.graph.index}" if isinstance(l, GraphLaunch) else
                 type(l).__name__.lower() for l in call.launches)
@@ -301,7 +338,8 @@ def _steps(loop: Loop) -> str:
 
 def _brief(launches) -> str:
   """A one-line account of a sequence of launches (a region's stream calls
-  counted: XLA may split one into several, one per result)."""
+  counted: XLA from jaxlib 0.11 would make one of each result of a call
+  with several, which jaxstreams' calls avoid by returning one tuple)."""
   parts: dict[str, int] = {}
   loose = [l for l in launches if isinstance(l, KernelLaunch)]
   for l in launches:
