@@ -125,12 +125,16 @@ def _grouped(plan, towers):
           and len({plan.regions[r].stream for r in g.regions}) == towers]
 
 
-def _assert_towers_grouped(plan, towers, mode, *, off_main=True):
+def _assert_towers_grouped(plan, towers, mode, *, off_main=True,
+                           recomputed=False):
   """The forward pass's loops are one group, and in a training step the
-  backward pass's (reversed) too; with stream blocks, off the main stream."""
+  backward pass's (reversed) too, and with ``recomputed`` (checkpointed
+  towers) the backward pass's recomputation of the forward loops; with
+  stream blocks, off the main stream."""
   groups = _grouped(plan, towers)
-  assert sorted(g.reverse for g in groups) == (
-      [False] if mode == "forward" else [False, True]), str(plan)
+  expected = ([False] if mode == "forward"
+              else [False, False, True] if recomputed else [False, True])
+  assert sorted(g.reverse for g in groups) == expected, str(plan)
   if off_main:
     assert all(plan.regions[r].stream != 0 for g in groups for r in g.regions)
   return groups
@@ -248,13 +252,14 @@ def _view(jitted, args, plan, context):
   return jaxstreams.xla_graphs(lowered, plan=plan)
 
 
-def _assert_side_by_side(graphs, plan, towers, mode, *, off_main=True):
+def _assert_side_by_side(graphs, plan, towers, mode, *, off_main=True,
+                         recomputed=False):
   """Every group of the towers' loops (forward, and backward in a training
   step) is one loop in which each tower's body is in flight with another's
   (two towers: with each other; of three, jaxlib 0.12 keeps two bodies'
   calls in flight at a time: the first's done comes before the third's
   start), each pair on streams of their own."""
-  groups = _assert_towers_grouped(plan, towers, mode)
+  groups = _assert_towers_grouped(plan, towers, mode, recomputed=recomputed)
   together = set(graphs.parallel_regions())
   for g in groups:
     pairs = [(a, b) for i, a in enumerate(g.regions) for b in g.regions[i + 1:]
@@ -301,26 +306,15 @@ def test_the_multitask_heads_are_in_flight_together(gpu_target):
                        "forward")
 
 
-# Scans inside a nested jit group (#48 item 2); inside flax's nn.remat, in
-# a training step, they do not yet: the plan has no loop group (found at
-# landing, not yet examined; tests/test_loops.py's jax.checkpoint towers
-# group). The plan is checked first, so this fails without compiling.
-_REMAT_NOT_GROUPED = pytest.mark.xfail(
-    strict=True, reason="flax nn.remat towers' scans are not grouped in a "
-                        "training step yet (#48 item 2; jax.checkpoint "
-                        "towers are, tests/test_loops.py)")
-
-
-@pytest.mark.parametrize("wrap, mode", [
-    pytest.param("remat", "train", marks=_REMAT_NOT_GROUPED),
-    ("jit", "forward"),
-])
+@pytest.mark.parametrize("wrap, mode", [("remat", "train"), ("jit", "forward")])
 def test_wrapped_towers_layers_are_in_flight_together(gpu_target, wrap, mode):
-  """Each tower wrapped whole: in nn.remat (jax.checkpoint; its
-  recomputation in the backward pass too) or in nn.jit."""
+  """Each tower wrapped whole: in nn.remat (jax.checkpoint; in a training
+  step the backward pass recomputes the forward loops, a third group, in
+  flight together too) or in nn.jit."""
+  recomputed = wrap == "remat" and mode == "train"
   plan = _plan(linen_dual_encoder, mode, (4, 4), wrap)
-  _assert_towers_grouped(plan, 2, mode)
+  _assert_towers_grouped(plan, 2, mode, recomputed=recomputed)
   case = _linen_case(linen_dual_encoder, mode, (4, 4), wrap)
   _equal(case.placed(*case.args), case.plain(*case.args))
   _assert_side_by_side(_view(case.placed, case.args, plan, "top"), plan, 2,
-                       mode)
+                       mode, recomputed=recomputed)
