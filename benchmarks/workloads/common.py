@@ -240,5 +240,18 @@ def standard_case(workload: str, size: dict, make_fn, args, streams: int,
               notes=notes)
 
 
+def optax_train_step(loss: Callable, optimizer) -> Callable:
+  """``train_step(params, opt_state, *batch)``: one optax step on
+  ``loss(params, *batch)``, returning the loss, the new parameters and the
+  new optimizer state (how flax.linen models are trained; optax is
+  imported when a step runs)."""
+  def train_step(params, opt_state, *batch):
+    import optax
+    value, grads = jax.value_and_grad(lambda p: loss(p, *batch))(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return value, optax.apply_updates(params, updates), opt_state
+  return train_step
+
+
 def normal(key, shape, scale=1.0):
   return jax.random.normal(key, shape, dtype=np.float32) * scale

@@ -16,36 +16,26 @@ function of arrays the suite compiles (``eqx.partition`` of the model).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from . import common
-from .linen_dual_encoder import PATCH, VOCAB, contrastive_loss, inputs
+from .linen_dual_encoder import (PATCH, VOCAB, contrastive_loss,
+                                 dual_encoder_sizes, inputs, optimizer)
 
 NAME = "equinox_dual_encoder"
 
 
 def sizes(quick):
-  if quick:
-    return [dict(batch=4, width=32, heads=2, depths=(2, 2), patches=8,
-                 tokens=8, mode="train")]
-  return [dict(batch=32, width=512, heads=8, depths=d, patches=50, tokens=32,
-               mode=m) for d in ((12, 12), (24, 12)) for m in ("forward", "train")]
+  return dual_encoder_sizes(quick)
 
 
-_MODULES = None
-
-
+@functools.cache
 def modules():
   """The equinox modules (defined on first use: equinox is imported then)."""
-  global _MODULES
-  if _MODULES is None:
-    _MODULES = _define()
-  return _MODULES
-
-
-def _define():
   import equinox as eqx
 
   class Block(eqx.Module):
@@ -111,11 +101,6 @@ def _define():
       return image, text
 
   return {"Block": Block, "Tower": Tower, "DualEncoder": DualEncoder}
-
-
-def optimizer():
-  import optax
-  return optax.adamw(1e-3, weight_decay=1e-4)
 
 
 def create(size, key):

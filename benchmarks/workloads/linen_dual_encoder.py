@@ -22,6 +22,7 @@ other workloads run without them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -35,27 +36,24 @@ PATCH = 48   # flattened patch features (a 4x4 RGB patch)
 WRAPS = ("plain", "remat", "jit")
 
 
-def sizes(quick):
+def dual_encoder_sizes(quick, **extra):
+  """The sizes of the dual encoders written with each library (linen, nnx,
+  equinox), each with the keys ``extra`` adds."""
   if quick:
     return [dict(batch=4, width=32, heads=2, depths=(2, 2), patches=8,
-                 tokens=8, mode="train", wrap="plain")]
+                 tokens=8, mode="train", **extra)]
   return [dict(batch=32, width=512, heads=8, depths=d, patches=50, tokens=32,
-               mode=m, wrap="plain")
+               mode=m, **extra)
           for d in ((12, 12), (24, 12)) for m in ("forward", "train")]
 
 
+def sizes(quick):
+  return dual_encoder_sizes(quick, wrap="plain")
+
+
+@functools.cache
 def modules():
   """The flax.linen modules (defined on first use: flax is imported then)."""
-  global _MODULES
-  if _MODULES is None:
-    _MODULES = _define()
-  return _MODULES
-
-
-_MODULES = None
-
-
-def _define():
   import flax.linen as nn
 
   class Block(nn.Module):
@@ -148,16 +146,12 @@ def make_fn(size, streams):
     def forward(params, patches, tokens):
       return model.apply({"params": params}, patches, tokens)
 
-    def train_step(params, opt_state, patches, tokens):
-      import optax
+    def loss(params, patches, tokens):
+      return contrastive_loss(*forward(params, patches, tokens))
 
-      def loss_fn(params):
-        return contrastive_loss(*forward(params, patches, tokens))
-      loss, grads = jax.value_and_grad(loss_fn)(params)
-      updates, opt_state = optimizer().update(grads, opt_state, params)
-      return loss, optax.apply_updates(params, updates), opt_state
-
-    return forward if size["mode"] == "forward" else train_step
+    if size["mode"] == "forward":
+      return forward
+    return common.optax_train_step(loss, optimizer())
   return build
 
 

@@ -9,6 +9,8 @@ optax step: the loss, the new parameters and the new optimizer state.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -26,17 +28,9 @@ def sizes(quick):
                mode=m) for m in ("forward", "train")]
 
 
-_MODULES = None
-
-
+@functools.cache
 def modules():
-  global _MODULES
-  if _MODULES is None:
-    _MODULES = _define()
-  return _MODULES
-
-
-def _define():
+  """The flax.linen modules (defined on first use: flax is imported then)."""
   import flax.linen as nn
 
   class Residual(nn.Module):
@@ -89,17 +83,13 @@ def make_fn(size, streams):
       del targets
       return net.apply({"params": params}, x)
 
-    def train_step(params, opt_state, x, targets):
-      import optax
+    def loss(params, x, targets):
+      return sum(jnp.mean((y - t) ** 2)
+                 for y, t in zip(forward(params, x, None), targets))
 
-      def loss_fn(params):
-        return sum(jnp.mean((y - t) ** 2)
-                   for y, t in zip(forward(params, x, None), targets))
-      loss, grads = jax.value_and_grad(loss_fn)(params)
-      updates, opt_state = optimizer().update(grads, opt_state, params)
-      return loss, optax.apply_updates(params, updates), opt_state
-
-    return forward if size["mode"] == "forward" else train_step
+    if size["mode"] == "forward":
+      return forward
+    return common.optax_train_step(loss, optimizer())
   return build
 
 

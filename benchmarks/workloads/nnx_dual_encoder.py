@@ -21,35 +21,25 @@ on stream 2. Two ways to call it:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from . import common
-from .linen_dual_encoder import PATCH, VOCAB, contrastive_loss, inputs
+from .linen_dual_encoder import (PATCH, VOCAB, contrastive_loss,
+                                 dual_encoder_sizes, inputs, optimizer)
 
 NAME = "nnx_dual_encoder"
 
 
 def sizes(quick):
-  if quick:
-    return [dict(batch=4, width=32, heads=2, depths=(2, 2), patches=8,
-                 tokens=8, mode="train")]
-  return [dict(batch=32, width=512, heads=8, depths=d, patches=50, tokens=32,
-               mode=m) for d in ((12, 12), (24, 12)) for m in ("forward", "train")]
+  return dual_encoder_sizes(quick)
 
 
-_MODULES = None
-
-
+@functools.cache
 def modules():
   """The flax.nnx modules (defined on first use: flax is imported then)."""
-  global _MODULES
-  if _MODULES is None:
-    _MODULES = _define()
-  return _MODULES
-
-
-def _define():
   from flax import nnx
 
   class Block(nnx.Module):
@@ -101,14 +91,11 @@ def _define():
 
 def create(size, key):
   """(model, optimizer) for a size, from a PRNG key."""
-  import optax
   from flax import nnx
   model = modules()["DualEncoder"](tuple(size["depths"]), size["width"],
                                    size["heads"], size["patches"],
                                    size["tokens"], nnx.Rngs(key))
-  optimizer = nnx.Optimizer(model, optax.adamw(1e-3, weight_decay=1e-4),
-                            wrt=nnx.Param)
-  return model, optimizer
+  return model, nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
 
 
 def train_step_for(place=common.place_none, streams=3):
