@@ -263,6 +263,21 @@ def _vmapped_arguments(args):
   return jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), args)
 
 
+def in_context(f, context: str, args):
+  """``(outer, args)``: a jitted function that calls ``f`` in ``context``
+  (``top``: ``f`` itself), and the arguments it takes."""
+  if context == "top":
+    return f, args
+  if context == "jit":
+    return jax.jit(lambda *a: f(*a)), args
+  if context == "grad":
+    return jax.jit(jax.grad(_scalar_loss(f),
+                            argnums=_float_arguments(args))), args
+  if context == "vmap":
+    return jax.jit(jax.vmap(f)), _vmapped_arguments(args)
+  raise ValueError(f"unknown context {context!r}; one of {CONTEXTS}")
+
+
 def lower_cell(cell: str, target):
   """Lower one cell for the target: what ``compile()`` of it compiles."""
   program, context, way = cell.split("/")
@@ -277,17 +292,7 @@ def lower_cell(cell: str, target):
                     plan=f.plan(*args))
     return jitted.lower(*target.abstract(*args))
   f = jaxstreams.jit(fn, streams=streams, gpu_lowering=way)
-  if context == "top":
-    return f.lower(*target.abstract(*args))
-  if context == "jit":
-    outer = jax.jit(lambda *a: f(*a))
-  elif context == "grad":
-    outer = jax.jit(jax.grad(_scalar_loss(f), argnums=_float_arguments(args)))
-  elif context == "vmap":
-    outer = jax.jit(jax.vmap(f))
-    args = _vmapped_arguments(args)
-  else:
-    raise ValueError(f"unknown context {context!r}; one of {CONTEXTS}")
+  outer, args = in_context(f, context, args)
   return outer.lower(*target.abstract(*args))
 
 

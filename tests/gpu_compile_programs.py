@@ -31,14 +31,13 @@ def two_tower_demo():
 
 
 def four_branches():
+  from programs import four_branches, four_branches_args
+
+  # A function of its own each time: jaxstreams keeps a function's traced
+  # program, which the variants (sequence points off) must not share.
   def step(x, ws):
-    outs = []
-    for i, w in enumerate(ws):
-      with jaxstreams.stream(i):
-        outs.append(jnp.tanh(jnp.tanh(x @ w) @ w))
-    return sum(o.sum() for o in outs)
-  ws = [jnp.ones((256, 256)) * (i + 1) for i in range(4)]
-  return step, (jnp.ones((128, 256)), ws), 4
+    return four_branches(x, ws)
+  return step, four_branches_args(128, 256), 4
 
 
 def dlrm_towers():

@@ -12,6 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxstreams
 from jaxstreams import _compat
@@ -31,6 +32,33 @@ def two_towers(x, w1, w2):
   with jaxstreams.stream(2):
     b = jax.nn.relu(x @ w2).sum(axis=0)
   return (a * b).sum() + jnp.cos(x).mean()
+
+
+def tuned_towers():
+  """``two_towers`` as a function of its own, named ``tuned_towers`` to
+  count its compiles (jax's caches know nothing of it yet)."""
+  def tuned_towers(x, w1, w2):
+    return two_towers(x, w1, w2)
+  return tuned_towers
+
+
+def towers_args(batch=8):
+  """Arguments of ``two_towers`` (16 features)."""
+  return random_inputs((batch, 16), (16, 16), (16, 16))
+
+
+def four_branches(x, ws):
+  """Four independent branches, one per stream (0 to 3), summed."""
+  outs = []
+  for i, w in enumerate(ws):
+    with jaxstreams.stream(i):
+      outs.append(jnp.tanh(jnp.tanh(x @ w) @ w))
+  return sum(o.sum() for o in outs)
+
+
+def four_branches_args(batch, width):
+  return jnp.ones((batch, width)), [jnp.ones((width, width)) * (i + 1)
+                                    for i in range(4)]
 
 
 def one_chain(x, w):
@@ -277,10 +305,61 @@ def gpu_target_problem():
   return None
 
 
+# Fixtures the test files share (import them by name).
+
+@pytest.fixture
+def compiles():
+  """The names of the functions XLA compiled while the test ran (jax
+  names them ``jit(f)``: listed as ``f``)."""
+  names = []
+
+  def listen(event, seconds, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      name = str(kwargs.get("fun_name"))
+      names.append(name[4:-1] if name.startswith("jit(") else name)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  yield names
+  jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@contextlib.contextmanager
+def _arguments_on_a_gpu(*, autotune, cache=None):
+  """jaxstreams.jit told that arguments are on a GPU (the programs compile
+  and run on CPU, where XLA ignores the GPU options), its first calls
+  timing the ways or not (``autotune``), with ``cache`` the autotune cache
+  there; everything restored on the way out."""
+  from jaxstreams.lower import choose
+  platform = choose.platform
+  choose.platform = lambda *a: "gpu"
+  jaxstreams.config.update("jaxstreams_autotune", autotune)
+  if cache is not None:
+    jaxstreams.config.update("jaxstreams_autotune_cache", str(cache))
+  try:
+    yield
+  finally:
+    choose.platform = platform
+    jaxstreams.config.reset("jaxstreams_autotune_cache")
+    jaxstreams.config.reset("jaxstreams_autotune")
+
+
+@pytest.fixture
+def on_a_gpu(tmp_path):
+  """Arguments on a pretend GPU, first calls timing the ways, and a fresh
+  autotune cache (the fixture's value: its path)."""
+  with _arguments_on_a_gpu(autotune=True, cache=tmp_path / "tune.json"):
+    yield tmp_path / "tune.json"
+
+
+@pytest.fixture
+def untimed_gpu():
+  """Arguments on a pretend GPU, autotuning off: the static default runs."""
+  with _arguments_on_a_gpu(autotune=False):
+    yield
+
+
 def require_gpu_target(what="compiling for an H100"):
   """Skip the test when this machine cannot compile for a GPU it lacks; fail
   instead where JAXSTREAMS_REQUIRE_GPU_TARGET=1 (scripts/test.sh sets it)."""
-  import pytest
   from jaxstreams.xla.target import install_command
   problem = gpu_target_problem()
   if problem:

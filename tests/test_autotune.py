@@ -16,7 +16,9 @@ import jaxstreams
 from jaxstreams import _compat
 from jaxstreams.lower import choose, compile_pool, gpu, memory, timing
 from programs import (assert_equal_results, one_chain, random_inputs,
-                      two_towers, wait_until)
+                      towers_args, tuned_towers, two_towers,
+                      wait_until)
+from programs import compiles, on_a_gpu  # noqa: F401 - fixtures
 
 
 class FakeClock:
@@ -132,44 +134,6 @@ def test_rounds_interleave_the_ways_in_a_rotating_order():
 # ---------------------------------------------------------------------------
 # A function's calls.
 
-@pytest.fixture
-def on_a_gpu(monkeypatch, tmp_path):
-  """jaxstreams.jit told that arguments are on a GPU (the programs compile
-  and run on CPU, where XLA ignores the GPU options), and a fresh cache."""
-  monkeypatch.setattr(choose, "platform", lambda *a: "gpu")
-  jaxstreams.config.update("jaxstreams_autotune", True)
-  jaxstreams.config.update("jaxstreams_autotune_cache", str(tmp_path / "tune.json"))
-  yield tmp_path / "tune.json"
-  jaxstreams.config.reset("jaxstreams_autotune_cache")
-  jaxstreams.config.reset("jaxstreams_autotune")
-
-
-@pytest.fixture
-def compiles():
-  """The names of the functions XLA compiled while the test ran."""
-  names = []
-
-  def listen(event, seconds, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-      name = str(kwargs.get("fun_name"))   # jax names them "jit(f)"
-      names.append(name[4:-1] if name.startswith("jit(") else name)
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  yield names
-  jax.monitoring.unregister_event_duration_listener(listen)
-
-
-def _args(batch=8):
-  return random_inputs((batch, 16), (16, 16), (16, 16))
-
-
-def _towers():
-  """two_towers as a function of its own, named to count its compiles
-  (jax's caches know nothing of it yet)."""
-  def tuned_towers(x, w1, w2):
-    return two_towers(x, w1, w2)
-  return tuned_towers
-
-
 def _decision(f, args, kwargs=None):
   return f._chooser.choice_for(args, kwargs or {}).decision
 
@@ -193,8 +157,8 @@ def test_the_first_call_runs_jax_jit_s_program_and_compiles_the_others_beside_it
     on_a_gpu, monkeypatch, compiles):
   clock = _clock()
   monkeypatch.setattr(timing, "time_call", clock)
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
   assert clock.calls == {}                       # nothing timed yet
   inline = f._jit(gpu.WAYS["inline"], top_level=True)
@@ -212,11 +176,11 @@ def test_the_calls_after_it_time_the_ways_and_switch_once(on_a_gpu, monkeypatch,
   fastest = _names()[-1]
   clock = _clock(fastest)
   monkeypatch.setattr(timing, "time_call", clock)
-  f = jaxstreams.jit(_towers(), streams=3)
+  f = jaxstreams.jit(tuned_towers(), streams=3)
   switches = []
   point_to = f._point_to
   monkeypatch.setattr(f, "_point_to", lambda t: (switches.append(t), point_to(t)))
-  args = _args()
+  args = towers_args()
   expected = jax.jit(two_towers)(*args)
   f(*args)
   f._chooser.wait_compiled(args, {})
@@ -252,9 +216,9 @@ def test_the_cache_is_read_before_anything_is_compiled(on_a_gpu, monkeypatch,
   fastest = _names()[-1]
   clock = _clock(fastest)
   monkeypatch.setattr(timing, "time_call", clock)
-  args = _args()
+  args = towers_args()
   expected = jax.jit(two_towers)(*args)
-  first = jaxstreams.jit(_towers(), streams=3)
+  first = jaxstreams.jit(tuned_towers(), streams=3)
   first(*args)
   first._chooser.wait_compiled(args, {})
   _call_until_decided(first, args, expected)
@@ -269,7 +233,7 @@ def test_the_cache_is_read_before_anything_is_compiled(on_a_gpu, monkeypatch,
                       lambda key: (read_at.append(len(compiles)), load(key))[1])
   submitted = []
   monkeypatch.setattr(compile_pool.POOL, "submit", lambda fn: submitted.append(fn))
-  again = jaxstreams.jit(_towers(), streams=3)
+  again = jaxstreams.jit(tuned_towers(), streams=3)
   assert_equal_results(again(*args), expected)
   assert read_at == [0]
   assert compiles.count("tuned_towers") == 1 and not submitted
@@ -281,8 +245,8 @@ def test_the_cache_is_read_before_anything_is_compiled(on_a_gpu, monkeypatch,
 def test_the_choice_is_per_signature(on_a_gpu, monkeypatch):
   clock = _clock("concurrent")
   monkeypatch.setattr(timing, "time_call", clock)
-  f = jaxstreams.jit(_towers(), streams=3)
-  small, large = _args(8), _args(32)
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  small, large = towers_args(8), towers_args(32)
   f(*small)
   f._chooser.wait_compiled(small, {})
   _call_until_decided(f, small, jax.jit(two_towers)(*small))
@@ -321,9 +285,9 @@ def test_a_first_call_that_fails_leaves_nothing_half_done(on_a_gpu, monkeypatch)
 
   f = jaxstreams.jit(picky, streams=3)
   with pytest.raises(ValueError, match="batches of 8 only"):
-    f(*_args(4))
+    f(*towers_args(4))
   assert isinstance(f.func, choose.FirstCall) and not f._chooser.settled
-  args = _args()
+  args = towers_args()
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
   assert f._chooser.deciding(args, {})
   f._chooser.wait_compiled(args, {})
@@ -363,8 +327,8 @@ def test_a_function_s_compiles_go_through_the_bounded_pool(on_a_gpu, monkeypatch
     submitted.append(fn)
     return pool.submit(fn)
   monkeypatch.setattr(compile_pool.POOL, "submit", submit)
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   f(*args)
   f._chooser.wait_compiled(args, {})
   assert len(submitted) == len(_names()) - 1
@@ -376,8 +340,8 @@ def test_only_the_candidates_are_compiled(on_a_gpu, monkeypatch, compiles):
   two = (gpu.WAYS["inline"], gpu.WAYS["concurrent"])
   monkeypatch.setattr(gpu, "candidates", lambda plan=None: two)
   monkeypatch.setattr(timing, "time_call", _clock("concurrent"))
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   f(*args)
   f._chooser.wait_compiled(args, {})
   _call_until_decided(f, args, jax.jit(two_towers)(*args))
@@ -392,8 +356,8 @@ def test_a_candidate_that_does_not_compile_never_fails_a_call(on_a_gpu, monkeypa
   def broken(lowered):
     raise RuntimeError("XLA refused")
   monkeypatch.setattr(compile_pool, "compile_lowered", broken)
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   expected = jax.jit(two_towers)(*args)
   assert_equal_results(f(*args), expected)
   f._chooser.wait_compiled(args, {})
@@ -414,8 +378,8 @@ def test_a_candidate_that_fails_to_run_never_runs_a_call(on_a_gpu, monkeypatch):
       raise RuntimeError("the kernel failed")
     return good(way, run)
   monkeypatch.setattr(timing, "time_call", clock)
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   expected = jax.jit(two_towers)(*args)
   f(*args)
   f._chooser.wait_compiled(args, {})
@@ -436,8 +400,8 @@ def test_timing_that_fails_never_fails_a_call(on_a_gpu, monkeypatch):
     run()
     raise RuntimeError("the clock broke")
   monkeypatch.setattr(timing, "time_call", broken)
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   expected = jax.jit(two_towers)(*args)
   f(*args)
   f._chooser.wait_compiled(args, {})
@@ -470,8 +434,8 @@ def test_a_way_that_would_not_fit_is_not_run(on_a_gpu, monkeypatch):
   monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
   sizes = {"concurrent": 5000, "": 100}
   _pretend_memory(monkeypatch, sizes)
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   f(*args)
   f._chooser.wait_compiled(args, {})
   expected = jax.jit(two_towers)(*args)
@@ -484,7 +448,7 @@ def test_a_way_that_would_not_fit_is_not_run(on_a_gpu, monkeypatch):
   sizes[""] = 5000
   clock.calls.clear()
   jaxstreams.config.update("jaxstreams_autotune_cache", "none")   # f's is kept
-  g = jaxstreams.jit(_towers(), streams=3)
+  g = jaxstreams.jit(tuned_towers(), streams=3)
   g(*args)
   g._chooser.wait_compiled(args, {})
   _call_until_decided(g, args, expected)
@@ -499,8 +463,8 @@ def test_a_function_s_calls_weigh_memory_against_time(on_a_gpu, monkeypatch):
                      for w in gpu.WAYS.values()})
   monkeypatch.setattr(timing, "time_call", clock)
   _pretend_memory(monkeypatch, {"concurrent": 1500, "": 1000})
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   f(*args)
   f._chooser.wait_compiled(args, {})
   _call_until_decided(f, args, jax.jit(two_towers)(*args))
@@ -522,9 +486,9 @@ def test_a_kept_decision_whose_way_no_longer_fits_is_made_again(
   _pretend_memory(monkeypatch, {"concurrent": 1500, "": 1000})
   free = {"now": 10**9}
   monkeypatch.setattr(memory, "free_bytes", lambda device: free["now"])
-  args = _args()
+  args = towers_args()
   expected = jax.jit(two_towers)(*args)
-  first = jaxstreams.jit(_towers(), streams=3)
+  first = jaxstreams.jit(tuned_towers(), streams=3)
   first(*args)
   first._chooser.wait_compiled(args, {})
   _call_until_decided(first, args, expected)
@@ -532,7 +496,7 @@ def test_a_kept_decision_whose_way_no_longer_fits_is_made_again(
   # Another process finds it on disk, with less memory free than the way
   # needed: it compiles and times the ways again, and concurrent is out.
   free["now"] = 1200
-  again = jaxstreams.jit(_towers(), streams=3)
+  again = jaxstreams.jit(tuned_towers(), streams=3)
   again(*args)
   assert again._chooser.deciding(args, {})
   again._chooser.wait_compiled(args, {})
@@ -551,9 +515,9 @@ def test_donated_arguments_stay_safe(on_a_gpu, monkeypatch):
     return x * two_towers(x, w1, w2)
 
   f = jaxstreams.jit(step, streams=3, donate_argnums=0)
-  _, w1, w2 = _args()
+  _, w1, w2 = towers_args()
   for n in range(3 + timing.ROUNDS * len(_names())):
-    x = _args()[0]
+    x = towers_args()[0]
     expected = jax.jit(step)(x, w1, w2)
     out = f(x, w1, w2)        # warm-ups ran on copies of their own
     assert_equal_results(out, expected)
@@ -574,11 +538,11 @@ def test_a_program_with_side_effects_is_not_timed(on_a_gpu, monkeypatch, compile
 
   f = jaxstreams.jit(noisy_towers, streams=3)
   for _ in range(3):
-    f(*_args())
+    f(*towers_args())
   jax.effects_barrier()
   assert clock.calls == {} and len(seen) == 3
   assert compiles.count("noisy_towers") == 1       # nothing beside it
-  assert "side effects" in f.plan(*_args()).gpu_reason
+  assert "side effects" in f.plan(*towers_args()).gpu_reason
 
 
 def test_a_program_with_side_effects_runs_jax_jit_s_where_its_default_would_not_fit(
@@ -592,8 +556,8 @@ def test_a_program_with_side_effects_runs_jax_jit_s_where_its_default_would_not_
     return two_towers(x, w1, w2)
 
   f = jaxstreams.jit(noisy_towers, streams=3)
-  assert_equal_results(f(*_args()), jax.jit(two_towers)(*_args()))
-  plan = f.plan(*_args())
+  assert_equal_results(f(*towers_args()), jax.jit(two_towers)(*towers_args()))
+  plan = f.plan(*towers_args())
   assert plan.gpu_lowering == "inline"
   assert re.search(r"side effects, which a warm-up would repeat; 'concurrent' "
                    r"needs [\d.]+ KiB on the device, 1000 B free: jax.jit's "
@@ -624,18 +588,18 @@ def test_the_option_turns_it_off(on_a_gpu, monkeypatch, compiles):
   clock = _clock()
   monkeypatch.setattr(timing, "time_call", clock)
   jaxstreams.config.update("jaxstreams_autotune", False)
-  f = jaxstreams.jit(_towers(), streams=3)
-  f(*_args())
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  f(*towers_args())
   assert clock.calls == {} and not on_a_gpu.exists()
   assert compiles.count("tuned_towers") == 1
-  plan = f.plan(*_args())
+  plan = f.plan(*towers_args())
   assert plan.gpu_lowering == "concurrent" and "jaxstreams_autotune is off" in plan.gpu_reason
 
 
 def test_ahead_of_time_gets_the_chosen_program_and_options(on_a_gpu, monkeypatch):
   monkeypatch.setattr(timing, "time_call", _clock("inline"))
-  f = jaxstreams.jit(_towers(), streams=3)
-  args = _args()
+  f = jaxstreams.jit(tuned_towers(), streams=3)
+  args = towers_args()
   before = f.lower(*args)   # nothing timed yet: the top-level default
   assert before._lowering._compiler_options_kvs == tuple(gpu.CONCURRENT_GRAPHS.items())
   f(*args)
@@ -654,7 +618,7 @@ def test_static_arguments_are_passed_to_the_candidates(on_a_gpu, monkeypatch):
 
   f = jaxstreams.jit(scaled, streams=3, static_argnames="n")
   reference = jax.jit(scaled, static_argnames="n")
-  args = _args()
+  args = towers_args()
   assert_equal_results(f(*args, n=3), reference(*args, n=3))
   f._chooser.wait_compiled(args, {"n": 3})
   for _ in range(timing.ROUNDS * len(_names())):
@@ -675,14 +639,14 @@ def test_every_way_shares_one_trace_per_signature(on_a_gpu, monkeypatch):
     return two_towers(x, w1, w2)
 
   f = jaxstreams.jit(step, streams=3)
-  args = _args()
+  args = towers_args()
   f.plan(*args)
   f(*args)
   f._chooser.wait_compiled(args, {})
   _call_until_decided(f, args, jax.jit(two_towers)(*args))
   jax.jit(lambda *a: f(*a))(*args)
   assert traces == [(8, 16)]
-  f(*_args(4))
+  f(*towers_args(4))
   assert traces == [(8, 16), (4, 16)]
   # Another stream count is another plan, and so is x64 (jax's trace
   # context): traced again, as jax.jit traces again.
@@ -691,7 +655,7 @@ def test_every_way_shares_one_trace_per_signature(on_a_gpu, monkeypatch):
   with jax.enable_x64(True):
     f(*args)
   assert traces[3:] == [(8, 16)]
-  f._chooser.wait_compiled(_args(4), {})
+  f._chooser.wait_compiled(towers_args(4), {})
 
 
 def test_jax_clear_caches_clears_the_shared_plans(on_a_gpu, monkeypatch):
@@ -704,7 +668,7 @@ def test_jax_clear_caches_clears_the_shared_plans(on_a_gpu, monkeypatch):
     return two_towers(x, w1, w2) * scale["now"]
 
   f = jaxstreams.jit(step, streams=3)
-  args = _args()
+  args = towers_args()
   f(*args)
   f._chooser.wait_compiled(args, {})
   scale["now"] = 3.0
@@ -716,5 +680,5 @@ def test_jax_clear_caches_clears_the_shared_plans(on_a_gpu, monkeypatch):
 @pytest.mark.cpu_backend
 def test_on_cpu_calls_go_straight_to_jax_jit():
   f = jaxstreams.jit(two_towers, streams=3)
-  f(*_args())
+  f(*towers_args())
   assert type(f.func).__name__ == "PjitFunction"

@@ -19,7 +19,10 @@ from jaxstreams.lower import gpu, memory
 from jaxstreams.xla import ways as way_reports
 
 import compile_matrix
-from programs import assert_equal_results, require_gpu_target
+from programs import (assert_equal_results, four_branches,
+                      four_branches_args, require_gpu_target, towers_args,
+                      tuned_towers)
+from programs import compiles, untimed_gpu  # noqa: F401 - fixtures
 
 
 # ---------------------------------------------------------------------------
@@ -114,14 +117,6 @@ def test_the_table_reads_as_multiples_of_jax_jit_s_program():
 # ---------------------------------------------------------------------------
 # Never fatal: inside another jit, a bound against the device's free memory.
 
-def _outer(f, context):
-  if context == "jit":
-    return jax.jit(lambda *a: f(*a))
-  if context == "grad":
-    return jax.jit(jax.grad(compile_matrix._scalar_loss(f), argnums=(0, 1)))
-  return jax.jit(jax.vmap(f))
-
-
 def _nested_text(context, free, monkeypatch):
   """The scanned towers called in ``context`` on a pretend device with
   ``free`` bytes free, lowered for a GPU; their plan (a function of its
@@ -129,10 +124,8 @@ def _nested_text(context, free, monkeypatch):
   monkeypatch.setattr(memory, "free_bytes", lambda device: free)
   fn, args, streams = compile_matrix.PROGRAMS["scan_towers"]()
   f = jaxstreams.jit(lambda *a: fn(*a), streams=streams)
-  outer_args = (compile_matrix._vmapped_arguments(args) if context == "vmap"
-                else args)
-  lowered = _outer(f, context).trace(*outer_args).lower(
-      lowering_platforms=("cuda",))
+  outer, outer_args = compile_matrix.in_context(f, context, args)
+  lowered = outer.trace(*outer_args).lower(lowering_platforms=("cuda",))
   return lowered.as_text(), f.plan(*args)
 
 
@@ -181,41 +174,11 @@ def test_without_a_gpu_nothing_is_checked(monkeypatch):
 # ---------------------------------------------------------------------------
 # Never fatal at top level, untimed: the default's own compile is read.
 
-@pytest.fixture
-def untimed_gpu(monkeypatch):
-  """jaxstreams.jit told that arguments are on a GPU, autotuning off."""
-  from jaxstreams.lower import choose
-  monkeypatch.setattr(choose, "platform", lambda *a: "gpu")
-  jaxstreams.config.update("jaxstreams_autotune", False)
-  yield
-  jaxstreams.config.reset("jaxstreams_autotune")
-
-
-@pytest.fixture
-def compiles():
-  names = []
-
-  def listen(event, seconds, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-      names.append(str(kwargs.get("fun_name")))
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  yield names
-  jax.monitoring.unregister_event_duration_listener(listen)
-
-
-def _two_towers():
-  from programs import random_inputs, two_towers
-
-  def towers_here(x, w1, w2):
-    return two_towers(x, w1, w2)
-  return towers_here, tuple(random_inputs((8, 16), (16, 16), (16, 16)))
-
-
 @pytest.mark.parametrize("free, way", [(2**30, "concurrent"), (1000, "inline")])
 def test_untimed_the_default_runs_only_where_its_program_fits(
     untimed_gpu, monkeypatch, compiles, free, way):
   monkeypatch.setattr(memory, "free_bytes", lambda device: free)
-  fn, args = _two_towers()
+  fn, args = tuned_towers(), towers_args()
   expected = jax.jit(fn)(*args)
   compiles.clear()
   f = jaxstreams.jit(fn, streams=3)
@@ -225,7 +188,7 @@ def test_untimed_the_default_runs_only_where_its_program_fits(
   # The default's program was compiled once, its memory read from that
   # compile, and the call ran from it; jax.jit's program compiled too where
   # the default stepped aside.
-  assert compiles.count("jit(towers_here)") == (1 if way == "concurrent" else 2)
+  assert compiles.count("tuned_towers") == (1 if way == "concurrent" else 2)
   if way == "inline":
     assert re.search(r"'concurrent' needs [\d.]+ KiB on the device, 1000 B "
                      r"free: jax.jit's program instead", plan.gpu_reason)
@@ -240,28 +203,18 @@ def test_concurrent_graphs_are_not_the_default_where_only_loops_overlap(
   plan = jaxstreams.jit(fn, streams=streams).plan(*args)
   assert plan.loops == () and plan.gpu_lowering == "inline"
   assert "CONCURRENT graphs would hold nothing side by side" in plan.gpu_reason
-  fn, args = _two_towers()
-  assert jaxstreams.jit(fn, streams=3).plan(*args).gpu_lowering == "concurrent"
+  towers = jaxstreams.jit(tuned_towers(), streams=3)
+  assert towers.plan(*towers_args()).gpu_lowering == "concurrent"
 
 
 # ---------------------------------------------------------------------------
 # The bound holds: XLA's own figures for the nested program, against
 # jax.jit's, compiled for an H100 without one.
 
-def _four_branches():
-  """tests/gpu_compile_programs.py's four branches, at half the width."""
-  def step(x, ws):
-    outs = []
-    for i, w in enumerate(ws):
-      with jaxstreams.stream(i):
-        outs.append(jnp.tanh(jnp.tanh(x @ w) @ w))
-    return sum(o.sum() for o in outs)
-  return step, (jnp.ones((64, 128)), [jnp.ones((128, 128)) * (i + 1)
-                                      for i in range(4)]), 4
-
-
-def _needed(outer, args):
+def _needed_under_grad(fn, args):
+  """What XLA says ``jax.grad`` of ``fn`` needs on an H100."""
   target = jaxstreams.gpu_target("h100")
+  outer, args = compile_matrix.in_context(fn, "grad", args)
   return memory.footprint(outer.lower(*target.abstract(*args)).compile()).needed
 
 
@@ -272,8 +225,8 @@ def test_the_bound_holds_under_a_gradient_taken_outside(name):
   before it, the nested way runs jax.jit's program for branches without
   loops)."""
   require_gpu_target()
-  if name == "four_branches":
-    fn, args, streams = _four_branches()
+  if name == "four_branches":   # tests/gpu_compile_programs.py's, half as wide
+    fn, args, streams = four_branches, four_branches_args(64, 128), 4
   else:
     fn, args, streams = compile_matrix.PROGRAMS[name]()
   f = jaxstreams.jit(fn, streams=streams)
@@ -283,8 +236,5 @@ def test_the_bound_holds_under_a_gradient_taken_outside(name):
     # The nested way, 'loops', emits jax.jit's program: nothing to add.
     assert program == "loops" and bound == 0
     return
-  nums = compile_matrix._float_arguments(args)
-  loss = compile_matrix._scalar_loss
-  extra = (_needed(jax.jit(jax.grad(loss(f), argnums=nums)), args)
-           - _needed(jax.jit(jax.grad(loss(fn), argnums=nums)), args))
+  extra = _needed_under_grad(f, args) - _needed_under_grad(fn, args)
   assert 0 < extra <= bound
