@@ -34,9 +34,8 @@ What skips, and why (each says so in its reason):
   jaxstreams packs a region it pins skips on 0.12, where it pins none.
 
 Strict expected failures that wait on other work name it in their reason
-(``test_models.py``: flax ``nn.remat`` towers in a training step, #48
-item 2); they fail loudly once it lands, to be turned into tests.
-``test_models.py`` also pins a jaxlib behaviour with a strict expected
+(none does now); they fail loudly once it lands, to be turned into tests.
+``test_models.py`` pins a jaxlib behaviour with a strict expected
 failure: jaxlib 0.12 aborting the deviceless compile of one nested
 training step (its memory scheduler's check).
 
