@@ -13,8 +13,9 @@ an H100 would launch for it with jaxstreams' defaults (``xla_graphs``, a
 deviceless compile) has the towers' layers in flight together: the linen
 dual encoder with towers of 4 and 4 and of 6 and 3 layers, forward and
 training step, at top level and inside another jit; the nnx and equinox
-ones through their adapters; the multi-task model; a checkpointed tower
-and a jitted one.
+ones through their adapters; the multi-task model; linen towers in
+``nn.remat`` and in ``nn.jit``. The equinox towers in
+``eqx.filter_checkpoint``: their plan and results.
 
 Cheap on purpose (CI runs this on three jax): each model is built,
 traced and planned once per module (``_linen_case``, ``_users_models``),
@@ -318,3 +319,19 @@ def test_wrapped_towers_layers_are_in_flight_together(gpu_target, wrap, mode):
   _equal(case.placed(*case.args), case.plain(*case.args))
   _assert_side_by_side(_view(case.placed, case.args, plan, "top"), plan, 2,
                        mode, recomputed=recomputed)
+
+
+def test_equinox_checkpointed_towers_loops_run_as_one():
+  """Each tower in ``eqx.filter_checkpoint``, the training step under
+  filter_jit: the forward loops, their recomputation in the backward pass
+  and the backward loops each run as one; the results are bitwise
+  eqx.filter_jit's."""
+  module = equinox_dual_encoder
+  size = dict(module.sizes(quick=True)[0], depths=(4, 4), wrap="checkpoint")
+  model, opt_state = module.create(size, KEY)
+  args = (model, opt_state, *linen_dual_encoder.inputs(size, KEY))
+  step = _users_step(module, common.place_jaxstreams)
+  _assert_towers_grouped(step.plan(*args), 2, "train", recomputed=True)
+  expected = eqx.filter_jit(module.train_step_for())(*args)
+  _equal(eqx.filter(step(*args), eqx.is_array),
+         eqx.filter(expected, eqx.is_array))

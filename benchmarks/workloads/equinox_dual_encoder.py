@@ -6,6 +6,8 @@ arrays carry a leading axis of ``depth``), run by ``lax.scan`` over the
 arrays with the static rest put back in each step (``eqx.partition`` /
 ``eqx.combine``). Modules work on one example; the towers ``jax.vmap`` over
 the batch. A training step applies optax's ``adamw`` to the model's arrays.
+A size's ``wrap`` (``"plain"`` where absent) may put each tower in
+``eqx.filter_checkpoint``.
 
 The model is called as ``model(patches, tokens, place)``: the placement
 (``common.place_*``) puts the image tower on stream 1 and the text tower on
@@ -27,6 +29,9 @@ from .linen_dual_encoder import (PATCH, VOCAB, contrastive_loss,
                                  dual_encoder_sizes, inputs, optimizer)
 
 NAME = "equinox_dual_encoder"
+# How each tower is wrapped: as is, or in ``eqx.filter_checkpoint`` (its
+# activations recomputed in the backward pass, as large models train).
+WRAPS = ("plain", "checkpoint")
 
 
 def sizes(quick):
@@ -83,8 +88,13 @@ def modules():
     token_embed: eqx.nn.Embedding
     image: Tower
     text: Tower
+    wrap: str = eqx.field(static=True)
 
-    def __init__(self, depths, width, heads, patches, tokens, key):
+    def __init__(self, depths, width, heads, patches, tokens, key,
+                 wrap="plain"):
+      if wrap not in WRAPS:
+        raise ValueError(f"wrap={wrap!r}: one of {WRAPS}")
+      self.wrap = wrap
       k = jax.random.split(key, 4)
       self.patch_embed = eqx.nn.Linear(PATCH, width, key=k[0])
       self.token_embed = eqx.nn.Embedding(VOCAB, width, key=k[1])
@@ -94,10 +104,14 @@ def modules():
     def __call__(self, patches, tokens, place=common.place_none, streams=3):
       embed_patches = jax.vmap(jax.vmap(self.patch_embed))
       embed_tokens = jax.vmap(jax.vmap(self.token_embed))
+      image_tower, text_tower = self.image, self.text
+      if self.wrap == "checkpoint":
+        image_tower = eqx.filter_checkpoint(image_tower)
+        text_tower = eqx.filter_checkpoint(text_tower)
       image = place(common.stream_for(1, streams),
-                    lambda p: self.image(embed_patches(p)), patches)
+                    lambda p: image_tower(embed_patches(p)), patches)
       text = place(common.stream_for(2, streams),
-                   lambda t: self.text(embed_tokens(t)), tokens)
+                   lambda t: text_tower(embed_tokens(t)), tokens)
       return image, text
 
   return {"Block": Block, "Tower": Tower, "DualEncoder": DualEncoder}
@@ -108,7 +122,8 @@ def create(size, key):
   import equinox as eqx
   model = modules()["DualEncoder"](tuple(size["depths"]), size["width"],
                                    size["heads"], size["patches"],
-                                   size["tokens"], key)
+                                   size["tokens"], key,
+                                   size.get("wrap", "plain"))
   return model, optimizer().init(eqx.filter(model, eqx.is_array))
 
 
