@@ -23,7 +23,7 @@ from typing import Any, Callable
 import jax
 from jax import tree_util
 
-from jaxstreams import _compat, _pipeline
+from jaxstreams import _compat, _pipeline, config
 from jaxstreams._trace import trace
 from jaxstreams.lower.emit import emit
 from jaxstreams.partition import PartitionedProgram
@@ -179,11 +179,25 @@ def staged_for(fun: Callable, streams: int, spread: bool | None,
     by_key = _shared(fun)
     if by_key is None:
       return Staged(fun, *args, shared=False, plans=plans, strict=strict)
-    staged = by_key.get((*args, strict))
+    key = (*args, strict, _options_now())
+    staged = by_key.get(key)
     if staged is None:
-      staged = by_key[(*args, strict)] = Staged(
+      staged = by_key[key] = Staged(
           fun, *args, shared=True, plans=plans, strict=strict)
     return staged
+
+
+# Options read while planning and lowering (not part of a function's own
+# settings): a program or plan made under other values is not shared with
+# a function made after they changed.
+_PROGRAM_OPTIONS = ("jaxstreams_spread", "jaxstreams_forward_propagation",
+                    "jaxstreams_stream_from_file",
+                    "jaxstreams_reduce_stream_wait",
+                    "jaxstreams_sequence_points")
+
+
+def _options_now() -> tuple:
+  return tuple(config.read(name) for name in _PROGRAM_OPTIONS)
 
 
 def plans_for(fun: Callable, streams: int, spread: bool | None, source: str,
@@ -191,7 +205,7 @@ def plans_for(fun: Callable, streams: int, spread: bool | None, source: str,
   """The plans every program of ``fun`` at these settings shares: in
   ``_STAGED`` where ``fun`` can share, else in ``own`` (its
   ``jaxstreams.jit``'s)."""
-  key = (streams, spread, source)
+  key = (streams, spread, source, _options_now())
   with _STAGED_LOCK:
     by_key = _shared(fun)
     table = own if by_key is None else by_key
