@@ -114,7 +114,7 @@ def results_through_one_tuple(ctx, results: list) -> list:
     return results
   call = results[0].owner
   if (not isinstance(call, func_dialect.CallOp)
-      or [r for r in call.results] != list(results)):
+      or list(call.results) != list(results)):
     return results
   types = [r.type for r in results]
   tupled = ir.TupleType.get_tuple(types)
@@ -133,9 +133,9 @@ def results_through_one_tuple(ctx, results: list) -> list:
   with ir.InsertionPoint(call), call.location:
     outer = func_dialect.CallOp(
         [tupled], ir.FlatSymbolRefAttr.get(wrapper.name.value), operands)
-    for name in ("mhlo.frontend_attributes",):
-      if name in call.attributes:
-        outer.attributes[name] = call.attributes[name]
+    if "mhlo.frontend_attributes" in call.attributes:
+      outer.attributes["mhlo.frontend_attributes"] = (
+          call.attributes["mhlo.frontend_attributes"])
     values = [hlo.get_tuple_element(outer.result, i)
               for i in range(len(types))]
   call.erase()
