@@ -35,9 +35,6 @@ What skips, and why (each says so in its reason):
 
 Strict expected failures that wait on other work name it in their reason
 (none does now); they fail loudly once it lands, to be turned into tests.
-``test_models.py`` pins a jaxlib behaviour with a strict expected
-failure: jaxlib 0.12 aborting the deviceless compile of one nested
-training step (its memory scheduler's check).
 
 What runs once per CI run (marker ``once``): end-to-end runs of the
 benchmark scripts and examples and the compile matrix's ways beyond the

@@ -37,7 +37,6 @@ import pytest
 from flax import nnx
 
 import jaxstreams
-from jaxstreams import _compat
 import compile_matrix  # noqa: F401 - puts the checkout on sys.path (benchmarks)
 from benchmarks.workloads import (common, equinox_dual_encoder,
                                   linen_dual_encoder, linen_multitask,
@@ -233,18 +232,6 @@ def gpu_target():
   require_gpu_target()
 
 
-# jaxlib 0.12's own scheduler aborts the deviceless compile of the linen
-# training step of 6 and 3 layers nested in another jit: "Check failed:
-# schedule.size() == computation_->instruction_count()" in
-# hlo_memory_scheduler.cc (the child process dies; seen on 0.12.0.1).
-_SCHEDULER_ABORTS = pytest.mark.xfail(
-    _compat.jaxlib_version() >= (0, 12), strict=True,
-    raises=jaxstreams.GraphLogError,
-    reason="jaxlib 0.12's memory scheduler aborts compiling this program "
-           "for an H100 (hlo_memory_scheduler.cc: schedule size != "
-           "instruction count)")
-
-
 def _view(jitted, args, plan, context):
   """What an H100 launches for ``jitted`` called at top level or inside
   another jit."""
@@ -274,7 +261,7 @@ def _assert_side_by_side(graphs, plan, towers, mode, *, off_main=True,
     ((4, 4), "train", "top"),
     ((4, 4), "forward", "jit"),
     ((6, 3), "forward", "top"),
-    pytest.param((6, 3), "train", "jit", marks=_SCHEDULER_ABORTS),
+    ((6, 3), "train", "jit"),
 ], ids=lambda p: "-".join(map(str, p)) if isinstance(p, tuple) else p)
 def test_the_linen_towers_layers_are_in_flight_together(gpu_target, depths,
                                                         mode, context):

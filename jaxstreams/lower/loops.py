@@ -71,10 +71,19 @@ class _Member:
 
   def step(self, layers: int, reverse: bool) -> Callable[..., list]:
     """A function of (constants, carry, slices) running ``layers`` of the
-    scan's steps, in its direction, returning (carry, stacked results).
-    With one layer the slices are one step's; with several, each slice has
-    a leading axis of ``layers`` (in layer order) and so has each result.
-    Each layer is the scan's body, its operations unchanged."""
+    scan's steps, in its direction, returning (carry, each layer's
+    results): with one layer the slices are one step's and the results
+    too; with several, each slice has a leading axis of ``layers`` (in
+    layer order) and the results come layer by layer, in layer order
+    (``stack`` gives them their leading axis). Each layer is the scan's
+    body, its operations unchanged.
+
+    The layers' results are stacked outside this function, not in it:
+    inside a stream call in a loop body, a stacking that reads the step's
+    incoming carry and a result of the layer that writes the outgoing one
+    makes XLA's loop-schedule linearizer (jaxlib 0.12) order the reading
+    after the writing, a cycle its memory scheduler then aborts on
+    (docs/xla.md)."""
     if layers == 1:
       return self.body
     consts = self.num_consts + len(self.body_consts)
@@ -88,11 +97,19 @@ class _Member:
         x = [jax.lax.index_in_dim(s, j, keepdims=False) for s in slices]
         out = list(self.body(*fixed, *carry, *x))
         carry, made[j] = out[:carried], out[carried:]
-      stacked = [jax.lax.concatenate(
-          [jax.lax.expand_dims(made[j][r], (0,)) for j in range(layers)], 0)
-          for r in range(len(made[0]))]
-      return [*carry, *stacked]
+      return [*carry, *(y for layer in made for y in layer)]
     return run
+
+  def stack(self, outs: Sequence[Any], layers: int) -> list:
+    """``step``'s results as (carry, stacked results): each result with a
+    leading axis of ``layers``."""
+    carry, made = list(outs[:self.num_carry]), list(outs[self.num_carry:])
+    if layers == 1:
+      return [*carry, *made]
+    count = len(made) // layers
+    return [*carry, *(jax.lax.concatenate(
+        [jax.lax.expand_dims(made[j * count + r], (0,))
+         for j in range(layers)], 0) for r in range(count))]
 
 
 def emit_group(plan: PartitionedProgram, regions: Sequence[int],
@@ -195,6 +212,7 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
       if pinned:
         outs = [out if packed is None else packed.unpack(out)
                 for packed, out in zip(packs, _together(outs))]
+      outs = [m.stack(out, k) for m, out, k in zip(group, outs, phase.per_step)]
       return ([out[:m.num_carry] for m, out in zip(group, outs)],
               [out[m.num_carry:] for m, out in zip(group, outs)])
 
