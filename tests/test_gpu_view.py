@@ -13,6 +13,9 @@ the CUDA plugin (see ``jaxstreams.xla.target``): skips without it, fails
 with ``JAXSTREAMS_REQUIRE_GPU_TARGET=1``.
 """
 
+import os
+import sys
+
 import jax
 import pytest
 
@@ -265,6 +268,20 @@ def test_one_child_serves_the_views_and_a_dead_one_is_replaced(monkeypatch):
   monkeypatch.setenv("JAXSTREAMS_TEST_ANOTHER_ENVIRONMENT", "1")
   assert str(jaxstreams.xla_graphs(lowered)) == str(first)
   assert CompileChild._current.process.pid != pid
+
+
+def test_a_child_that_dies_is_reported_with_its_exit_status(monkeypatch):
+  """A compile child whose output ends before it has exited (XLA writing
+  its abort's stack trace, say) is reported by its exit status, not as a
+  timeout."""
+  from jaxstreams.xla import _graph_child
+  monkeypatch.setattr(_graph_child, "CHILD_COMMAND", [
+      sys.executable, "-c", "import os, sys, time; sys.stdin.readline(); "
+      "os.close(1); time.sleep(1); os._exit(3)"])
+  _graph_child.CompileChild.close_current()
+  with pytest.raises(_graph_child.ChildFailed, match=r"^exit 3:"):
+    _graph_child.CompileChild.request({}, dict(os.environ), timeout=60)
+  assert _graph_child.CompileChild._current is None
 
 
 def test_a_chain_of_loops_stays_one_chain():

@@ -39,6 +39,11 @@ END_MARKER = "jaxstreams-graph-child: done"
 # A child whose resident memory grew past this after a request (XLA keeps
 # what a large compile allocated) is ended; the next request starts another.
 MAX_CHILD_RSS_BYTES = 2 << 30
+# -P: the working directory (a source checkout without built native
+# libraries, say) must not shadow the jaxstreams the parent imported, whose
+# FFI handlers the compile needs; the parent puts that first on the child's
+# PYTHONPATH instead.
+CHILD_COMMAND = [sys.executable, "-P", "-m", "jaxstreams.xla._graph_child"]
 _MEMORY_FIELDS = ("temp_size_in_bytes", "argument_size_in_bytes",
                   "output_size_in_bytes", "alias_size_in_bytes",
                   "generated_code_size_in_bytes")
@@ -139,13 +144,9 @@ class CompileChild:
     handle, self.log_path = tempfile.mkstemp(prefix="jaxstreams-graph-log-")
     os.close(handle)
     # The child appends, so the parent can empty the file between requests.
-    # -P: the working directory (a source checkout without built native
-    # libraries, say) must not shadow the jaxstreams this process imported,
-    # whose FFI handlers the compile needs; the parent puts that first on
-    # the child's PYTHONPATH instead.
     with open(self.log_path, "ab") as log:
       self.process = subprocess.Popen(
-          [sys.executable, "-P", "-m", "jaxstreams.xla._graph_child"],
+          CHILD_COMMAND,
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
 
   @classmethod
@@ -182,8 +183,13 @@ class CompileChild:
     while not line.startswith(b'{"programs"'):   # past anything else printed
       line = self._read_line(deadline)
       if line is None:
+        if time.monotonic() < deadline:   # its stdout ended: it is ending
+          try:
+            self.process.wait(timeout=30)
+          except subprocess.TimeoutExpired:
+            pass
         how = (f"no answer in {timeout:g} s" if self.process.poll() is None
-               else f"exit {self.process.wait()}")
+               else f"exit {self.process.returncode}")
         raise ChildFailed(f"{how}:\n{self._log_text()[-3000:]}")
     log = self._log_text()
     return json.loads(line), log.split(f"\n{END_MARKER}\n")[0]
