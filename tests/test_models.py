@@ -10,12 +10,14 @@ for a linen step, ``jaxstreams.nnx_jit`` for ``nnx.jit``,
 those of that library's jit on CPU; the plan runs the towers' loops as one
 (with stream blocks, and found by ``spread=True`` without any); and what
 an H100 would launch for it with jaxstreams' defaults (``xla_graphs``, a
-deviceless compile) has the towers' layers in flight together: the linen
+deviceless compile, which also estimates the step's time) has the towers'
+layers in flight together: the linen
 dual encoder with towers of 4 and 4 and of 6 and 3 layers, forward and
 training step, at top level and inside another jit; the nnx and equinox
 ones through their adapters; the multi-task model; linen towers in
 ``nn.remat`` and in ``nn.jit``. The equinox towers in
-``eqx.filter_checkpoint``: their plan and results.
+``eqx.filter_checkpoint`` and in ``eqx.filter_jit``: their plan and
+results.
 
 Cheap on purpose (CI runs this on three jax): each model is built,
 traced and planned once per module (``_linen_case``, ``_users_models``),
@@ -246,7 +248,13 @@ def _assert_side_by_side(graphs, plan, towers, mode, *, off_main=True,
   step) is one loop in which each tower's body is in flight with another's
   (two towers: with each other; of three, jaxlib 0.12 keeps two bodies'
   calls in flight at a time: the first's done comes before the third's
-  start), each pair on streams of their own."""
+  start), each pair on streams of their own. The view weighs the step in
+  time too: its estimate (device path, host launch time) is in its
+  summary."""
+  estimate = graphs.estimate
+  assert 0 < estimate.device <= estimate.step, estimate
+  assert 0 < estimate.host <= estimate.step, estimate
+  assert str(estimate) in graphs.summary()
   groups = _assert_towers_grouped(plan, towers, mode, recomputed=recomputed)
   together = set(graphs.parallel_regions())
   for g in groups:
@@ -308,17 +316,19 @@ def test_wrapped_towers_layers_are_in_flight_together(gpu_target, wrap, mode):
                        mode, recomputed=recomputed)
 
 
-def test_equinox_checkpointed_towers_loops_run_as_one():
-  """Each tower in ``eqx.filter_checkpoint``, the training step under
-  filter_jit: the forward loops, their recomputation in the backward pass
-  and the backward loops each run as one; the results are bitwise
-  eqx.filter_jit's."""
+@pytest.mark.parametrize("wrap", ["checkpoint", "jit"])
+def test_equinox_wrapped_towers_loops_run_as_one(wrap):
+  """Each tower in ``eqx.filter_checkpoint`` or ``eqx.filter_jit``, the
+  training step under filter_jit: the forward loops and the backward loops
+  each run as one (and a checkpointed tower's recomputation in the
+  backward pass too); the results are bitwise eqx.filter_jit's."""
   module = equinox_dual_encoder
-  size = dict(module.sizes(quick=True)[0], depths=(4, 4), wrap="checkpoint")
+  size = dict(module.sizes(quick=True)[0], depths=(4, 4), wrap=wrap)
   model, opt_state = module.create(size, KEY)
   args = (model, opt_state, *linen_dual_encoder.inputs(size, KEY))
   step = _users_step(module, common.place_jaxstreams)
-  _assert_towers_grouped(step.plan(*args), 2, "train", recomputed=True)
+  _assert_towers_grouped(step.plan(*args), 2, "train",
+                         recomputed=wrap == "checkpoint")
   expected = eqx.filter_jit(module.train_step_for())(*args)
   _equal(eqx.filter(step(*args), eqx.is_array),
          eqx.filter(expected, eqx.is_array))

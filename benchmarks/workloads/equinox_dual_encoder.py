@@ -7,7 +7,7 @@ arrays with the static rest put back in each step (``eqx.partition`` /
 ``eqx.combine``). Modules work on one example; the towers ``jax.vmap`` over
 the batch. A training step applies optax's ``adamw`` to the model's arrays.
 A size's ``wrap`` (``"plain"`` where absent) may put each tower in
-``eqx.filter_checkpoint``.
+``eqx.filter_checkpoint`` or ``eqx.filter_jit``.
 
 The model is called as ``model(patches, tokens, place)``: the placement
 (``common.place_*``) puts the image tower on stream 1 and the text tower on
@@ -29,9 +29,10 @@ from .linen_dual_encoder import (PATCH, VOCAB, contrastive_loss,
                                  dual_encoder_sizes, inputs, optimizer)
 
 NAME = "equinox_dual_encoder"
-# How each tower is wrapped: as is, or in ``eqx.filter_checkpoint`` (its
-# activations recomputed in the backward pass, as large models train).
-WRAPS = ("plain", "checkpoint")
+# How each tower is wrapped: as is, in ``eqx.filter_checkpoint`` (its
+# activations recomputed in the backward pass, as large models train), or
+# in ``eqx.filter_jit`` (a jitted helper called inside the jitted step).
+WRAPS = ("plain", "checkpoint", "jit")
 
 
 def sizes(quick):
@@ -105,9 +106,10 @@ def modules():
       embed_patches = jax.vmap(jax.vmap(self.patch_embed))
       embed_tokens = jax.vmap(jax.vmap(self.token_embed))
       image_tower, text_tower = self.image, self.text
-      if self.wrap == "checkpoint":
-        image_tower = eqx.filter_checkpoint(image_tower)
-        text_tower = eqx.filter_checkpoint(text_tower)
+      if self.wrap != "plain":
+        wrap = {"checkpoint": eqx.filter_checkpoint,
+                "jit": eqx.filter_jit}[self.wrap]
+        image_tower, text_tower = wrap(image_tower), wrap(text_tower)
       image = place(common.stream_for(1, streams),
                     lambda p: image_tower(embed_patches(p)), patches)
       text = place(common.stream_for(2, streams),
