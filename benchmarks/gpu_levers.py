@@ -145,7 +145,7 @@ LOOP_MODELS = [
     ("inception", inception.model, dict(batch=8, hw=17, channels=64, blocks=4)),
 ]
 # Models as users write them (flax.linen, flax.nnx, equinox): --models models.
-_CLIP = dict(batch=32, width=512, heads=8, patches=50, tokens=32)
+_CLIP = linen_dual_encoder.CLIP_SHAPES
 MODEL_MODELS = [
     ("linen_12_12", linen_dual_encoder.model,
      dict(_CLIP, depths=(12, 12), mode="forward", wrap="plain")),

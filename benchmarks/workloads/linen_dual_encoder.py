@@ -36,14 +36,17 @@ PATCH = 48   # flattened patch features (a 4x4 RGB patch)
 WRAPS = ("plain", "remat", "jit")
 
 
+# A CLIP-sized dual encoder's shapes, but its depths and mode.
+CLIP_SHAPES = dict(batch=32, width=512, heads=8, patches=50, tokens=32)
+
+
 def dual_encoder_sizes(quick, **extra):
   """The sizes of the dual encoders written with each library (linen, nnx,
   equinox), each with the keys ``extra`` adds."""
   if quick:
     return [dict(batch=4, width=32, heads=2, depths=(2, 2), patches=8,
                  tokens=8, mode="train", **extra)]
-  return [dict(batch=32, width=512, heads=8, depths=d, patches=50, tokens=32,
-               mode=m, **extra)
+  return [dict(CLIP_SHAPES, depths=d, mode=m, **extra)
           for d in ((12, 12), (24, 12)) for m in ("forward", "train")]
 
 
