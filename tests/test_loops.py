@@ -510,3 +510,81 @@ def test_differentiated_from_outside_each_wrapper_keeps_its_meaning():
   # The last tower's rule is not the derivative: its gradient is the rule's.
   plain = gradient(_wrapped_towers(compile_matrix._encoder_tower))(*args)
   np.testing.assert_allclose(expected[0], 3 * plain[0], rtol=1e-4, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------
+# A body that reads its incoming carry after writing the next one.
+
+def _delta_scan(ws, x):
+  """Each step's result reads the incoming carry and the next one (an
+  increment): XLA 0.11 and 0.12 abort on it inside a stream call."""
+  def step(c, w):
+    c2 = jnp.tanh(c @ w)
+    return c2, jnp.sum(c2 - c, axis=0)
+  return lax.scan(step, x, ws)
+
+
+def _body_of(fn, *args):
+  (eqn,) = [e for e in jax.make_jaxpr(fn)(*args).eqns
+            if e.primitive.name == "scan"]
+  num_consts, num_carry = _compat.scan_counts(eqn.params)
+  return _compat.nested_jaxpr({"jaxpr": eqn.params["jaxpr"]}).jaxpr, \
+      num_consts, num_carry
+
+
+def test_which_bodies_read_their_carry_after_writing_it(args):
+  """``carry_hazard``: found through a nested jit (XLA inlines it), and
+  not where the reading comes before the writing or where one jitted
+  function is called twice in a row (each call's values are its own)."""
+  from jaxstreams.lower.limits import carry_hazard
+  w, _, x = args
+
+  def nested(ws, x):
+    @jax.jit
+    def layer(c, w):
+      c2 = jnp.tanh(c @ w)
+      return c2, jnp.sum(c2 - c, axis=0)
+    return lax.scan(layer, x, ws)
+
+  def twice(ws, x):
+    layer = jax.jit(lambda c, w: jnp.tanh(c @ w))
+    return lax.scan(lambda c, w: (layer(layer(c, w), w), jnp.sum(c)), x, ws)
+
+  expected = _compat.jaxlib_version() >= (0, 11)
+  for fn in (_delta_scan, nested):
+    why = carry_hazard(*_body_of(fn, w, x))
+    assert (why is not None) == expected, why
+    if expected:
+      assert "carry 0" in why and "linearizer" in why
+  for fn in (_scan, twice):
+    assert carry_hazard(*_body_of(fn, w, x)) is None
+
+
+def test_a_body_that_reads_its_carry_after_writing_it_compiles(args):
+  """Towers whose steps return an increment (reading the carry after the
+  next one is written): on jaxlib 0.11 and 0.12 their bodies run in place
+  in the one loop, which XLA compiles (as stream calls it aborted), and
+  the plan says why; on 0.10, where XLA compiles the calls, they are in
+  flight together. Results bitwise jax.jit's on CPU."""
+  require_gpu_target()
+
+  def deltas(w1, w2, x):
+    with jaxstreams.stream(1):
+      a, da = _delta_scan(w1, x)
+    with jaxstreams.stream(2):
+      b, db = _delta_scan(w2, x)
+    return jnp.sum(a * b) + jnp.sum(da) + jnp.sum(db)
+
+  f = jaxstreams.jit(deltas, streams=3)
+  plan = f.plan(*args)
+  assert len(plan.loops) == 1
+  in_place = set(plan.in_place) == set(plan.loops[0].regions)
+  assert in_place == (_compat.jaxlib_version() >= (0, 11)), str(plan)
+  assert ("(loop body): an operation of it reads its carry 0" in str(plan)
+          ) == in_place
+  np.testing.assert_array_equal(f(*args), jax.jit(deltas)(*args))
+  graphs = jaxstreams.xla_graphs(
+      f.trace(*args).lower(lowering_platforms=("cuda",)), plan=plan)
+  assert len(graphs.loops) == 1, str(graphs)
+  in_flight = graphs.parallel_regions() == (tuple(plan.loops[0].regions),)
+  assert in_flight == (_compat.jaxlib_version() < (0, 11)), str(graphs)

@@ -82,6 +82,7 @@ from jax import tree_util
 from jaxstreams import _compat, config
 from jaxstreams.lower import estimated, gpu, memory, timing
 from jaxstreams.lower.emit import emits_inline
+from jaxstreams.lower.loops import bodies_in_place
 from jaxstreams.lower.signature_choice import SignatureChoice
 
 if TYPE_CHECKING:
@@ -460,10 +461,12 @@ class Chooser:
     why = choice.reason
     if choice.decision is not None:
       why += ": " + choice.decision.describe()
+    partitioned = (owner._spec.partitioned(*args, **kwargs)
+                   if plan.loops or owner._spec.lowering() == gpu.DEFAULT
+                   else None)
     if owner._spec.lowering() == gpu.DEFAULT:
       nested_why = gpu.why_default_nested(plan)
       program = owner._program(owner._nested_way(), top_level=False)
-      partitioned = owner._spec.partitioned(*args, **kwargs)
       if not emits_inline(partitioned, program):
         nested_why += "; " + memory.nested_check(
             partitioned, program, memory.default_device()).describe()
@@ -472,7 +475,8 @@ class Chooser:
                     "compiler options reach a function traced there)")
     found = {"gpu_lowering": choice.way.name,
              "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}",
-             "in_place": gpu.in_place(plan)}
+             "in_place": {**gpu.in_place(plan), **(
+                 bodies_in_place(partitioned) if plan.loops else {})}}
     if choice.decision is not None:
       entry = self._signatures.get(self.key(args, kwargs))
       measured = memory.measured(choice.decision, entry.footprints

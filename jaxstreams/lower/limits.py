@@ -19,6 +19,13 @@ constructs for upstream reports:
 * jaxlib 0.12: an optimization barrier inside a stream call fails to
   compile ("Unsupported instruction opcode: opt-barrier"); ``jax.checkpoint``
   puts its recomputation behind barriers unless ``prevent_cse=False``.
+* jaxlib 0.11 and 0.12: a loop body whose call reads the step's incoming
+  carry in an operation that depends on the one writing the outgoing carry
+  (``c2 = f(c); y = c2 + c``) aborts XLA's compiler ("Check failed:
+  schedule.size() == computation_->instruction_count()"): the loop-schedule
+  linearizer orders every reader of a carried value before its writer,
+  checking for cycles only among the loop body's own instructions, not the
+  call's.
 * Collectives compile nowhere inside a stream call (lowering keeps them on
   the main stream; not handled here).
 
@@ -28,7 +35,10 @@ on its stream (``jaxstreams.lower.loops``), which every jaxlib compiles.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Collection, Sequence
+
+import jax.extend.core as jcore
 
 from jaxstreams import _compat
 from jaxstreams.tag.read import any_equation
@@ -77,6 +87,70 @@ def body_hazard(eqns) -> str | None:
   kept = without_cse_barriers(eqns)
   return _hazard(any_equation(kept, lambda eqn: eqn.primitive.name in LOOPS),
                  any_equation(kept, _is_barrier))
+
+
+def carry_hazard(jaxpr, num_consts: int, num_carry: int) -> str | None:
+  """Why the installed XLA cannot compile the loop body ``jaxpr`` (a scan's:
+  constants, carry, slices in; carry, results out) as a stream call per
+  step for its carry, or None: where an operation that reads the incoming
+  carry depends on the one that writes that carry's next value (XLA's
+  loop-schedule linearizer would order it before that writer, a cycle).
+  Calls, jits and derivative wrappers are looked into: XLA inlines them."""
+  if _JAXLIB < (0, 11):
+    return None
+  names: dict[int, int] = {}   # id(variable) -> its value's number
+  for number, var in enumerate([*jaxpr.constvars, *jaxpr.invars]):
+    names[id(var)] = number
+  ops: list[tuple[set[int], set[int]]] = []   # values read, values written
+  _flatten(jaxpr.eqns, names, ops, itertools.count(len(names)))
+  writer_of = {v: k for k, (_, wrote) in enumerate(ops) for v in wrote}
+  carry_in = jaxpr.invars[num_consts:num_consts + num_carry]
+  carry_out = jaxpr.outvars[:num_carry]
+  for k, (cin, cout) in enumerate(zip(carry_in, carry_out)):
+    writer = writer_of.get(names.get(id(cout)))
+    if writer is None:
+      continue   # passed through, a literal, or a constant
+    downstream = set(ops[writer][1])
+    for reads, writes in ops[writer + 1:]:
+      if reads & downstream:
+        if names[id(cin)] in reads:
+          return (f"an operation of it reads its carry {k} after the one "
+                  f"that writes that carry's next value, and XLA of jaxlib "
+                  f"{_compat.jaxlib_text()} aborts compiling that inside a "
+                  "stream call in a loop (its loop-schedule linearizer "
+                  "orders the reading before the writing: a cycle)")
+        downstream |= writes
+  return None
+
+
+_INLINED = _compat.NESTED_JIT_PRIMITIVES | _compat.DERIVATIVE_WRAPPERS
+
+
+def _flatten(eqns, names: dict[int, int], ops: list, fresh) -> None:
+  """``eqns`` as XLA sees them, appended to ``ops`` in order as (values
+  read, values written), calls and wrappers inlined. ``names`` numbers
+  the values of the variables in scope (by ``id``); ``fresh`` numbers new
+  ones (an inlined jaxpr's own, afresh each time it is inlined)."""
+  for eqn in eqns:
+    reads = {names[id(v)] for v in eqn.invars
+             if not isinstance(v, jcore.Literal) and id(v) in names}
+    inner = (_compat.nested_jaxpr(eqn.params)
+             if eqn.primitive.name in _INLINED else None)
+    if (inner is not None and len(inner.jaxpr.invars) == len(eqn.invars)
+        and len(inner.jaxpr.outvars) == len(eqn.outvars)):
+      scope = {id(v): next(fresh) for v in inner.jaxpr.constvars}
+      for var, outer in zip(inner.jaxpr.invars, eqn.invars):
+        scope[id(var)] = (names[id(outer)] if id(outer) in names
+                          else next(fresh))
+      _flatten(inner.jaxpr.eqns, scope, ops, fresh)
+      for var, result in zip(eqn.outvars, inner.jaxpr.outvars):
+        names[id(var)] = scope.get(id(result), next(fresh))
+      continue
+    written = set()
+    for var in eqn.outvars:
+      names[id(var)] = next(fresh)
+      written.add(names[id(var)])
+    ops.append((reads, written))
 
 
 def _hazard(loop: bool, barrier: bool) -> str | None:

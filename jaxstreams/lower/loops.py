@@ -30,7 +30,8 @@ import numpy as np
 from jaxstreams import _compat
 from jaxstreams.lower.calls import (install_region_rules, order_barrier,
                                     stream_call)
-from jaxstreams.lower.limits import body_hazard, without_cse_barriers
+from jaxstreams.lower.limits import (body_hazard, carry_hazard,
+                                     without_cse_barriers)
 from jaxstreams.lower.packing import Packing
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.loops import Phase, layout, loop_length
@@ -58,7 +59,8 @@ class _Member:
     self.unroll = int(params.get("unroll", 1))
     # Why its body cannot be a stream call here (then it runs in place, on
     # the main stream, inside the loop), or None.
-    self.hazard = body_hazard(inner.eqns) if self.stream != 0 else None
+    self.hazard = (body_hazard(inner.eqns) or carry_hazard(
+        inner, self.num_consts, self.num_carry)) if self.stream != 0 else None
 
   @property
   def on_stream(self) -> bool:
@@ -110,6 +112,19 @@ class _Member:
     return [*carry, *(jax.lax.concatenate(
         [jax.lax.expand_dims(made[j * count + r], (0,))
          for j in range(layers)], 0) for r in range(count))]
+
+
+def bodies_in_place(plan: PartitionedProgram) -> dict[int, str]:
+  """The off-main loop bodies of ``plan``'s groups that run in place (on
+  the main stream, in the one loop) because the installed XLA cannot
+  compile them as a stream call per step, and why, by region."""
+  found = {}
+  for group in plan.graph.loops:
+    for region in group:
+      member = _Member(plan, region)
+      if member.hazard is not None:
+        found[region] = member.hazard
+  return found
 
 
 def emit_group(plan: PartitionedProgram, regions: Sequence[int],

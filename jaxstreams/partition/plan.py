@@ -178,7 +178,8 @@ class StreamPlan:
       for group in self.loops:
         if region.index in group.regions:
           others = "+".join(f"R{r}" for r in group.regions if r != region.index)
-          where = (f"on stream {region.stream}" if region.is_call
+          where = (f"on stream {region.stream}"
+                   if region.is_call and region.index not in self.in_place
                    else "in place (main)")
           return f"loop body {where}, one loop with {others}"
     if not region.is_call:
@@ -245,11 +246,14 @@ class StreamPlan:
       for group in self.loops:
         lines.append("  " + group.describe(
             [self.regions[r].stream for r in group.regions]))
+    grouped = {r for group in self.loops for r in group.regions}
     shown = {r: why for r, why in self.in_place.items()
-             if self.gpu_lowering.startswith("streams")}
+             if (self._fuses_loops if r in grouped
+                 else self.gpu_lowering.startswith("streams"))}
     if shown:
       lines += ["", "regions run in place instead of as stream calls:"]
-      lines += [f"  R{r}: {why}" for r, why in sorted(shown.items())]
+      lines += [f"  R{r}{' (loop body)' if r in grouped else ''}: {why}"
+                for r, why in sorted(shown.items())]
     if self.dependencies:
       lines += ["", "cross-stream dependencies:"]
       for d in self.dependencies:
