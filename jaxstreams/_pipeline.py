@@ -15,6 +15,7 @@ from jaxstreams import _compat, config
 from jaxstreams.assign import (DEFAULT_DEVICE, DeviceModel, Placement,
                                StreamRules, assign_streams, equation_cost,
                                load_rules, spread_assign)
+from jaxstreams.lower.loops import groups_apart
 from jaxstreams.partition import PartitionedProgram, partition
 from jaxstreams.partition.schedule import estimate
 from jaxstreams.tag import expose_tags
@@ -80,6 +81,10 @@ def _plan(closed_jaxpr, streams, source, function_name,
   if options.spread:
     placements, graph, schedule, summary = _try_spread(
         program, placements, graph, schedule, seconds, work, streams, options)
+  # A group whose bodies the installed XLA would all run in place gains
+  # nothing from one loop: its scans stay apart (lower/loops.py).
+  graph.loops_apart = groups_apart(program, graph)
+  graph.loops = [g for g in graph.loops if g not in graph.loops_apart]
   bodies, placements = {}, list(placements)
   for index, placement in enumerate(placements):
     if placement.rule == "inside":

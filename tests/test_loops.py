@@ -562,10 +562,12 @@ def test_which_bodies_read_their_carry_after_writing_it(args):
 
 def test_a_body_that_reads_its_carry_after_writing_it_compiles(args):
   """Towers whose steps return an increment (reading the carry after the
-  next one is written): on jaxlib 0.11 and 0.12 their bodies run in place
-  in the one loop, which XLA compiles (as stream calls it aborted), and
-  the plan says why; on 0.10, where XLA compiles the calls, they are in
-  flight together. Results bitwise jax.jit's on CPU."""
+  next one is written): on jaxlib 0.11 and 0.12, where XLA aborts on such a
+  body as a stream call, the one loop would run both bodies in place, one
+  after the other, so the towers stay apart (each its own loop, as jax.jit
+  runs them; the default does not pick the loops way for them) and the
+  plan says why; on 0.10 they are one loop with the bodies in flight
+  together. Results bitwise jax.jit's on CPU."""
   require_gpu_target()
 
   def deltas(w1, w2, x):
@@ -577,14 +579,44 @@ def test_a_body_that_reads_its_carry_after_writing_it_compiles(args):
 
   f = jaxstreams.jit(deltas, streams=3)
   plan = f.plan(*args)
-  assert len(plan.loops) == 1
-  in_place = set(plan.in_place) == set(plan.loops[0].regions)
-  assert in_place == (_compat.jaxlib_version() >= (0, 11)), str(plan)
-  assert ("(loop body): an operation of it reads its carry 0" in str(plan)
-          ) == in_place
+  apart = _compat.jaxlib_version() >= (0, 11)
+  assert len(plan.loops) == (0 if apart else 1), str(plan)
+  assert len(plan.loops_apart) == (1 if apart else 0), str(plan)
+  text = str(plan)
+  assert "(loop body)" not in text, text
+  assert ("every body would run in place" in text
+          and "reads its carry 0" in text) == apart, text
+  assert (plan.gpu_lowering == "loops_concurrent") != apart, text
   np.testing.assert_array_equal(f(*args), jax.jit(deltas)(*args))
   graphs = jaxstreams.xla_graphs(
       f.trace(*args).lower(lowering_platforms=("cuda",)), plan=plan)
+  assert len(graphs.loops) == (2 if apart else 1), str(graphs)
+  if not apart:
+    assert graphs.parallel_regions() == (tuple(plan.loops[0].regions),), (
+        str(graphs))
+
+
+def test_one_loop_where_one_body_of_the_group_can_be_a_stream_call(args):
+  """A tower whose body must run in place beside one whose body need not:
+  the group stays one loop (the plain body on its stream in flight beside
+  the other on the main stream), and the plan names the body in place
+  on jaxlib 0.11 and 0.12. Bitwise jax.jit's on CPU."""
+  require_gpu_target()
+
+  def mixed(w1, w2, x):
+    with jaxstreams.stream(1):
+      a, da = _delta_scan(w1, x)
+    with jaxstreams.stream(2):
+      b = _scan(w2, x)
+    return jnp.sum(a * b) + jnp.sum(da)
+
+  f = jaxstreams.jit(mixed, streams=3)
+  plan = f.plan(*args)
+  assert len(plan.loops) == 1 and not plan.loops_apart, str(plan)
+  hazardous = _compat.jaxlib_version() >= (0, 11)
+  assert len(plan.in_place) == (1 if hazardous else 0), str(plan)
+  assert plan.gpu_lowering == "loops_concurrent", str(plan)
+  np.testing.assert_array_equal(f(*args), jax.jit(mixed)(*args))
+  graphs = jaxstreams.xla_graphs(
+      f.trace(*args).lower(lowering_platforms=("cuda",)), plan=plan)
   assert len(graphs.loops) == 1, str(graphs)
-  in_flight = graphs.parallel_regions() == (tuple(plan.loops[0].regions),)
-  assert in_flight == (_compat.jaxlib_version() < (0, 11)), str(graphs)

@@ -59,8 +59,7 @@ class _Member:
     self.unroll = int(params.get("unroll", 1))
     # Why its body cannot be a stream call here (then it runs in place, on
     # the main stream, inside the loop), or None.
-    self.hazard = (body_hazard(inner.eqns) or carry_hazard(
-        inner, self.num_consts, self.num_carry)) if self.stream != 0 else None
+    self.hazard = _hazard(self.eqn, self.stream)
 
   @property
   def on_stream(self) -> bool:
@@ -112,6 +111,39 @@ class _Member:
     return [*carry, *(jax.lax.concatenate(
         [jax.lax.expand_dims(made[j * count + r], (0,))
          for j in range(layers)], 0) for r in range(count))]
+
+
+def _hazard(eqn, stream: int) -> str | None:
+  """Why the installed XLA cannot compile the body of ``eqn`` (a scan on
+  ``stream``) as a stream call per step of the one loop, or None (the main
+  stream's body runs in place anyway)."""
+  if stream == 0:
+    return None
+  body = _compat.nested_jaxpr({"jaxpr": eqn.params["jaxpr"]}).jaxpr
+  num_consts, num_carry = _compat.scan_counts(eqn.params)
+  return body_hazard(body.eqns) or carry_hazard(body, num_consts, num_carry)
+
+
+def groups_apart(program, graph) -> dict[tuple[int, ...], str]:
+  """The groups of ``graph.loops`` (a ``RegionGraph`` of ``program``) whose
+  one loop would hold nothing side by side, and why: every off-main body
+  would run in place (``_hazard``), so all of them would run on the main
+  stream one after the other. Such scans stay the loops ``jax.jit`` builds;
+  a group keeps one loop where at least one body is a stream call."""
+  apart = {}
+  for group in graph.loops:
+    hazards = {r: _hazard(program.jaxpr.eqns[graph.members[r][0]],
+                          graph.streams[r]) for r in group}
+    if any(graph.streams[r] != 0 and why is None for r, why in hazards.items()):
+      continue
+    whys = {why: [r for r in group if hazards[r] == why]
+            for why in hazards.values() if why is not None}
+    reasons = (list(whys) if len(whys) == 1 else
+               [f"{'+'.join(f'R{r}' for r in regions)}: {why}"
+                for why, regions in whys.items()])
+    apart[group] = ("every body would run in place, on the main stream one "
+                    f"after the other ({'; '.join(reasons)})")
+  return apart
 
 
 def bodies_in_place(plan: PartitionedProgram) -> dict[int, str]:

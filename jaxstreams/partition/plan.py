@@ -133,6 +133,9 @@ class StreamPlan:
   # Groups of regions, each one loop, that can run as one loop with each
   # body on its stream (the "loops" and "streams" ways do).
   loops: tuple[LoopGroup, ...] = ()
+  # Groups of independent loops left apart, each scan its own loop, and why.
+  loops_apart: dict[tuple[int, ...], str] = dataclasses.field(
+      default_factory=dict)
   # Off-main regions that the installed XLA cannot compile as stream calls,
   # and why: ways with stream calls run them in place (set with the way).
   in_place: dict[int, str] = dataclasses.field(default_factory=dict)
@@ -246,6 +249,11 @@ class StreamPlan:
       for group in self.loops:
         lines.append("  " + group.describe(
             [self.regions[r].stream for r in group.regions]))
+    if self.loops_apart:
+      lines += ["", "independent loops left apart (each its own loop, as "
+                "jax.jit runs them):"]
+      lines += [f"  {'+'.join(f'R{r}' for r in group)}: {why}"
+                for group, why in self.loops_apart.items()]
     grouped = {r for group in self.loops for r in group.regions}
     shown = {r: why for r, why in self.in_place.items()
              if (self._fuses_loops if r in grouped
@@ -392,7 +400,8 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
       edges=tuple(sorted(graph.edges)), schedule=partitioned.schedule,
       summary=partitioned.summary,
       bodies={i: report(body) for i, body in partitioned.bodies.items()},
-      loops=tuple(_loop_group(partitioned, g) for g in graph.loops))
+      loops=tuple(_loop_group(partitioned, g) for g in graph.loops),
+      loops_apart=dict(graph.loops_apart))
 
 
 def _loop_group(partitioned: PartitionedProgram, regions) -> LoopGroup:

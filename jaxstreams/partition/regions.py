@@ -42,6 +42,9 @@ class RegionGraph:
   region_of: list[int]                   # region of each equation
   # Groups of adjacent regions, each one scan, that can run as one loop.
   loops: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+  # Groups found but left apart (each scan its own loop), and why.
+  loops_apart: dict[tuple[int, ...], str] = dataclasses.field(
+      default_factory=dict)
 
 
 def partition(program: ExposedProgram, eqn_streams: Sequence[int]
