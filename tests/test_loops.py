@@ -620,3 +620,5 @@ def test_one_loop_where_one_body_of_the_group_can_be_a_stream_call(args):
   graphs = jaxstreams.xla_graphs(
       f.trace(*args).lower(lowering_platforms=("cuda",)), plan=plan)
   assert len(graphs.loops) == 1, str(graphs)
+  assert graphs.parallel_regions() == (tuple(plan.loops[0].regions),), (
+      str(graphs))
