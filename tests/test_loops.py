@@ -560,24 +560,92 @@ def test_which_bodies_read_their_carry_after_writing_it(args):
     assert carry_hazard(*_body_of(fn, w, x)) is None
 
 
-def test_a_body_that_reads_its_carry_after_writing_it_compiles(args):
-  """Towers whose steps return an increment (reading the carry after the
-  next one is written): on jaxlib 0.11 and 0.12, where XLA aborts on such a
-  body as a stream call, the one loop would run both bodies in place, one
-  after the other, so the towers stay apart (each its own loop, as jax.jit
-  runs them; the default does not pick the loops way for them) and the
-  plan says why; on 0.10 they are one loop with the bodies in flight
-  together. Results bitwise jax.jit's on CPU."""
-  require_gpu_target()
+def _nested_delta_scan(ws, x):
+  """``_delta_scan`` with its step a jitted function: the reading of the
+  carry after the next one is written is inside one equation."""
+  @jax.jit
+  def step(c, w):
+    c2 = jnp.tanh(c @ w)
+    return c2, jnp.sum(c2 - c, axis=0)
+  return lax.scan(step, x, ws)
 
-  def deltas(w1, w2, x):
+
+def test_which_part_of_a_body_runs_after_its_call():
+  """``carry_tail``: the readings of the carry after the next one is
+  written and what depends on them; None where a carry would be written
+  after the call or the reading is inside one nested jit."""
+  from jaxstreams.lower.limits import carry_tail
+  w, x = jnp.ones((4, 8, 8)), jnp.ones((2, 8))
+
+  def feeds_carry(ws, x):   # the reading writes the next carry
+    return lax.scan(lambda c, w: (jnp.tanh(c @ w) - c, None), x, ws)
+
+  def chained(ws, x):
+    def step(c, w):
+      c2 = jnp.tanh(c @ w)
+      d = c2 - c
+      return c2, (jnp.sum(d * d), jnp.abs(c2))
+    return lax.scan(step, x, ws)
+
+  jaxpr, consts, carry = _body_of(chained, w, x)
+  tail = carry_tail(jaxpr, consts, carry)
+  assert [jaxpr.eqns[i].primitive.name for i in tail] == [
+      "sub", "mul", "reduce_sum"]
+  assert carry_tail(*_body_of(_nested_delta_scan, w, x)) is None
+  assert carry_tail(*_body_of(feeds_carry, w, x)) is None
+
+
+def _two_towers(scan):
+  def towers(w1, w2, x):
     with jaxstreams.stream(1):
-      a, da = _delta_scan(w1, x)
+      a, da = scan(w1, x)
     with jaxstreams.stream(2):
-      b, db = _delta_scan(w2, x)
+      b, db = scan(w2, x)
     return jnp.sum(a * b) + jnp.sum(da) + jnp.sum(db)
+  return towers
 
-  f = jaxstreams.jit(deltas, streams=3)
+
+@pytest.mark.parametrize("lengths", [(4, 4), (8, 4)])
+def test_a_body_that_reads_its_carry_after_writing_it_runs_beside_the_other(
+    lengths):
+  """Towers whose steps return an increment (reading the carry after the
+  next one is written; XLA of jaxlib 0.11 and 0.12 aborts on that inside
+  a stream call in a loop): there the increments run after each body's
+  call, on the main stream, and the plan says so; the rest of the bodies
+  is in flight together on every jax, and the GPU's program gives
+  jax.jit's results (run on CPU, the deeper tower two layers a step too;
+  bitwise on CPU, where the program is jax.jit's)."""
+  require_gpu_target()
+  towers = _two_towers(_delta_scan)
+  args = _mixed_args(lengths)
+  f = jaxstreams.jit(towers, streams=3)
+  plan = f.plan(*args)
+  (group,) = plan.loops
+  split = _compat.jaxlib_version() >= (0, 11)
+  assert set(plan.in_part) == (set(group.regions) if split else set()), (
+      str(plan))
+  assert not plan.in_place and plan.gpu_lowering == "loops_concurrent"
+  assert ("part after the call" in str(plan)) == split, str(plan)
+  expected = jax.jit(towers)(*args)
+  np.testing.assert_array_equal(f(*args), expected)
+  # XLA:CPU fuses the sums of the one loop's program in its own way.
+  np.testing.assert_allclose(_gpu_branch(towers, 3, args), expected,
+                             rtol=1e-5)
+  graphs = jaxstreams.xla_graphs(
+      f.trace(*args).lower(lowering_platforms=("cuda",)), plan=plan)
+  assert graphs.parallel_regions() == (tuple(group.regions),), str(graphs)
+
+
+def test_loops_whose_bodies_would_all_run_in_place_stay_apart(args):
+  """The same towers with the reading inside one jitted step, which cannot
+  be moved out of the call: on jaxlib 0.11 and 0.12 the one loop would run
+  both bodies in place, one after the other, so the towers stay apart
+  (each its own loop, as jax.jit runs them; the default does not pick the
+  loops way for them) and the plan says why; on 0.10 they are one loop
+  with the bodies in flight together. Bitwise jax.jit's on CPU."""
+  require_gpu_target()
+  towers = _two_towers(_nested_delta_scan)
+  f = jaxstreams.jit(towers, streams=3)
   plan = f.plan(*args)
   apart = _compat.jaxlib_version() >= (0, 11)
   assert len(plan.loops) == (0 if apart else 1), str(plan)
@@ -587,7 +655,7 @@ def test_a_body_that_reads_its_carry_after_writing_it_compiles(args):
   assert ("every body would run in place" in text
           and "reads its carry 0" in text) == apart, text
   assert (plan.gpu_lowering == "loops_concurrent") != apart, text
-  np.testing.assert_array_equal(f(*args), jax.jit(deltas)(*args))
+  np.testing.assert_array_equal(f(*args), jax.jit(towers)(*args))
   graphs = jaxstreams.xla_graphs(
       f.trace(*args).lower(lowering_platforms=("cuda",)), plan=plan)
   assert len(graphs.loops) == (2 if apart else 1), str(graphs)
@@ -605,7 +673,7 @@ def test_one_loop_where_one_body_of_the_group_can_be_a_stream_call(args):
 
   def mixed(w1, w2, x):
     with jaxstreams.stream(1):
-      a, da = _delta_scan(w1, x)
+      a, da = _nested_delta_scan(w1, x)
     with jaxstreams.stream(2):
       b = _scan(w2, x)
     return jnp.sum(a * b) + jnp.sum(da)
@@ -615,6 +683,8 @@ def test_one_loop_where_one_body_of_the_group_can_be_a_stream_call(args):
   assert len(plan.loops) == 1 and not plan.loops_apart, str(plan)
   hazardous = _compat.jaxlib_version() >= (0, 11)
   assert len(plan.in_place) == (1 if hazardous else 0), str(plan)
+  assert ("(loop body): an operation of it reads its carry 0" in str(plan)
+          ) == hazardous
   assert plan.gpu_lowering == "loops_concurrent", str(plan)
   np.testing.assert_array_equal(f(*args), jax.jit(mixed)(*args))
   graphs = jaxstreams.xla_graphs(

@@ -473,10 +473,10 @@ class Chooser:
     else:
       nested_why = (f"inside another jit: {owner._nested_way().name!r} (no "
                     "compiler options reach a function traced there)")
+    whole, part = bodies_in_place(partitioned) if plan.loops else ({}, {})
     found = {"gpu_lowering": choice.way.name,
              "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}",
-             "in_place": {**gpu.in_place(plan), **(
-                 bodies_in_place(partitioned) if plan.loops else {})}}
+             "in_place": {**gpu.in_place(plan), **whole}, "in_part": part}
     if choice.decision is not None:
       entry = self._signatures.get(self.key(args, kwargs))
       measured = memory.measured(choice.decision, entry.footprints

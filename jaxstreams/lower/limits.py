@@ -36,6 +36,7 @@ on its stream (``jaxstreams.lower.loops``), which every jaxlib compiles.
 from __future__ import annotations
 
 import itertools
+import types
 from typing import Callable, Collection, Sequence
 
 import jax.extend.core as jcore
@@ -121,6 +122,40 @@ def carry_hazard(jaxpr, num_consts: int, num_carry: int) -> str | None:
                   "orders the reading before the writing: a cycle)")
         downstream |= writes
   return None
+
+
+def carry_tail(jaxpr, num_consts: int, num_carry: int
+               ) -> tuple[int, ...] | None:
+  """Where ``carry_hazard`` finds the loop body ``jaxpr`` cannot be one
+  stream call: the positions of its top-level equations that, run after
+  the call on the main stream, leave a call XLA compiles, or None. They
+  are each equation that reads the incoming carry after one writing the
+  outgoing carry, and everything that depends on those; none may write
+  a carry (the next step's call needs it), and what stays in the call
+  must pass ``carry_hazard`` (a reading inside one nested jit cannot be
+  taken out)."""
+  carry_in = {id(v) for v in jaxpr.invars[num_consts:num_consts + num_carry]}
+  carry_out = {id(v) for v in jaxpr.outvars[:num_carry]}
+  after_writer: set[int] = set()   # values downstream of a carry's writer
+  tail_values: set[int] = set()    # values the tail makes
+  tail = []
+  for position, eqn in enumerate(jaxpr.eqns):
+    reads = {id(v) for v in eqn.invars if not isinstance(v, jcore.Literal)}
+    made = {id(v) for v in eqn.outvars}
+    if reads & tail_values or (reads & after_writer and reads & carry_in):
+      tail.append(position)
+      tail_values |= made
+    if reads & after_writer or made & carry_out:
+      after_writer |= made
+  if not tail or tail_values & carry_out:
+    return None
+  moved = set(tail)
+  head = types.SimpleNamespace(
+      constvars=jaxpr.constvars, invars=jaxpr.invars, outvars=jaxpr.outvars,
+      eqns=[e for i, e in enumerate(jaxpr.eqns) if i not in moved])
+  if carry_hazard(head, num_consts, num_carry) is not None:
+    return None
+  return tuple(tail)
 
 
 _INLINED = _compat.NESTED_JIT_PRIMITIVES | _compat.DERIVATIVE_WRAPPERS

@@ -30,7 +30,7 @@ import numpy as np
 from jaxstreams import _compat
 from jaxstreams.lower.calls import (install_region_rules, order_barrier,
                                     stream_call)
-from jaxstreams.lower.limits import (body_hazard, carry_hazard,
+from jaxstreams.lower.limits import (body_hazard, carry_hazard, carry_tail,
                                      without_cse_barriers)
 from jaxstreams.lower.packing import Packing
 from jaxstreams.partition.cut import part_function
@@ -58,8 +58,12 @@ class _Member:
     self.length = loop_length(self.eqn)
     self.unroll = int(params.get("unroll", 1))
     # Why its body cannot be a stream call here (then it runs in place, on
-    # the main stream, inside the loop), or None.
-    self.hazard = _hazard(self.eqn, self.stream)
+    # the main stream, inside the loop), or None; and the part of it that
+    # runs after its call, on the main stream, so that the rest can be one.
+    self.why, tail = _limits(self.eqn, self.stream)
+    self.hazard = None if tail else self.why
+    self.tail = (_Tail(inner, eqns, tail, self.num_consts, self.num_carry)
+                 if tail else None)
 
   @property
   def on_stream(self) -> bool:
@@ -70,7 +74,8 @@ class _Member:
     c, k = self.num_consts, self.num_carry
     return list(values[:c]), list(values[c:c + k]), list(values[c + k:])
 
-  def step(self, layers: int, reverse: bool) -> Callable[..., list]:
+  def step(self, layers: int, reverse: bool, called: bool = False
+           ) -> Callable[..., list]:
     """A function of (constants, carry, slices) running ``layers`` of the
     scan's steps, in its direction, returning (carry, each layer's
     results): with one layer the slices are one step's and the results
@@ -84,9 +89,14 @@ class _Member:
     incoming carry and a result of the layer that writes the outgoing one
     makes XLA's loop-schedule linearizer (jaxlib 0.12) order the reading
     after the writing, a cycle its memory scheduler then aborts on
-    (docs/xla.md)."""
+    (docs/xla.md).
+
+    ``called``: what the body's stream call runs, where part of the body
+    runs after it (``tail``): the rest of each layer, returning each
+    layer's results as the tail's ``finish`` reads them."""
+    body = self.tail.head if called and self.tail else self.body
     if layers == 1:
-      return self.body
+      return body
     consts = self.num_consts + len(self.body_consts)
     carried = self.num_carry
 
@@ -96,7 +106,7 @@ class _Member:
       made: list = [None] * layers
       for j in (reversed(range(layers)) if reverse else range(layers)):
         x = [jax.lax.index_in_dim(s, j, keepdims=False) for s in slices]
-        out = list(self.body(*fixed, *carry, *x))
+        out = list(body(*fixed, *carry, *x))
         carry, made[j] = out[:carried], out[carried:]
       return [*carry, *(y for layer in made for y in layer)]
     return run
@@ -113,27 +123,89 @@ class _Member:
          for j in range(layers)], 0) for r in range(count))]
 
 
-def _hazard(eqn, stream: int) -> str | None:
+class _Tail:
+  """The equations of a body that run after its stream call, on the main
+  stream (``limits.carry_tail``): the call runs the rest (``head``),
+  returning the carry, each layer's results that the rest makes and what
+  the tail reads from it (incoming carry included); ``finish`` runs the
+  tail for each layer and puts the results back in the body's order."""
+
+  def __init__(self, jaxpr, eqns, positions: Sequence[int], num_consts: int,
+               num_carry: int):
+    moved = set(positions)
+    head = [e for i, e in enumerate(eqns) if i not in moved]
+    tail = [eqns[i] for i in positions]
+    made_by_tail = {v for e in tail for v in e.outvars}
+    before = ({v for e in head for v in e.outvars}
+              | set(jaxpr.invars[num_consts:num_consts + num_carry]))
+    needed = list(dict.fromkeys(
+        v for e in tail for v in e.invars
+        if not isinstance(v, jcore.Literal) and v in before))
+    ys = jaxpr.outvars[num_carry:]
+    self.from_tail = [not isinstance(v, jcore.Literal) and v in made_by_tail
+                      for v in ys]
+    head_ys = [v for v, moved in zip(ys, self.from_tail) if not moved]
+    fixed = [*jaxpr.constvars, *jaxpr.invars[:num_consts]]
+    self.head = part_function(
+        [*jaxpr.constvars, *jaxpr.invars],
+        [*jaxpr.outvars[:num_carry], *head_ys, *needed], head)
+    self.run_tail = part_function(
+        [*fixed, *jaxpr.invars[num_consts + num_carry:], *needed],
+        [v for v, moved in zip(ys, self.from_tail) if moved], tail)
+    self.num_fixed, self.num_carry = len(fixed), num_carry
+    self.num_head_ys, self.num_needed = len(head_ys), len(needed)
+
+  def finish(self, values: Sequence[Any], outs: Sequence[Any], layers: int
+             ) -> list:
+    """The body's results for ``layers`` layers from the call's ``outs``;
+    ``values`` are the call's operands (constants, carry, slices)."""
+    fixed = list(values[:self.num_fixed])
+    slices = list(values[self.num_fixed + self.num_carry:])
+    carry, made = list(outs[:self.num_carry]), list(outs[self.num_carry:])
+    per_layer = self.num_head_ys + self.num_needed
+    results = []
+    for j in range(layers):
+      mine = made[j * per_layer:(j + 1) * per_layer]
+      x = slices if layers == 1 else [
+          jax.lax.index_in_dim(v, j, keepdims=False) for v in slices]
+      moved = iter(self.run_tail(*fixed, *x, *mine[self.num_head_ys:]))
+      kept = iter(mine[:self.num_head_ys])
+      results += [next(moved) if t else next(kept) for t in self.from_tail]
+    return [*carry, *results]
+
+
+def _limits(eqn, stream: int) -> tuple[str | None, tuple[int, ...]]:
   """Why the installed XLA cannot compile the body of ``eqn`` (a scan on
   ``stream``) as a stream call per step of the one loop, or None (the main
-  stream's body runs in place anyway)."""
+  stream's body runs in place anyway); and the positions of the body's
+  equations that run after its call (``limits.carry_tail``) where those
+  make the rest one (else the body runs in place)."""
   if stream == 0:
-    return None
+    return None, ()
   body = _compat.nested_jaxpr({"jaxpr": eqn.params["jaxpr"]}).jaxpr
   num_consts, num_carry = _compat.scan_counts(eqn.params)
-  return body_hazard(body.eqns) or carry_hazard(body, num_consts, num_carry)
+  why = body_hazard(body.eqns)
+  if why is not None:
+    return why, ()
+  why = carry_hazard(body, num_consts, num_carry)
+  if why is None:
+    return None, ()
+  return why, carry_tail(body, num_consts, num_carry) or ()
 
 
 def groups_apart(program, graph) -> dict[tuple[int, ...], str]:
   """The groups of ``graph.loops`` (a ``RegionGraph`` of ``program``) whose
   one loop would hold nothing side by side, and why: every off-main body
-  would run in place (``_hazard``), so all of them would run on the main
+  would run in place (``_limits``), so all of them would run on the main
   stream one after the other. Such scans stay the loops ``jax.jit`` builds;
   a group keeps one loop where at least one body is a stream call."""
   apart = {}
   for group in graph.loops:
-    hazards = {r: _hazard(program.jaxpr.eqns[graph.members[r][0]],
-                          graph.streams[r]) for r in group}
+    hazards = {}
+    for r in group:
+      why, tail = _limits(program.jaxpr.eqns[graph.members[r][0]],
+                          graph.streams[r])
+      hazards[r] = None if tail else why
     if any(graph.streams[r] != 0 and why is None for r, why in hazards.items()):
       continue
     whys = {why: [r for r in group if hazards[r] == why]
@@ -146,17 +218,22 @@ def groups_apart(program, graph) -> dict[tuple[int, ...], str]:
   return apart
 
 
-def bodies_in_place(plan: PartitionedProgram) -> dict[int, str]:
+def bodies_in_place(plan: PartitionedProgram
+                    ) -> tuple[dict[int, str], dict[int, str]]:
   """The off-main loop bodies of ``plan``'s groups that run in place (on
   the main stream, in the one loop) because the installed XLA cannot
-  compile them as a stream call per step, and why, by region."""
-  found = {}
+  compile them as a stream call per step, and why, by region; and those
+  that run in part after their call, on the main stream (``_Tail``), and
+  why."""
+  whole, part = {}, {}
   for group in plan.graph.loops:
     for region in group:
       member = _Member(plan, region)
       if member.hazard is not None:
-        found[region] = member.hazard
-  return found
+        whole[region] = member.hazard
+      elif member.tail is not None:
+        part[region] = member.why
+  return whole, part
 
 
 def emit_group(plan: PartitionedProgram, regions: Sequence[int],
@@ -231,7 +308,7 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
     the next call starts (jaxlib 0.10), the call returns them in one
     buffer (the ``_Packed``, which unpacks them after the step's barrier
     over the calls' results: a single-result done waits for it)."""
-    run = m.step(layers, reverse)
+    run = m.step(layers, reverse, called=m.on_stream)
     if not m.on_stream:
       return run, None
     if out_of_graphs:
@@ -259,6 +336,10 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
       if pinned:
         outs = [out if packed is None else packed.unpack(out)
                 for packed, out in zip(packs, _together(outs))]
+      for p, (m, k) in enumerate(zip(group, phase.per_step)):
+        if m.on_stream and m.tail is not None:
+          with scope(m.region):
+            outs[p] = m.tail.finish(inputs[p], outs[p], k)
       outs = [m.stack(out, k) for m, out, k in zip(group, outs, phase.per_step)]
       return ([out[:m.num_carry] for m, out in zip(group, outs)],
               [out[m.num_carry:] for m, out in zip(group, outs)])

@@ -139,6 +139,9 @@ class StreamPlan:
   # Off-main regions that the installed XLA cannot compile as stream calls,
   # and why: ways with stream calls run them in place (set with the way).
   in_place: dict[int, str] = dataclasses.field(default_factory=dict)
+  # Loop bodies whose readings of their carry after writing its next value
+  # run after their stream call, on the main stream, and why (set with it).
+  in_part: dict[int, str] = dataclasses.field(default_factory=dict)
   # What each way needs on the device against jax.jit's program (a
   # ``jaxstreams.lower.memory.WaysMemory``): set by ``f.plan(*args,
   # target=...)``, which compiles every way for that GPU, and on a GPU by
@@ -184,6 +187,8 @@ class StreamPlan:
           where = (f"on stream {region.stream}"
                    if region.is_call and region.index not in self.in_place
                    else "in place (main)")
+          if region.index in self.in_part:
+            where += " (part after the call, main)"
           return f"loop body {where}, one loop with {others}"
     if not region.is_call:
       return "inline (main)"
@@ -262,6 +267,11 @@ class StreamPlan:
       lines += ["", "regions run in place instead of as stream calls:"]
       lines += [f"  R{r}{' (loop body)' if r in grouped else ''}: {why}"
                 for r, why in sorted(shown.items())]
+    if self.in_part and self._fuses_loops:
+      lines += ["", "loop bodies run in part after their stream call, on the "
+                "main stream (what reads the carry after the next one is "
+                "written, and what depends on it):"]
+      lines += [f"  R{r}: {why}" for r, why in sorted(self.in_part.items())]
     if self.dependencies:
       lines += ["", "cross-stream dependencies:"]
       for d in self.dependencies:
