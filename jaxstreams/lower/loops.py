@@ -268,13 +268,17 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
   # it may put a call's done right after its start, and then the bodies run
   # one after the other. One barrier over every body's operands and one over
   # every body's results (a main-stream body's too) make all the starts
-  # come before any done, and the main-stream body run between them. Not on
-  # 0.12: there the same barriers make XLA exhaust memory compiling a
-  # training step of scanned transformer towers (24 GB, deviceless), and
-  # its own scheduler overlaps the bodies, except where the stacked
-  # outputs' updates wait on a body (docs/xla.md).
-  pinned = (not _compat.XLA_SCHEDULES_STREAM_CALLS
-            and any(m.on_stream for m in members))
+  # come before any done, and the main-stream body run between them
+  # (``pinned``). On 0.12 XLA's scheduler overlaps the calls itself, but
+  # where the step's stacked outputs are updated by asynchronous copies it
+  # hides those behind the main-stream body by putting an off-main body's
+  # done before that body (the GRU bank's training step): the barrier over
+  # the results alone keeps every update after every body. The one over
+  # the operands makes XLA 0.12 exhaust memory compiling a training step
+  # of scanned transformer towers (24 GB, deviceless), so 0.12 goes
+  # without it (docs/xla.md).
+  results_pinned = any(m.on_stream for m in members)
+  pinned = results_pinned and not _compat.XLA_SCHEDULES_STREAM_CALLS
   if out_of_graphs:
     from jaxstreams.runtime import _loader
     out_of_graphs = {"cpu", "cuda"} <= set(_loader.available_platforms())
@@ -333,7 +337,7 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
       for m, call, values in zip(group, calls, inputs):
         with scope(m.region):
           outs.append(list(call(*values)))
-      if pinned:
+      if results_pinned:
         outs = [out if packed is None else packed.unpack(out)
                 for packed, out in zip(packs, _together(outs))]
       for p, (m, k) in enumerate(zip(group, phase.per_step)):
