@@ -144,14 +144,14 @@ class _Tail:
     ys = jaxpr.outvars[num_carry:]
     self.from_tail = [not isinstance(v, jcore.Literal) and v in made_by_tail
                       for v in ys]
-    head_ys = [v for v, moved in zip(ys, self.from_tail) if not moved]
+    head_ys = [v for v, later in zip(ys, self.from_tail) if not later]
     fixed = [*jaxpr.constvars, *jaxpr.invars[:num_consts]]
     self.head = part_function(
         [*jaxpr.constvars, *jaxpr.invars],
         [*jaxpr.outvars[:num_carry], *head_ys, *needed], head)
     self.run_tail = part_function(
         [*fixed, *jaxpr.invars[num_consts + num_carry:], *needed],
-        [v for v, moved in zip(ys, self.from_tail) if moved], tail)
+        [v for v, later in zip(ys, self.from_tail) if later], tail)
     self.num_fixed, self.num_carry = len(fixed), num_carry
     self.num_head_ys, self.num_needed = len(head_ys), len(needed)
 
@@ -168,9 +168,9 @@ class _Tail:
       mine = made[j * per_layer:(j + 1) * per_layer]
       x = slices if layers == 1 else [
           jax.lax.index_in_dim(v, j, keepdims=False) for v in slices]
-      moved = iter(self.run_tail(*fixed, *x, *mine[self.num_head_ys:]))
+      later = iter(self.run_tail(*fixed, *x, *mine[self.num_head_ys:]))
       kept = iter(mine[:self.num_head_ys])
-      results += [next(moved) if t else next(kept) for t in self.from_tail]
+      results += [next(later) if t else next(kept) for t in self.from_tail]
     return [*carry, *results]
 
 
