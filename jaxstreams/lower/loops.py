@@ -10,7 +10,10 @@ thread of the program), and each step's bodies run side by side on their
 streams.
 
 A body that the installed XLA cannot compile as a stream call (``limits``)
-runs in place, on the main stream, in the loop's step. The loop's counter
+runs in place, on the main stream, in the loop's step; where only its
+readings of the carry after the next one is written stop it, those run
+after its call there instead (``_Tail``), and a group whose bodies would
+all run in place is left apart (``groups_apart``). The loop's counter
 and the bodies' constants stay outside the calls (jaxlib 0.12 crashes on a
 constant inside one; ``calls`` lowers region calls so).
 
@@ -60,8 +63,7 @@ class _Member:
     # Why its body cannot be a stream call here (then it runs in place, on
     # the main stream, inside the loop), or None; and the part of it that
     # runs after its call, on the main stream, so that the rest can be one.
-    self.why, tail = _limits(self.eqn, self.stream)
-    self.hazard = None if tail else self.why
+    self.hazard, tail, self.why = _limits(self.eqn, self.stream)
     self.tail = (_Tail(inner, eqns, tail, self.num_consts, self.num_carry)
                  if tail else None)
 
@@ -174,23 +176,25 @@ class _Tail:
     return [*carry, *results]
 
 
-def _limits(eqn, stream: int) -> tuple[str | None, tuple[int, ...]]:
-  """Why the installed XLA cannot compile the body of ``eqn`` (a scan on
-  ``stream``) as a stream call per step of the one loop, or None (the main
-  stream's body runs in place anyway); and the positions of the body's
-  equations that run after its call (``limits.carry_tail``) where those
-  make the rest one (else the body runs in place)."""
+def _limits(eqn, stream: int
+            ) -> tuple[str | None, tuple[int, ...], str | None]:
+  """For the body of ``eqn`` (a scan on ``stream``) as a stream call per
+  step of the one loop: why it runs in place instead, or None (the main
+  stream's body runs in place anyway); the positions of its equations
+  that run after its call (``limits.carry_tail``), where those make the
+  rest one; and why the installed XLA cannot compile it whole, or None."""
   if stream == 0:
-    return None, ()
+    return None, (), None
   body = _compat.nested_jaxpr({"jaxpr": eqn.params["jaxpr"]}).jaxpr
   num_consts, num_carry = _compat.scan_counts(eqn.params)
   why = body_hazard(body.eqns)
   if why is not None:
-    return why, ()
+    return why, (), why
   why = carry_hazard(body, num_consts, num_carry)
   if why is None:
-    return None, ()
-  return why, carry_tail(body, num_consts, num_carry) or ()
+    return None, (), None
+  tail = carry_tail(body, num_consts, num_carry) or ()
+  return (None if tail else why), tail, why
 
 
 def groups_apart(program, graph) -> dict[tuple[int, ...], str]:
@@ -201,11 +205,8 @@ def groups_apart(program, graph) -> dict[tuple[int, ...], str]:
   a group keeps one loop where at least one body is a stream call."""
   apart = {}
   for group in graph.loops:
-    hazards = {}
-    for r in group:
-      why, tail = _limits(program.jaxpr.eqns[graph.members[r][0]],
-                          graph.streams[r])
-      hazards[r] = None if tail else why
+    hazards = {r: _limits(program.jaxpr.eqns[graph.members[r][0]],
+                          graph.streams[r])[0] for r in group}
     if any(graph.streams[r] != 0 and why is None for r, why in hazards.items()):
       continue
     whys = {why: [r for r in group if hazards[r] == why]
