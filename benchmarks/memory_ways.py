@@ -92,6 +92,9 @@ def programs(quick):
           lambda: _towers((12, 12), 512, 64, True),
       "towers 24+12, d=512, batch 64, training step":
           lambda: _towers((24, 12), 512, 64, True),
+      # Lengths whose ratio is more than four layers a step: two phases.
+      "towers 10+4, d=512, batch 64, training step":
+          lambda: _towers((10, 4), 512, 64, True),
       "towers 12+12, d=512, batch 64, forward":
           lambda: _towers((12, 12), 512, 64, False),
       "four branches (no loops), forward": _four_branches,
