@@ -23,7 +23,9 @@ and seconds until the function chose its way, and the way.
   code path up to the program it runs: ``settle`` (plan, lowering, the disk
   cache, the compiles started beside it), then that program traced, lowered
   and compiled as a call would; ``jax.jit``'s is ``trace().lower().
-  compile()``. Nothing runs, so nothing is timed and nothing decided.
+  compile()``. Nothing runs, so nothing is timed and nothing decided (and
+  nothing estimated: ``jaxstreams_estimate_target`` is ``none``, as a
+  GPU's first calls do not estimate).
 * On a GPU the first calls are calls, and the models of ``gpu_levers.py``
   (the suite's) are measured too; the function is then called until its way
   is chosen.
@@ -278,6 +280,10 @@ def first_calls(rounds: int, quick: bool, wanted: set[str]
       target = jaxstreams.gpu_target("h100")
     except jaxstreams.GpuTargetError as error:
       return [], [f"  first calls: not measured: {error}"]
+    # A GPU's first call times the ways; without one, lowering for the
+    # target would choose by the estimate instead (compiling every way).
+    # What is measured is the GPU's path.
+    jaxstreams.config.update("jaxstreams_estimate_target", "none")
   if not quick:
     # What a process pays once (loading XLA:GPU's compiler, jaxstreams'
     # modules) goes to neither side: a tiny first call of each, unrecorded.

@@ -350,7 +350,7 @@ class StreamJit(functools.partial):
     if top_level and self._devices is not None:
       return self._devices > 1
     devices = jax.devices()
-    return len(devices) > 1 and choose.is_gpu(devices[0].platform)
+    return len(devices) > 1 and gpu.is_gpu(devices[0].platform)
 
   def _nested_way(self) -> gpu.Way:
     name = self._spec.lowering()

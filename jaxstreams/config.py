@@ -143,23 +143,26 @@ ESTIMATE_TARGETS = ("h100", "h200")
 
 
 def _estimate_target_value(value: str) -> str | None:
-  if not value or value.lower() in ESTIMATE_TARGETS or os.path.isfile(value):
+  if (value.lower() in ("auto", "none") + ESTIMATE_TARGETS
+      or os.path.isfile(value)):
     return None
-  return (f"must be empty, one of {', '.join(ESTIMATE_TARGETS)}, or the "
-          "path of a GpuTargetConfigProto text file")
+  return (f"must be 'auto', 'none', one of {', '.join(ESTIMATE_TARGETS)}, "
+          "or the path of a GpuTargetConfigProto text file")
 
 
 ESTIMATE_TARGET = _define(Option(
-    "jaxstreams_estimate_target", str, "",
-    "A GPU to estimate step times for ('h100', 'h200' or a "
-    "GpuTargetConfigProto file): where nothing times the ways of a "
-    "jaxstreams.jit function (no GPU in this process, as when lowering for a "
-    "target from a machine without one, or jaxstreams_autotune off), its "
-    "candidate ways are compiled for that target in a child process, once "
-    "per signature, and the default runs the one with the lowest estimated "
-    "step (jaxstreams.xla.step_time) if it beats jax.jit's program "
-    "(jaxstreams.lower.estimated). Empty: the structural default, neither "
-    "timed nor estimated.",
+    "jaxstreams_estimate_target", str, "auto",
+    "Where nothing times the ways of a jaxstreams.jit function (no GPU in "
+    "this process, or jaxstreams_autotune off), the GPU whose estimated step "
+    "times (jaxstreams.xla.step_time) choose the default's way: its "
+    "candidate ways are compiled for it in a child process, once per "
+    "signature, and the one estimated fastest runs if it beats jax.jit's "
+    "program (jaxstreams.lower.estimated). 'auto': the GPU at hand, the "
+    "target the arguments are placed on (lowering for a GPU from a machine "
+    "without one) or this H100/H200 with autotuning off; none for a call "
+    "on CPU. 'h100', 'h200' or a GpuTargetConfigProto file: that GPU "
+    "wherever nothing times. 'none': the structural default, neither timed "
+    "nor estimated.",
     _estimate_target_value))
 
 AUTOTUNE_CACHE = _define(Option(

@@ -50,6 +50,7 @@ stream calls for that reason); it fails loudly if that changes.
 """
 
 import gc
+import glob
 import os
 
 import jax
@@ -67,6 +68,12 @@ jax.config.update("jax_num_cpu_devices", 4)
 # written to the user's autotune cache.
 os.environ.setdefault("JAXSTREAMS_AUTOTUNE", "0")
 os.environ.setdefault("JAXSTREAMS_AUTOTUNE_CACHE", "none")
+# With autotuning off, the default on an H100 or H200 would choose by the
+# step-time estimate (jaxstreams_estimate_target=auto), compiling every way
+# in a child: on a GPU the tests check the structural default, and
+# tests/test_step_time.py tests the estimate where it sets it.
+if glob.glob("/dev/nvidia[0-9]*"):
+  os.environ.setdefault("JAXSTREAMS_ESTIMATE_TARGET", "none")
 
 
 @pytest.fixture(autouse=True)

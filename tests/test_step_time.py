@@ -2,6 +2,7 @@
 the compiled HLO, the launches played forward, and the estimate held to the
 step times an H100 measured (``benchmarks/fit_step_time.py``)."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -342,8 +343,117 @@ def test_the_option_names_a_target():
   import jaxstreams
   # config holds the built-in targets' names itself (it sits below xla).
   assert jaxstreams.config.ESTIMATE_TARGETS == tuple(sorted(targets.BUILTIN_TARGETS))
-  with pytest.raises(ValueError, match="h100, h200, or the path"):
+  assert jaxstreams.config.options()["jaxstreams_estimate_target"].default == "auto"
+  with pytest.raises(ValueError, match="'auto', 'none', one of h100, h200, "
+                     "or the path"):
     jaxstreams.config.update("jaxstreams_estimate_target", "h1000")
+
+
+@contextlib.contextmanager
+def _options(**values):
+  """jaxstreams options set inside the block, reset after it."""
+  import jaxstreams
+  for name, value in values.items():
+    jaxstreams.config.update(name, value)
+  try:
+    yield
+  finally:
+    for name in values:
+      jaxstreams.config.reset(name)
+
+
+class _Device:
+  """A device as ``target_for`` reads one."""
+
+  def __init__(self, platform, kind):
+    self.platform, self.device_kind = platform, kind
+
+
+def test_by_default_the_estimate_is_for_the_gpu_at_hand(monkeypatch):
+  """``auto``: nothing for a call on CPU; an H100 or H200 by its kind where
+  autotuning is off; nothing where its calls are timed, or for a GPU the
+  estimate is not fitted to; a named target wherever nothing times."""
+  import jax
+  import jaxstreams
+  from jaxstreams.lower import estimated
+  h100 = _Device("gpu", "NVIDIA H100 80GB HBM3")
+  with _options(jaxstreams_estimate_target="auto", jaxstreams_autotune=False):
+    assert estimated.target_for(_Device("cpu", "cpu")) is None
+    found = estimated.target_for(h100)
+    assert (found.target, found.found) == (
+        "h100", "this GPU's kind; jaxstreams_autotune is off")
+    assert estimated.target_for(_Device("cuda", "NVIDIA H200")).name == "h200"
+    assert estimated.target_for(_Device("gpu", "NVIDIA A100-SXM4-80GB")) is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with _options(jaxstreams_autotune=True):
+      assert estimated.target_for(h100) is None          # timed instead
+  with _options(jaxstreams_estimate_target="h200"):
+    assert estimated.target_for(_Device("cpu", "cpu")).target == "h200"
+  with _options(jaxstreams_estimate_target="none"):
+    assert estimated.target_for(h100) is None
+
+
+def _asking(monkeypatch, step=80e-6):
+  """Replace the compiles with fixed estimates: every way but ``inline``
+  ``step``; returns the list of (ways, target) asked."""
+  from jaxstreams.lower import estimated
+  asked = []
+
+  def fake(lower, ways, target):
+    asked.append((tuple(w.name for w in ways), target))
+    return {w.name: (_fake(100e-6 if w.name == "inline" else step), None)
+            for w in ways}
+  monkeypatch.setattr(estimated, "estimate_ways", fake)
+  return asked
+
+
+def test_lowering_for_a_gpu_target_estimates_for_it(monkeypatch):
+  """The default's way for arguments placed on an H100 compile target is
+  estimated for that target; for the same arguments on CPU nothing is
+  estimated, and the plan keeps the structural default."""
+  require_gpu_target()
+  import jaxstreams
+  asked = _asking(monkeypatch, step=150e-6)   # every way slower than inline
+  fn, args = _branches()
+  f = jaxstreams.jit(fn, streams=3)
+  h100 = targets.gpu_target("h100")
+  with _options(jaxstreams_estimate_target="auto"):
+    assert f.plan(*args).gpu_lowering == "concurrent" and not asked
+    plan = f.plan(*h100.abstract(*args))
+    lowered = f.lower(*h100.abstract(*args))   # the same signature
+  assert [target for _, target in asked] == [h100]
+  assert plan.gpu_lowering == "inline", plan.gpu_reason
+  assert ("estimated for h100 (the target the arguments are on), not timed"
+          in plan.gpu_reason)
+  assert len(asked) == 1
+  assert _concurrent(lowered) is False       # jax.jit's program
+  with _options(jaxstreams_estimate_target="none"):
+    g = jaxstreams.jit(fn, streams=3)
+    assert _concurrent(g.lower(*h100.abstract(*args))) is True
+  assert len(asked) == 1
+
+
+def _concurrent(lowered) -> bool:
+  """Whether ``lowered`` compiles with CONCURRENT graphs."""
+  from jaxstreams import _compat
+  from jaxstreams.lower import gpu
+  options = _compat.lowered_compiler_options(lowered)
+  return all(options.get(k) == v for k, v in gpu.CONCURRENT_GRAPHS.items())
+
+
+def test_an_estimated_decision_is_kept_on_disk(monkeypatch, tmp_path,
+                                               estimate_for_h100):
+  import jaxstreams
+  asked = _asking(monkeypatch)
+  fn, args = _branches()
+  with _options(
+      jaxstreams_autotune_cache=str(tmp_path / "decisions.json")):
+    first = jaxstreams.jit(fn, streams=3).plan(*args)
+    again = jaxstreams.jit(fn, streams=3).plan(*args)   # a new function
+  assert len(asked) == 1
+  assert first.gpu_lowering == again.gpu_lowering != "inline"
+  assert "kept on disk" in again.gpu_reason
+  assert "kept on disk" not in first.gpu_reason
 
 
 def test_the_estimated_choice_compiles_the_ways_for_the_target(estimate_for_h100):
@@ -354,6 +464,13 @@ def test_the_estimated_choice_compiles_the_ways_for_the_target(estimate_for_h100
   reason = plan.gpu_reason
   assert "estimated for h100 (jaxstreams_estimate_target), not timed" in reason
   assert "inline" in reason and "concurrent" in reason and "-bound)" in reason
+  # By default: for the target the arguments are placed on, the same ways.
+  with _options(jaxstreams_estimate_target="auto"):
+    placed = jaxstreams.jit(fn, streams=3).plan(
+        *targets.gpu_target("h100").abstract(*args))
+  assert ("estimated for h100 (the target the arguments are on), not timed"
+          in placed.gpu_reason)
+  assert placed.gpu_lowering == plan.gpu_lowering
 
 
 # ---------------------------------------------------------------------------

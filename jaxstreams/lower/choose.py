@@ -46,11 +46,10 @@ The first call costs what ``jax.jit``'s does:
   ran and never fails a call. ``jaxstreams_autotune`` off: the static
   default, untimed.
 * Where nothing times the ways (no GPU in this process, or
-  ``jaxstreams_autotune`` off) and ``jaxstreams_estimate_target`` names a
-  GPU, the static default is the candidate way with the lowest estimated
-  step on that GPU, ``inline`` unless another is estimated
-  ``timing.MIN_GAIN`` faster, more for more memory (``estimated``: the ways
-  compiled for it in a child process, once per signature).
+  ``jaxstreams_autotune`` off) but there is a GPU to estimate for (the
+  target the arguments are placed on, by default), the static default is
+  the way with the lowest estimated step there, ``inline`` unless another
+  is estimated faster by the gain its memory asks (``estimated``).
 
 Memory is never fatal (``jaxstreams.lower.memory``): a candidate whose
 compiled program would not fit in the device's free memory is never run,
@@ -89,7 +88,6 @@ if TYPE_CHECKING:
   from jaxstreams.partition import StreamPlan
 
 ONE_STREAM = "one stream: the program jax.jit builds"
-_GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
 
 # ---------------------------------------------------------------------------
@@ -136,10 +134,6 @@ def platform(args, kwargs, jit_kwargs) -> str:
   return first_device(args, kwargs, jit_kwargs).platform
 
 
-def is_gpu(platform_name: str) -> bool:
-  return platform_name.lower() in _GPU_PLATFORMS
-
-
 # ---------------------------------------------------------------------------
 # The static choice.
 
@@ -182,9 +176,10 @@ def static_choice(lowering: str, plan: Callable[[], "StreamPlan"],
   asked for, ``jax.jit``'s program for a plan on one stream or with nothing
   to time, else the top-level default (timed where ``timable``). ``plan()``
   gives the plan, made only if needed. ``estimate(ways)``, where nothing
-  will time them and a target is set (``Chooser.estimator``): the way
-  with the lowest estimated step and why (``jaxstreams.lower.estimated``;
-  ``EstimateFailed`` where none could be estimated)."""
+  will time them and there is a GPU to estimate for
+  (``Chooser.estimator``): the way with the lowest estimated step and why
+  (``jaxstreams.lower.estimated``; ``EstimateFailed`` where none could be
+  estimated)."""
   if lowering != gpu.DEFAULT:
     return Choice(gpu.WAYS[lowering], f"gpu_lowering={lowering!r}")
   found = plan()
@@ -266,7 +261,7 @@ class Chooser:
       if not isinstance(owner.func, FirstCall):   # settled by another thread
         return owner.func
       spec = owner._spec
-      if not is_gpu(platform(args, kwargs, spec.jit_kwargs)):
+      if not gpu.is_gpu(platform(args, kwargs, spec.jit_kwargs)):
         # One stream: the program of the way asked for (stream calls lower
         # in place), without the GPU's compiler options, for every call,
         # at top level or inside another trace.
@@ -308,10 +303,12 @@ class Chooser:
 
   def estimator(self, args, kwargs) -> Callable | None:
     """``estimated.estimator`` for a call with these arguments: where
-    nothing will time the ways and a target to estimate for is set, what
+    nothing will time the ways and there is a GPU to estimate for, what
     chooses the way by its estimated step (once per signature)."""
-    return estimated.estimator(self._owner(), self.key(args, kwargs), args,
-                               kwargs, self._estimated)
+    owner = self._owner()
+    return estimated.estimator(
+        owner, self.key(args, kwargs), args, kwargs,
+        first_device(args, kwargs, owner._spec.jit_kwargs), self._estimated)
 
   def _fitting(self, owner, choice: Choice, args, kwargs) -> Choice:
     """``choice``, the untimed default, where its program fits in the

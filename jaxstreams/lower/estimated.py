@@ -2,27 +2,37 @@
 
 On a GPU the first calls of a ``jaxstreams.jit`` function time the
 candidate ways (``jaxstreams.lower.choose``). Where nothing can (no GPU in
-this process: a program lowered for a target from a machine without one;
-or ``jaxstreams_autotune`` off), the default is structural
-(``gpu.default_top_level``) unless a target to estimate for is given
-(``jaxstreams_estimate_target``): then the candidate ways are compiled for
-that target in one child process (``jaxstreams.xla.xla_graphs_of``, once
-per signature: seconds to minutes, compiles the user asked for by setting
-the option) and the way with the lowest estimated step
-(``jaxstreams.xla.step_time``) is kept, unless it is not estimated faster
-than ``jax.jit``'s program (``inline``) by ``timing.MIN_GAIN``, more for a
-way that needs more device memory (``timing.required_gain``, XLA's memory
-analysis of the same compiles). The plan
-says the way was estimated, not timed, with each way's estimate and bound.
-The estimate weighs what the structural rule cannot: launches against
-overlap (a loop body kept out of the graph and launched kernel by kernel,
-a stream call's events per loop step), and which of host and device bounds
-the step.
+this process; or ``jaxstreams_autotune`` off), the default weighs them by
+their estimated steps on a GPU (``jaxstreams.xla.step_time``), where there
+is one to estimate for (``target_for``; ``jaxstreams_estimate_target``,
+``auto`` by default): the target a call's arguments are placed on
+(``gpu_target(...).abstract``: lowering for a GPU from a machine without
+one), this GPU if it is an H100 or H200 (the estimate's constants are
+fitted to H100 runs), or the GPU the option names. A call on CPU has
+none: its program is ``jax.jit``'s whatever the way, and the plan keeps the
+structural default (``gpu.default_top_level``).
+
+The candidate ways are compiled for the target in one child process
+(``jaxstreams.xla.xla_graphs_of``, kept for the process: the compiles are
+seconds per way) once per signature and target, and the decision is kept
+on disk with the timed ones (``timing.store``, keyed by the program, the
+target and the versions): a returning user's compile asks nothing more.
+The way with the lowest estimated step is kept, unless it is not estimated
+faster than ``jax.jit``'s program (``inline``) by ``timing.MIN_GAIN``, more
+for a way that needs more device memory (``timing.required_gain``, XLA's
+memory analysis of the same compiles). The plan says the way was
+estimated, not timed, with each way's estimate and bound. The estimate
+weighs what the structural rule cannot: launches against overlap (a loop
+body kept out of the graph and launched kernel by kernel, a stream call's
+events per loop step), and which of host and device bounds the step.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Hashable, Sequence
+
+import dataclasses
+import hashlib
 
 import jax
 
@@ -37,19 +47,47 @@ class EstimateFailed(RuntimeError):
   structural default runs, and the plan says why."""
 
 
-def target() -> str | None:
-  """The target to estimate for (the option), None where none is set."""
-  return config.read(OPTION) or None
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A GPU to estimate for: ``target`` as ``xla_graphs_of`` takes it (a
+  name, a file, or a ``GpuTarget``), its name, and how it was found."""
+  target: object
+  name: str
+  found: str
+
+
+def target_for(device) -> Target | None:
+  """The GPU to estimate for where nothing times the ways of a call on
+  ``device`` (the option; see the module docstring), None where there is
+  none or the ways are timed."""
+  value = config.read(OPTION)
+  if value.lower() == "none" or (config.read("jaxstreams_autotune")
+                                 and jax.default_backend() == "gpu"):
+    return None
+  if value.lower() != "auto":
+    return Target(value, value, "jaxstreams_estimate_target")
+  if not gpu.is_gpu(device.platform):
+    return None
+  from jaxstreams.xla import target as targets
+  placed = targets.placed_on(device)
+  if placed is not None:
+    return Target(placed, placed.name, "the target the arguments are on")
+  kind = device.device_kind.lower()
+  for name in config.ESTIMATE_TARGETS:
+    if name in kind:
+      return Target(name, name, "this GPU's kind; jaxstreams_autotune is off")
+  return None
 
 
 def estimate_ways(lower: Callable[[gpu.Way], object], ways: Sequence[gpu.Way],
-                  target_name: str) -> dict:
+                  target: object) -> dict:
   """Way name -> (``StepEstimate``, bytes a call needs on the device by
-  XLA's memory analysis, or None) of each of ``ways`` for ``target_name``;
-  ``lower(way)``: the way's top-level program lowered for CUDA."""
+  XLA's memory analysis, or None) of each of ``ways`` for ``target`` (as
+  ``xla_graphs_of`` takes it); ``lower(way)``: the way's top-level program
+  lowered for CUDA."""
   from jaxstreams.xla.graph import xla_graphs_of
   views = xla_graphs_of({way.name: lower(way) for way in ways},
-                        target=target_name)
+                        target=target)
   failed = [view for view in views.values() if isinstance(view, Exception)]
   if failed:
     raise failed[0]
@@ -57,19 +95,19 @@ def estimate_ways(lower: Callable[[gpu.Way], object], ways: Sequence[gpu.Way],
           for name, view in views.items()}
 
 
-def choose(estimates: dict, target_name: str,
+def choose(estimates: dict, where: str,
            memory: dict | None = None) -> tuple[str, str]:
-  """The way to run and why: the lowest estimated step among the ways
-  estimated faster than ``inline`` by the gain their memory asks
-  (``timing.required_gain``; ``memory``: way -> bytes a call needs, where
-  known: ``timing.MIN_GAIN`` without a figure), else ``inline``."""
+  """The way to run and why (``where``: the target, as the reason names
+  it): the lowest estimated step among the ways estimated faster than
+  ``inline`` by the gain their memory asks (``timing.required_gain``;
+  ``memory``: way -> bytes a call needs, where known: ``timing.MIN_GAIN``
+  without a figure), else ``inline``."""
   memory = memory or {}
   baseline = estimates.get("inline")
   listed = "; ".join(
       f"{w} {e.step * 1e6:.0f} us ({e.bound}-bound)"
       for w, e in sorted(estimates.items(), key=lambda item: item[1].step))
-  how = (f"estimated for {target_name} (jaxstreams_estimate_target), not "
-         f"timed: {listed}")
+  how = f"estimated for {where}, not timed: {listed}"
   ranked = sorted(estimates, key=lambda w: estimates[w].step)
   if baseline is None or ranked[0] == "inline":
     return "inline", f"{how}; kept 'inline': no way is estimated faster"
@@ -90,18 +128,19 @@ def choose(estimates: dict, target_name: str,
                     f"{timing.required_gain(ratio(best)):.0%}{more})")
 
 
-def estimator(owner, key: Hashable | None, args, kwargs,
+def estimator(owner, key: Hashable | None, args, kwargs, device,
               cache: dict) -> Callable | None:
-  """Where nothing will time the ways (no GPU in this process, or
-  ``jaxstreams_autotune`` off) and a target is set: ``ways -> (way,
-  why)`` for a call of ``owner`` (a ``jaxstreams.jit`` function) with
-  these arguments, its ways compiled for the target and chosen by their
-  estimated steps, once per signature ``key`` (kept in ``cache``; a
+  """Where nothing will time the ways of a call of ``owner`` (a
+  ``jaxstreams.jit`` function) with these arguments, on ``device``, and
+  there is a GPU to estimate for (``target_for``): ``ways -> (way, why)``,
+  its ways compiled for that GPU and chosen by their estimated steps, once
+  per signature ``key`` and target (kept in ``cache``, and on disk; a
   failure raises ``EstimateFailed``, once too). Else None."""
-  name = target()
-  if name is None or (config.read("jaxstreams_autotune")
-                      and jax.default_backend() == "gpu"):
+  found_target = target_for(device)
+  if found_target is None:
     return None
+  where = f"{found_target.name} ({found_target.found})"
+  key = None if key is None else (key, where)
 
   def lower(way):
     jitted = owner._jit(way, top_level=True,
@@ -112,11 +151,10 @@ def estimator(owner, key: Hashable | None, args, kwargs,
     found = cache.get(key)
     if found is None:
       try:
-        found = estimate_ways(lower, ways, name)
-        found = choose({w: e for w, (e, _) in found.items()}, name,
-                       {w: m for w, (_, m) in found.items()})
+        found = _kept_or_estimated(lower, ways, found_target, where,
+                                   owner._streams)
       except Exception as error:  # noqa: BLE001 - the structural default runs
-        found = EstimateFailed(f"the estimate for {name} failed: "
+        found = EstimateFailed(f"the estimate for {found_target.name} failed: "
                                f"{type(error).__name__}: {str(error)[:300]}")
       if key is not None:
         cache[key] = found
@@ -124,3 +162,27 @@ def estimator(owner, key: Hashable | None, args, kwargs,
       raise found
     return found
   return choose_by_estimate
+
+
+def _kept_or_estimated(lower, ways, found_target: Target, where: str,
+                       streams: int) -> tuple[str, str]:
+  """The decision kept on disk for this program, target, candidates and
+  estimate (the fitted constants and the code that applies them), else the
+  ways estimated now (and the decision kept)."""
+  from jaxstreams.xla import target as targets
+  from jaxstreams.xla.graph import estimate_version
+  config_text = getattr(found_target.target, "config_text", None)
+  if config_text is None:
+    config_text = targets.target_config(found_target.target)[1]
+  disk_key = timing.cache_key(
+      lower(gpu.WAYS["inline"]).as_text(),
+      f"estimated for {hashlib.sha256(config_text.encode()).hexdigest()[:16]}"
+      f" by {estimate_version()}", streams, [w.name for w in ways])
+  kept = timing.load(disk_key)
+  if kept is not None and kept.way in {w.name for w in ways}:
+    return kept.way, kept.reason + " (decided earlier, kept on disk)"
+  found = estimate_ways(lower, ways, found_target.target)
+  way, why = choose({w: e for w, (e, _) in found.items()}, where,
+                    {w: m for w, (_, m) in found.items()})
+  timing.store(disk_key, timing.Decision(way, why))
+  return way, why

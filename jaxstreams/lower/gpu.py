@@ -66,6 +66,13 @@ _IN_FLIGHT_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
 _XLA_DEFAULT_IN_FLIGHT = 2
 
 DEFAULT = "default"
+_GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+
+
+def is_gpu(platform_name: str) -> bool:
+  """Whether a device of this platform runs the GPU ways."""
+  return platform_name.lower() in _GPU_PLATFORMS
+
 
 # The command types XLA puts into CUDA graphs (its default list, read from
 # XLA's command-buffer log of each jaxlib; tests/test_gpu_view.py checks it

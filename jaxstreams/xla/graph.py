@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import re
@@ -420,6 +421,17 @@ def _label(region, fallback) -> str:
 
 def _regions_text(regions) -> str:
   return " ".join(f"R{r}" for r in regions)
+
+
+@functools.lru_cache(maxsize=None)
+def estimate_version() -> str:
+  """A digest of what an estimate depends on besides the program and the
+  target: the fitted constants and the code that applies them (a decision
+  kept on disk from another is stale)."""
+  from jaxstreams.xla import fitted_costs, step_time
+  with open(step_time.__file__, "rb") as source:
+    text = source.read() + repr(fitted_costs.H100).encode()
+  return hashlib.sha256(text).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------

@@ -215,4 +215,18 @@ def target_from_config(name: str, config_text: str,
     raise GpuTargetError(
         f"XLA could not make a CUDA topology for target {name!r}: {error}.{hint}") from error
   mesh = topologies.make_mesh(topology, (devices,), ("x",))
-  return GpuTarget(name, config_text, topology, mesh)
+  made = GpuTarget(name, config_text, topology, mesh)
+  _MADE.append(made)
+  return made
+
+
+_MADE: list[GpuTarget] = []   # every target made in this process
+
+
+def placed_on(device) -> GpuTarget | None:
+  """The target made in this process whose devices include ``device`` (an
+  argument placed by ``GpuTarget.abstract``), None for any other device."""
+  for made in _MADE:
+    if any(d is device for d in made.mesh.devices.flat):
+      return made
+  return None
