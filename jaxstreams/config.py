@@ -154,15 +154,16 @@ ESTIMATE_TARGET = _define(Option(
     "jaxstreams_estimate_target", str, "auto",
     "Where nothing times the ways of a jaxstreams.jit function (no GPU in "
     "this process, or jaxstreams_autotune off), the GPU whose estimated step "
-    "times (jaxstreams.xla.step_time) choose the default's way: its "
-    "candidate ways are compiled for it in a child process, once per "
-    "signature, and the one estimated fastest runs if it beats jax.jit's "
+    "times (jaxstreams.xla.step_time) choose the default's way: the ways "
+    "weighed are compiled for it in a child process, once per signature, "
+    "and the one estimated fastest runs if it beats jax.jit's "
     "program (jaxstreams.lower.estimated). 'auto': the GPU at hand, the "
     "target the arguments are placed on (lowering for a GPU from a machine "
-    "without one) or this H100/H200 with autotuning off; none for a call "
-    "on CPU. 'h100', 'h200' or a GpuTargetConfigProto file: that GPU "
-    "wherever nothing times. 'none': the structural default, neither timed "
-    "nor estimated.",
+    "without one) or this H100/H200 with autotuning off, none for a call "
+    "on CPU; the structural way is weighed against jax.jit's program. "
+    "'h100', 'h200' or a GpuTargetConfigProto file: that GPU wherever "
+    "nothing times, every candidate way weighed. 'none': the structural "
+    "default, neither timed nor estimated.",
     _estimate_target_value))
 
 AUTOTUNE_CACHE = _define(Option(

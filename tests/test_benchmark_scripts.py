@@ -98,6 +98,8 @@ SMALLEST_RUNS = {
                           "gpu_levers_linen_12_12_{platform}_jax*_quick.json"),
     "xla_graphs": (["--quick"], "xla_graphs_h100_jax*_quick.json"),
     "memory_ways": (["--quick"], "memory_ways_h100_jax*_quick.json"),
+    "estimated_default": (["--quick"],
+                          "estimated_default_h100_jax*_quick.json"),
 }
 
 
@@ -106,12 +108,12 @@ SMALLEST_RUNS = {
 def test_benchmark_script_runs_and_saves(script, tmp_path):
   args, saved = SMALLEST_RUNS[script]
   script, _, part = script.partition(":")
-  if script in ("xla_graphs", "memory_ways"):
+  if script in ("xla_graphs", "memory_ways", "estimated_default"):
     require_gpu_target(f"{script} compiles for an H100")
   saved = saved.format(platform=jax.devices()[0].platform)
   env = dict(os.environ)
   env.pop("JAXSTREAMS_STREAMS", None)
-  if (script in ("jit_overhead", "memory_ways")
+  if (script in ("jit_overhead", "memory_ways", "estimated_default")
       and jax.default_backend() == "cpu"):
     env["JAX_PLATFORMS"] = "cpu"    # it compiles for an H100 without one
   # The jaxstreams this test imported (the installed one under
@@ -161,6 +163,16 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
                                  "jaxstreams default"}
     assert case["pytorch"] in ("timed", "PyTorch is not installed",
                                "PyTorch sees no CUDA device")
+  if script == "estimated_default":
+    # Both programs' structural ways are estimated faster than jax.jit's
+    # (jaxstreams' own loops, CONCURRENT graphs), and the reason says so.
+    found = result["programs"]
+    assert {n: (p["structural"], p["estimated"]) for n, p in found.items()} == {
+        "scan_towers": ("loops_concurrent", "loops_concurrent"),
+        "demo": ("concurrent", "concurrent")}
+    assert all("estimated for h100 (the target the arguments are on; "
+               "the structural way against 'inline'), not timed"
+               in p["reason"] for p in found.values())
   if script == "xla_graphs":
     rows = result["programs"]["four_branches"]
     assert rows["jax.jit"]["parallelism"] >= 1.0

@@ -48,8 +48,9 @@ The first call costs what ``jax.jit``'s does:
 * Where nothing times the ways (no GPU in this process, or
   ``jaxstreams_autotune`` off) but there is a GPU to estimate for (the
   target the arguments are placed on, by default), the static default is
-  the way with the lowest estimated step there, ``inline`` unless another
-  is estimated faster by the gain its memory asks (``estimated``).
+  the structural way where it is estimated faster than ``inline`` there by
+  the gain its memory asks (a GPU the option names: the way estimated
+  fastest of all; ``estimated``).
 
 Memory is never fatal (``jaxstreams.lower.memory``): a candidate whose
 compiled program would not fit in the device's free memory is never run,
@@ -175,9 +176,10 @@ def static_choice(lowering: str, plan: Callable[[], "StreamPlan"],
   """The way top-level calls run on a GPU before anything was timed: the way
   asked for, ``jax.jit``'s program for a plan on one stream or with nothing
   to time, else the top-level default (timed where ``timable``). ``plan()``
-  gives the plan, made only if needed. ``estimate(ways)``, where nothing
-  will time them and there is a GPU to estimate for
-  (``Chooser.estimator``): the way with the lowest estimated step and why
+  gives the plan, made only if needed. ``estimate(ways, default)``, where
+  nothing will time them and there is a GPU to estimate for
+  (``Chooser.estimator``): the way estimated fastest among those it
+  weighs, and why, or None where it weighs nothing
   (``jaxstreams.lower.estimated``; ``EstimateFailed`` where none could be
   estimated)."""
   if lowering != gpu.DEFAULT:
@@ -189,8 +191,9 @@ def static_choice(lowering: str, plan: Callable[[], "StreamPlan"],
   failed = ""
   if estimate is not None and len(ways) > 1 and regions_can_overlap(found):
     try:
-      way, why = estimate(ways)
-      return Choice(gpu.WAYS[way], why)
+      chosen = estimate(ways, default_way(ways, found))
+      if chosen is not None:
+        return Choice(gpu.WAYS[chosen[0]], chosen[1])
     except estimated.EstimateFailed as error:
       failed = f"; {error}"
   if not config.read("jaxstreams_autotune"):

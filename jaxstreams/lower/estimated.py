@@ -12,12 +12,19 @@ fitted to H100 runs), or the GPU the option names. A call on CPU has
 none: its program is ``jax.jit``'s whatever the way, and the plan keeps the
 structural default (``gpu.default_top_level``).
 
-The candidate ways are compiled for the target in one child process
-(``jaxstreams.xla.xla_graphs_of``, kept for the process: the compiles are
+By default the estimate weighs only the structural way against
+``jax.jit``'s program (``inline``): it is held to H100 runs of those
+programs and CONCURRENT graphs, while what it says of the loops and of
+jaxlib 0.12's forked stream calls follows from fitted costs no run of
+them checked; so it may step back to ``jax.jit``'s program, never pick a
+way the structural rule left out. A GPU named by the option has every
+candidate weighed. The ways weighed are compiled for the target in one
+child process (``jaxstreams.xla.xla_graphs_of``, kept for the process:
 seconds per way) once per signature and target, and the decision is kept
 on disk with the timed ones (``timing.store``, keyed by the program, the
-target and the versions): a returning user's compile asks nothing more.
-The way with the lowest estimated step is kept, unless it is not estimated
+target, the ways and the estimate's own version): a returning user's
+compile asks nothing more. Of those weighed, the way with the lowest
+estimated step is kept, unless it is not estimated
 faster than ``jax.jit``'s program (``inline``) by ``timing.MIN_GAIN``, more
 for a way that needs more device memory (``timing.required_gain``, XLA's
 memory analysis of the same compiles). The plan says the way was
@@ -50,10 +57,12 @@ class EstimateFailed(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Target:
   """A GPU to estimate for: ``target`` as ``xla_graphs_of`` takes it (a
-  name, a file, or a ``GpuTarget``), its name, and how it was found."""
+  name, a file, or a ``GpuTarget``), its name, how it was found, and
+  whether every candidate way is weighed (``_weighed``)."""
   target: object
   name: str
   found: str
+  every_way: bool = False
 
 
 def target_for(device) -> Target | None:
@@ -65,17 +74,19 @@ def target_for(device) -> Target | None:
                                  and jax.default_backend() == "gpu"):
     return None
   if value.lower() != "auto":
-    return Target(value, value, "jaxstreams_estimate_target")
+    return Target(value, value, "jaxstreams_estimate_target", every_way=True)
   if not gpu.is_gpu(device.platform):
     return None
   from jaxstreams.xla import target as targets
   placed = targets.placed_on(device)
   if placed is not None:
-    return Target(placed, placed.name, "the target the arguments are on")
+    return Target(placed, placed.name, "the target the arguments are on; "
+                  "the structural way against 'inline'")
   kind = device.device_kind.lower()
   for name in config.ESTIMATE_TARGETS:
     if name in kind:
-      return Target(name, name, "this GPU's kind; jaxstreams_autotune is off")
+      return Target(name, name, "this GPU's kind, jaxstreams_autotune off; "
+                    "the structural way against 'inline'")
   return None
 
 
@@ -132,36 +143,54 @@ def estimator(owner, key: Hashable | None, args, kwargs, device,
               cache: dict) -> Callable | None:
   """Where nothing will time the ways of a call of ``owner`` (a
   ``jaxstreams.jit`` function) with these arguments, on ``device``, and
-  there is a GPU to estimate for (``target_for``): ``ways -> (way, why)``,
-  its ways compiled for that GPU and chosen by their estimated steps, once
-  per signature ``key`` and target (kept in ``cache``, and on disk; a
-  failure raises ``EstimateFailed``, once too). Else None."""
+  there is a GPU to estimate for (``target_for``): ``(ways, default) ->
+  (way, why)``, the ways it weighs (``_weighed``; None where that leaves
+  one) compiled for that GPU and chosen by their estimated steps, once per
+  signature ``key`` and target (kept in ``cache``, and on disk; a failure
+  raises ``EstimateFailed``, once too). Else None."""
   found_target = target_for(device)
   if found_target is None:
     return None
   where = f"{found_target.name} ({found_target.found})"
-  key = None if key is None else (key, where)
 
   def lower(way):
     jitted = owner._jit(way, top_level=True,
                         plan=owner.options_plan(way, args, kwargs))
     return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
 
-  def choose_by_estimate(ways):
-    found = cache.get(key)
+  def choose_by_estimate(ways, default: gpu.Way):
+    weighed = _weighed(ways, default, found_target)
+    if len(weighed) < 2:
+      return None
+    at = None if key is None else (key, where, tuple(weighed))
+    found = cache.get(at)
     if found is None:
       try:
-        found = _kept_or_estimated(lower, ways, found_target, where,
+        found = _kept_or_estimated(lower, weighed, found_target, where,
                                    owner._streams)
       except Exception as error:  # noqa: BLE001 - the structural default runs
         found = EstimateFailed(f"the estimate for {found_target.name} failed: "
                                f"{type(error).__name__}: {str(error)[:300]}")
-      if key is not None:
-        cache[key] = found
+      if at is not None:
+        cache[at] = found
     if isinstance(found, EstimateFailed):
       raise found
     return found
   return choose_by_estimate
+
+
+def _weighed(ways: Sequence[gpu.Way], default: gpu.Way,
+             found_target: Target) -> list[gpu.Way]:
+  """The ways the estimate weighs: for a GPU named by the option, every
+  candidate; by default (``auto``) only the structural default against
+  ``jax.jit``'s program. The estimate is held to H100 runs of ``jax.jit``'s
+  programs and CONCURRENT graphs; of the loops and of jaxlib 0.12's forked
+  stream calls no run was timed, so by default it may keep ``jax.jit``'s
+  program where the structural way is not estimated faster, never pick a
+  way the structural rule left out."""
+  if found_target.every_way:
+    return list(ways)
+  return list(dict.fromkeys([gpu.WAYS["inline"], default]))
 
 
 def _kept_or_estimated(lower, ways, found_target: Target, where: str,
