@@ -181,13 +181,9 @@ def estimator(owner, key: Hashable | None, args, kwargs, device,
 
 def _weighed(ways: Sequence[gpu.Way], default: gpu.Way,
              found_target: Target) -> list[gpu.Way]:
-  """The ways the estimate weighs: for a GPU named by the option, every
-  candidate; by default (``auto``) only the structural default against
-  ``jax.jit``'s program. The estimate is held to H100 runs of ``jax.jit``'s
-  programs and CONCURRENT graphs; of the loops and of jaxlib 0.12's forked
-  stream calls no run was timed, so by default it may keep ``jax.jit``'s
-  program where the structural way is not estimated faster, never pick a
-  way the structural rule left out."""
+  """The ways the estimate weighs: every candidate for a GPU the option
+  names; by default only the structural way against ``inline`` (why: the
+  module docstring)."""
   if found_target.every_way:
     return list(ways)
   return list(dict.fromkeys([gpu.WAYS["inline"], default]))
