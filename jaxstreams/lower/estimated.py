@@ -36,10 +36,9 @@ events per loop step), and which of host and device bounds the step.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
-
 import dataclasses
 import hashlib
+from typing import Callable, Hashable, Sequence
 
 import jax
 
@@ -80,13 +79,11 @@ def target_for(device) -> Target | None:
   from jaxstreams.xla import target as targets
   placed = targets.placed_on(device)
   if placed is not None:
-    return Target(placed, placed.name, "the target the arguments are on; "
-                  "the structural way against 'inline'")
+    return Target(placed, placed.name, "the target the arguments are on")
   kind = device.device_kind.lower()
   for name in config.ESTIMATE_TARGETS:
     if name in kind:
-      return Target(name, name, "this GPU's kind, jaxstreams_autotune off; "
-                    "the structural way against 'inline'")
+      return Target(name, name, "this GPU's kind, jaxstreams_autotune off")
   return None
 
 
@@ -151,7 +148,9 @@ def estimator(owner, key: Hashable | None, args, kwargs, device,
   found_target = target_for(device)
   if found_target is None:
     return None
-  where = f"{found_target.name} ({found_target.found})"
+  where = f"{found_target.name} ({found_target.found}" + (
+      ")" if found_target.every_way
+      else "; the structural way against 'inline')")
 
   def lower(way):
     jitted = owner._jit(way, top_level=True,
@@ -194,11 +193,8 @@ def _kept_or_estimated(lower, ways, found_target: Target, where: str,
   """The decision kept on disk for this program, target, candidates and
   estimate (the fitted constants and the code that applies them), else the
   ways estimated now (and the decision kept)."""
-  from jaxstreams.xla import target as targets
-  from jaxstreams.xla.graph import estimate_version
-  config_text = getattr(found_target.target, "config_text", None)
-  if config_text is None:
-    config_text = targets.target_config(found_target.target)[1]
+  from jaxstreams.xla.graph import estimate_version, target_text
+  _, config_text = target_text(found_target.target)
   disk_key = timing.cache_key(
       lower(gpu.WAYS["inline"]).as_text(),
       f"estimated for {hashlib.sha256(config_text.encode()).hexdigest()[:16]}"

@@ -460,7 +460,7 @@ def xla_graphs(lowered: Any, *, target: Any = "h100",
   """
   texts = capture(lowered, target=target, compiler_options=compiler_options,
                   timeout=timeout)
-  return read_graphs(**texts, plan=plan, target=_target_text(target))
+  return read_graphs(**texts, plan=plan, target=target_text(target))
 
 
 def xla_graphs_of(lowered: dict[str, Any], *, target: Any = "h100",
@@ -479,14 +479,14 @@ def xla_graphs_of(lowered: dict[str, Any], *, target: Any = "h100",
       continue
     try:
       views[name] = read_graphs(**texts, plan=(plans or {}).get(name),
-                                target=_target_text(target))
+                                target=target_text(target))
     except Exception as error:  # noqa: BLE001 - one program's view
       views[name] = GraphLogError(f"{name}: its launches could not be read "
                                   f"({type(error).__name__}: {error})")
   return views
 
 
-def _target_text(target: Any) -> tuple[str, str]:
+def target_text(target: Any) -> tuple[str, str]:
   """A target's name and description, as ``XlaGraphs`` keeps it ("" for
   this machine's own GPU)."""
   from jaxstreams.xla import target as targets
@@ -520,7 +520,7 @@ def capture_all(lowered: dict[str, Any], *, target: Any = "h100",
   """``capture`` of several programs (name -> lowered) in one child
   process; a program that did not compile gets a ``GraphLogError``."""
   local = isinstance(target, str) and target == "local"
-  name, config_text = _target_text(target)
+  name, config_text = target_text(target)
   programs, devices = [], 1
   for one in lowered.values():
     options = {**_compat.lowered_compiler_options(one), **(compiler_options or {})}
