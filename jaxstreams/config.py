@@ -173,6 +173,15 @@ AUTOTUNE_CACHE = _define(Option(
     "'none': keep nothing on disk."))
 
 
+COMPILE_CACHE = _define(Option(
+    "jaxstreams_compile_cache", str, "none",
+    "A directory where compiles for a GPU target made in the view's child "
+    "process (jaxstreams.xla_graphs, the step-time estimate's ways) are kept "
+    "across processes, keyed by the program, the target, the compiler "
+    "options, jax, jaxlib and the native libraries: a program compiled once "
+    "is read back (jaxstreams.xla.kept_compiles). 'none': nothing kept."))
+
+
 SEQUENCE_POINTS = _define(Option(
     "jaxstreams_sequence_points", bool, True,
     "Where XLA does not schedule stream regions itself (jax < 0.12), pin the "

@@ -36,12 +36,33 @@ What skips, and why (each says so in its reason):
 Strict expected failures that wait on other work name it in their reason
 (none does now); they fail loudly once it lands, to be turned into tests.
 
-What runs once per CI run (marker ``once``): end-to-end runs of the
-benchmark scripts and examples and the compile matrix's ways beyond the
-default. Each exercises jax through the same library code that the rest of
-the suite tests on every jax, at a cost of minutes per version, so
-``.ci/run`` runs them on its first jax (the README's command, which runs
-everything) and deselects them on the others (``-m "not once"``).
+Two tiers, and what runs on which jax (markers):
+
+- ``slow``: a test over the budget of 20 s on 2 cores, each marked with its
+  reason (``@pytest.mark.slow(reason=...)``). ``scripts/test.sh``, the
+  README's command, leaves them out so that it answers within 8 minutes,
+  setup included; ``JAXSTREAMS_TEST_TIER=all`` runs them, and ``.ci/run``
+  runs every tier. They are the compile matrix (every program x context x
+  way, compiled for an H100), the benchmark suite's quick run, and the
+  end-to-end runs of the largest programs. The quick tier runs the
+  property test with 20 examples, CI's first jax with 60.
+- ``once``: a check whose outcome does not depend on the jax version runs
+  on CI's first jax only (``.ci/run`` deselects it on the others): the
+  end-to-end runs of the benchmark scripts and examples (each exercises
+  jax through the library code the rest of the suite tests on every jax),
+  the compile matrix's ways beyond the default (the default's cells, where
+  the versions' programs differ, run on every jax; each way's program is
+  checked on every jax by the view's tests), and the checks that read
+  only this checkout's files (layout, docs' links, options). Everything
+  that lowers, compiles or runs a program through ``_compat`` runs on
+  every jax.
+
+At the end of a run the terminal summary lists every test over the budget
+that is not marked ``slow`` (a report, not a failure: tests never assert
+on timings). Compiles for a GPU target made in the view's child process
+are kept for the whole run in one directory (``jaxstreams_compile_cache``)
+that the workers and their child processes share: a program the run
+compiled once is read back.
 
 One expected failure: ``test_profiled_regions_overlap_in_time`` under
 stream calls on a GPU with jax < 0.12, strict, because XLA's CUDA graph
@@ -52,6 +73,8 @@ stream calls for that reason); it fails loudly if that changes.
 import gc
 import glob
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -130,12 +153,50 @@ def _has_gpu() -> bool:
 
 
 def pytest_configure(config):
+  # One cache of compiles for a GPU target for the whole run: its workers
+  # and every child process they start (the compile matrix's, the view's)
+  # read what another compiled (jaxstreams.xla.kept_compiles). Made by the
+  # process that starts the workers, before it starts them; removed by it
+  # at the end.
+  if ("JAXSTREAMS_COMPILE_CACHE" not in os.environ
+      and "PYTEST_XDIST_WORKER" not in os.environ):
+    os.environ["JAXSTREAMS_COMPILE_CACHE"] = tempfile.mkdtemp(
+        prefix="jaxstreams-test-compiles-")
+    config._jaxstreams_compile_cache = os.environ["JAXSTREAMS_COMPILE_CACHE"]
   config.addinivalue_line("markers", "gpu: the test needs a GPU")
   config.addinivalue_line(
       "markers", "once: an end-to-end or exhaustive run that CI runs on one "
       "jax only (see this module's docstring)")
   config.addinivalue_line(
       "markers", "cpu_backend: the test checks behaviour on XLA:CPU, JAX's default there")
+  config.addinivalue_line(
+      "markers", "slow(reason): over the 20 s budget on 2 cores; the README's "
+      "command leaves it out, CI runs it (see this module's docstring)")
+
+
+BUDGET_S = 20.0
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Tests over the budget that are not marked ``slow``, by duration."""
+  over = []
+  for reports in terminalreporter.stats.values():
+    for report in reports:
+      if (getattr(report, "when", None) == "call"
+          and report.duration > BUDGET_S
+          and "slow" not in getattr(report, "keywords", {})):
+        over.append((report.duration, report.nodeid))
+  if over:
+    terminalreporter.write_sep("-", f"over the {BUDGET_S:g} s budget, not "
+                               "marked slow")
+    for duration, nodeid in sorted(over, reverse=True):
+      terminalreporter.write_line(f"{duration:7.1f}s {nodeid}")
+
+
+def pytest_unconfigure(config):
+  made = getattr(config, "_jaxstreams_compile_cache", None)
+  if made:
+    shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_runtest_setup(item):

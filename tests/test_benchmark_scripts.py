@@ -104,7 +104,11 @@ SMALLEST_RUNS = {
 
 
 @pytest.mark.once
-@pytest.mark.parametrize("script", sorted(SMALLEST_RUNS))
+@pytest.mark.parametrize("script", [
+    pytest.param(name, marks=pytest.mark.slow(
+        reason="serve's smallest run still serves each model from one and "
+        "four threads: 30 s and more")) if name == "serve" else name
+    for name in sorted(SMALLEST_RUNS)])
 def test_benchmark_script_runs_and_saves(script, tmp_path):
   args, saved = SMALLEST_RUNS[script]
   script, _, part = script.partition(":")

@@ -25,7 +25,9 @@ HALVES = ("dual_encoder,staging",
           "inception,dlrm,mlp_bank,gru_bank,ode_ensemble,control")
 STANDARD = ("jax.jit", "XLA CONCURRENT", "compute_on")
 # Minutes per jax (see conftest.py).
-pytestmark = pytest.mark.once
+pytestmark = [pytest.mark.once, pytest.mark.slow(
+    reason="the suite's quick run of every workload, end to end: a minute "
+    "or two a half")]
 
 
 def _run_quick(out_dir, only):

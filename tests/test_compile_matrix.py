@@ -42,6 +42,10 @@ sys.path.insert(0, str(HERE))
 
 import compile_matrix  # noqa: E402
 
+pytestmark = pytest.mark.slow(
+    reason="each program's cells compile it for an H100 in every call "
+    "context: 5 to 60 s a program on 2 cores")
+
 # Inside another trace a way runs its nested program: jax.jit's own
 # ("inline") is jax's to compile, so the matrix takes the others.
 NESTED_WAYS = ("loops", "streams", "default")

@@ -11,6 +11,9 @@ import re
 
 import pytest
 
+# Reads only this checkout's files: the same on every jax.
+pytestmark = pytest.mark.once
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
          *sorted((ROOT / "docs").glob("*.md"))]

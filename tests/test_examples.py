@@ -26,6 +26,8 @@ def backend(out):
 # ---------------------------------------------------------------------------
 # streams_demo.py (the README's demo)
 
+@pytest.mark.slow(reason="the README's demo end to end, its H100 compiles "
+                  "included: 15 to 25 s (scripts/demo.sh runs the same)")
 def test_streams_demo_shows_plan_gpu_graphs_and_equal_results():
   # Six deviceless H100 compiles (three of the two-tower step, three of
   # the scanned dual encoder's) and the CPU runs: more than the default

@@ -39,6 +39,11 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
+# Reads only this checkout's files: the same on every jax.
+pytestmark = pytest.mark.once
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxstreams"
 MAX_LINES = 600
 
