@@ -1,6 +1,7 @@
 """The step-time estimate (``jaxstreams.xla.step_time``): the work read off
-the compiled HLO, the launches played forward, and the estimate held to the
-step times an H100 measured (``benchmarks/fit_step_time.py``)."""
+the compiled HLO, the launches played forward, and the estimate judged on
+H100 runs it was not fitted to (``benchmarks/fit_step_time.py``'s held-out
+refits)."""
 
 import contextlib
 import dataclasses
@@ -479,65 +480,125 @@ def test_the_estimated_choice_compiles_the_ways_for_the_target(estimate_for_h100
 # Held to the H100's figures.
 #
 # The six models of benchmarks/gpu_levers.py, each way that script timed on
-# an H100, compiled for an H100 without one on this jax: what they launch
+# an H100, compiled for an H100 without one on each jax: what they launch
 # is committed (benchmarks/results/h100/jax<version>/step_time_programs_*,
 # made by fit_step_time.py --compile), since compiling all of them takes
 # minutes; one program is compiled here (COMPILED_HERE), and it must estimate
-# as its committed program does, or they are stale. Each way's estimated
-# ratio to jax.jit is held to the ratio measured (mean of the committed
-# runs, fit_step_time.MEASURED); the errors per model and jax are in
-# benchmarks/README.md ("The step-time estimate").
+# as its committed program does, or they are stale. The estimate is judged
+# on what it was not fitted to: each model estimated by the constants
+# refitted without it, each way by those refitted without that way
+# (fit_step_time.held_out); those errors are committed per jax
+# (step_time_held_out_h100_jax<version>.{txt,json}) and are what the
+# default weighs (fitted_costs.HELD_OUT). Nothing here offers the fit's
+# agreement with its own runs as evidence of accuracy.
 
-FIT = load_benchmark("fit_step_time")
-MEASURED = FIT.measured()
-
-# Each way's estimated ratio to jax.jit within this share of the measured
-# one.
-TOLERANCE = 0.15
 # The program compiled here: the demo's two towers as the default runs them
 # (CONCURRENT graphs), where a change of lowering would show first; the
 # other ways and models take minutes to compile.
 COMPILED_HERE = ("demo", "jaxstreams concurrent")
+# How far a recomputed held-out error may stray from the committed one
+# (the fit converges to 1e-3 in the logarithms; another scipy on another
+# jax's venv may stop elsewhere within that).
+REFIT_TOLERANCE = 0.05
 
 
-def _committed():
+@pytest.fixture(scope="module")
+def fit_script():
+  """benchmarks/fit_step_time.py, loaded when a test needs it (not when
+  tests are collected)."""
+  return load_benchmark("fit_step_time")
+
+
+def _committed(fit, version=None):
   import jax
-  path = FIT.result_file("programs", jax.__version__, "json")
-  assert path.exists(), (f"no committed programs for jax {jax.__version__}: "
-                         f"python benchmarks/fit_step_time.py --compile --evaluate")
+  version = version or jax.__version__
+  path = fit.result_file("programs", version, "json")
+  assert path.exists(), (f"no committed programs for jax {version}: "
+                         f"python benchmarks/fit_step_time.py --compile")
   import json
   return json.loads(path.read_text())["programs"]
 
 
 @pytest.fixture(scope="module")
-def estimated_steps():
-  """Model -> way -> the estimated step of its committed program."""
+def held_out(fit_script):
+  """This jax's committed programs, each model and each way estimated by
+  constants refitted without it (seconds: no compile), and the committed
+  results of the same."""
+  import json
+
+  import jax
+  found = fit_script.held_out(_committed(fit_script), fit_script.measured(),
+                              H100)
+  path = fit_script.result_file("held_out", jax.__version__, "json")
+  assert path.exists(), "python benchmarks/fit_step_time.py"
+  return found, json.loads(path.read_text())
+
+
+def test_the_held_out_errors_are_the_committed_ones(held_out):
+  """The held-out errors the results file states, per model and per way,
+  are what the fit gives now: the file (and the README's figures from it)
+  cannot go stale behind a change of the estimate or of the fit."""
+  found, committed = held_out
+  assert set(found["models"]) == set(committed["models"]) == {
+      "chains", "inception", "dlrm", "mlp_bank", "demo", "control"}
+  for kind in ("models", "ways"):
+    for outer, row in committed[kind].items():
+      assert set(found[kind][outer]) == set(row), (kind, outer)
+      for inner, error in row.items():
+        assert found[kind][outer][inner] == pytest.approx(
+            error, abs=REFIT_TOLERANCE), (kind, outer, inner)
+  assert found["separated"] == committed["separated"]
+  assert found["misordered"] == committed["misordered"]
+
+
+def test_the_default_weighs_the_estimate_by_its_held_out_error(held_out,
+                                                              fit_script):
+  """What the default steps back by (``fitted_costs.HELD_OUT``) covers every
+  held-out error of each way measured on this jax: a way the estimate missed
+  by more held out cannot be decided on a smaller error."""
   from jaxstreams.xla import fitted_costs
-  return FIT.predict(_committed(), fitted_costs.H100, H100)
+  found, _ = held_out
+  for way in found["ways"]:
+    if not way.startswith("jaxstreams "):
+      continue
+    low, high = fit_script.error_range(found, way)
+    held_low, held_high = fitted_costs.HELD_OUT[way.split(" ", 1)[1]]
+    assert held_low <= low + REFIT_TOLERANCE, way
+    assert held_high >= high - REFIT_TOLERANCE, way
 
 
-@pytest.mark.parametrize("model", sorted(MEASURED))
-def test_the_estimate_holds_to_the_h100_figures(model, estimated_steps):
-  steps = estimated_steps[model]
-  assert set(FIT.comparable_ways()) <= set(steps), sorted(steps)
-  errors = FIT.errors({model: steps}, MEASURED)[model]
-  errors.pop(FIT.REFERENCE)   # jax.jit's own time: reported, not held
-  report = {w: f"{e:+.1%}" for w, e in errors.items()}
-  assert len(errors) >= 3, report
-  assert all(abs(e) <= TOLERANCE for e in errors.values()), report
-  # The fastest way: the one estimated fastest ran, on the H100, within the
-  # runs' noise of the fastest there.
-  estimated, fastest, named = FIT.ranking(steps, MEASURED[model])
-  assert named, (estimated, fastest, report)
+def test_ways_the_runs_separate_are_the_ones_ranked(fit_script):
+  """A ranking is checked only between ways the runs separate by more than
+  their own spread: DLRM's CONCURRENT (1.21-1.52x) against jax.jit, yes;
+  the control's ways (0.95-1.01x), no pair."""
+  figures = fit_script.measured()
+  dlrm = fit_script.separated(figures["dlrm"])
+  assert ("jaxstreams concurrent", "jax.jit") in dlrm
+  assert ("jax.jit, CONCURRENT", "jaxstreams concurrent") not in dlrm
+  assert fit_script.separated(figures["control"]) == []
 
 
-def test_the_committed_programs_are_what_xla_compiles_now():
+def test_the_committed_constants_are_the_fit_of_the_runs(fit_script):
+  """Reproducibility, not accuracy: refitting the committed runs (the
+  programs of the jax they ran on) gives the committed constants, and the
+  pinned ones are the pinned figures."""
+  from jaxstreams.xla import fitted_costs
+  costs, _ = fit_script.fit(_committed(fit_script, fit_script.RUNS_JAX),
+                            fit_script.measured(), H100)
+  for key in fit_script.START:
+    assert getattr(costs, key) == pytest.approx(
+        getattr(fitted_costs.H100, key), rel=0.05), key
+  for key, (value, _) in fit_script.PINNED.items():
+    assert getattr(fitted_costs.H100, key) == value, key
+
+
+def test_the_committed_programs_are_what_xla_compiles_now(fit_script):
   require_gpu_target("compiling the benchmarks' models for an H100")
   from jaxstreams.xla import fitted_costs
   model, way = COMPILED_HERE
   models = load_benchmark("step_time_models")
-  (view,) = models.compile_model(model, {way: FIT.WAYS[way]}).values()
-  committed = GpuProgram.from_json(_committed()[model][way])
+  (view,) = models.compile_model(model, {way: fit_script.WAYS[way]}).values()
+  committed = GpuProgram.from_json(_committed(fit_script)[model][way])
   now, then = (estimate_step(p, fitted_costs.H100, H100).step
                for p in (view.program, committed))
   assert len(view.program.graphs) == len(committed.graphs) >= 1
