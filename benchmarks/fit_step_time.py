@@ -80,17 +80,22 @@ US = 1e-6
 # source; the runs (six models, one GPU, ~40 ratios) do not identify these:
 # fitted free, they swung by 10-1000x from one held-out fit to the next.
 PINNED = {
-    # A kernel launched from the host: about 4-6 us through the CUDA runtime
-    # on current GPUs (NVIDIA, "Getting Started with CUDA Graphs", 2019, and
-    # later launch-overhead measurements; DESIGN.md, "Costs and limits").
+    # A kernel launched from the host: about 4-6 us through the driver and
+    # runtime calls (a measurement with CUDA 13 and driver 580, "pegainfer
+    # (3): From Launch Overhead to CUDA Graph", susun-blog.com; DESIGN.md,
+    # "Costs and limits": "a kernel launch several us"). XLA's own thunk
+    # adds to it; a fit with this free put it at 6-9 us.
     "kernel": (5e-6, "a kernel launch, 4-6 us (CUDA runtime, published)"),
     # A library call launched one by one launches its kernel (XLA keeps the
     # plan and algorithm); only the Inception-style step has such calls, so
     # no second model could check a figure of its own.
     "library": (5e-6, "one kernel launch (first principles; one model has it)"),
     # A CUDA graph is submitted as one unit: for a few kernels its launch
-    # costs about one kernel launch (NVIDIA, "Getting Started with CUDA
-    # Graphs"); what grows with its size is fitted (graph_node).
+    # costs about one kernel launch (a one-kernel graph's replay measured
+    # 9% below a direct launch on a B200: "Four counter-intuitive lessons
+    # from deep-diving GPU kernel dispatch overhead", dogacel.github.io,
+    # 2026; NVIDIA's "Getting Started with CUDA Graphs" on why); what grows
+    # with its size is fitted (graph_node).
     "graph": (5e-6, "one kernel launch (CUDA graphs, published)"),
     # A stream call records and waits for an event at its start and at its
     # done: about 1 us each (DESIGN.md, "Costs and limits").
