@@ -18,8 +18,8 @@ estimated by constants fitted without it), its ratio of a way to
 way; ``benchmarks/results/h100/jax*/step_time_held_out_*``), and the H100
 ran ``jax.jit`` + CONCURRENT at 0.98x-2.2x of ``jax.jit`` in every run of
 its six models: stepping back from the structural way risks up to 2x,
-keeping it lost at most 2%. So (``choose``) the structural way (``gpu.default_top_level``)
-stands unless
+keeping it lost at most 2%. So (``choose``) the structural way
+(``gpu.default_top_level``) stands unless
 
 * another way is estimated faster than it by more than the held-out error
   of both (the measured speed-up lies above 1 whatever the error): a tie
