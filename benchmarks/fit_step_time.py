@@ -400,11 +400,14 @@ def committed_programs() -> dict:
   return found
 
 
-def held_out_ranges(by_jax: dict) -> dict:
+def held_out_ranges(by_jax: dict) -> tuple[dict, tuple[float, float]]:
   """jaxstreams way -> the widest held-out error range of its ratio to
-  jax.jit over every jax's programs (``by_jax``: jax -> ``held_out``)."""
+  jax.jit over every jax's programs (``by_jax``: jax -> ``held_out``); and
+  the widest of jax.jit's own step, each model left out."""
   found = {}
+  steps = []
   for result in by_jax.values():
+    steps += [row[REFERENCE] for row in result["models"].values()]
     for way in result["ways"]:
       if not way.startswith("jaxstreams "):
         continue
@@ -412,10 +415,11 @@ def held_out_ranges(by_jax: dict) -> dict:
       low, high = error_range(result, way)
       old = found.get(name, (low, high))
       found[name] = (min(low, old[0]), max(high, old[1]))
-  return found
+  return found, (min(steps), max(steps))
 
 
-def write_constants(costs, jax_version: str, ranges: dict) -> None:
+def write_constants(costs, jax_version: str, ranges: dict,
+                    step_range: tuple[float, float]) -> None:
   values = ",\n".join(f"    {k}={v!r}" for k, v in vars(costs).items())
   runs = "".join(f"\n* ``benchmarks/results/{name}``" for name in MEASURED)
   pinned = "".join(f"\n* ``{k}``: {v * 1e6:g} us, {why}"
@@ -437,7 +441,9 @@ estimated ratio to ``jax.jit`` (estimated / measured, less 1) where the
 constants were fitted without that model or that way, over every jax's
 compiled programs (``step_time_held_out_h100_jax<version>.txt``): what the
 estimate's figure for that kind of program may be off by, and what the
-default weighs it with (``jaxstreams.lower.estimated``).
+default weighs it with (``jaxstreams.lower.estimated``). ``STEP_HELD_OUT``:
+the same for ``jax.jit``'s own step time, each model left out: what a
+step's figure in microseconds may be off by.
 """
 
 from jaxstreams.xla.step_time import LaunchCosts
@@ -447,6 +453,8 @@ H100 = LaunchCosts(
 
 HELD_OUT = {{{held}
 }}
+
+STEP_HELD_OUT = {step_range!r}
 ''')
   print("wrote", FITTED)
 
@@ -500,7 +508,7 @@ def main(argv=None) -> int:
     result_file("fit", RUNS_JAX).write_text(report(
         costs, predict(programs[RUNS_JAX], costs, device), figures, RUNS_JAX,
         loss))
-    write_constants(costs, RUNS_JAX, held_out_ranges(by_jax))
+    write_constants(costs, RUNS_JAX, *held_out_ranges(by_jax))
   return 0
 
 

@@ -264,6 +264,8 @@ def test_the_structural_way_stands_within_the_held_out_error(monkeypatch):
   way, why = estimated.choose(tie, "concurrent", "h100")
   assert way == "concurrent"
   assert "estimated for h100" in why and "not timed" in why
+  low, high = fitted_costs.STEP_HELD_OUT
+  assert f"(a step's figure, held out, was {low:+.0%} to {high:+.0%} off" in why
   assert "kept the structural way 'concurrent'" in why
   assert "the structural way stands within it; a tie keeps it" in why
   # 1.25x as fast: within the error (1.25 * 0.8 / 1.05 < 1).
@@ -669,6 +671,10 @@ def test_the_default_weighs_the_estimate_by_its_held_out_error(held_out,
     held_low, held_high = fitted_costs.HELD_OUT[way.split(" ", 1)[1]]
     assert held_low <= low + REFIT_TOLERANCE, way
     assert held_high >= high - REFIT_TOLERANCE, way
+  steps = [row[fit_script.REFERENCE] for row in found["models"].values()]
+  low, high = fitted_costs.STEP_HELD_OUT
+  assert low <= min(steps) + REFIT_TOLERANCE
+  assert high >= max(steps) - REFIT_TOLERANCE
 
 
 def test_ways_the_runs_separate_are_the_ones_ranked(fit_script):

@@ -38,7 +38,8 @@ once per signature and target, and the decision is kept on disk with the
 timed ones (``timing.store``, keyed by the program, the target, the ways
 and the estimate's own version, ``graph.estimate_version``): a returning
 user's compile asks nothing more. The plan says the way was estimated, not
-timed, with each way's estimate, its bound and its speed against the
+timed, with each way's estimate (and how far a step's figure was off held
+out, ``fitted_costs.STEP_HELD_OUT``), its bound and its speed against the
 structural way within the held-out error (or "extrapolated"), and the rule
 that decided.
 """
@@ -188,7 +189,10 @@ def choose(estimates: dict, default: str, where: str,
                    f"{found[1]:.2f}-{found[2]:.2f}x within the held-out error)")
   listed = "; ".join(figure(w) for w in sorted(estimates,
                                                 key=lambda w: estimates[w].step))
-  how = f"estimated for {where}, not timed: {listed}"
+  from jaxstreams.xla import fitted_costs
+  low, high = fitted_costs.STEP_HELD_OUT
+  how = (f"estimated for {where}, not timed (a step's figure, held out, "
+         f"was {low:+.0%} to {high:+.0%} off the H100's): {listed}")
   vetoed = memory_veto(default, memory, device_memory)
   if vetoed and default != "inline":
     return "inline", (f"{how}; took 'inline' by the memory rule: {vetoed}")

@@ -24,7 +24,9 @@ estimated ratio to ``jax.jit`` (estimated / measured, less 1) where the
 constants were fitted without that model or that way, over every jax's
 compiled programs (``step_time_held_out_h100_jax<version>.txt``): what the
 estimate's figure for that kind of program may be off by, and what the
-default weighs it with (``jaxstreams.lower.estimated``).
+default weighs it with (``jaxstreams.lower.estimated``). ``STEP_HELD_OUT``:
+the same for ``jax.jit``'s own step time, each model left out: what a
+step's figure in microseconds may be off by.
 """
 
 from jaxstreams.xla.step_time import LaunchCosts
@@ -53,3 +55,5 @@ HELD_OUT = {
     'streams': (-0.15972236755970004, 0.1291447126836056),
     'streams_concurrent': (-0.19703023432014932, 1.2900697933322327),
 }
+
+STEP_HELD_OUT = (-0.4588971842097459, 0.9390581518464189)
