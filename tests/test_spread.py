@@ -196,9 +196,12 @@ def test_plan_shows_estimates_and_the_critical_path(tmp_path):
   x, w = random_inputs((8, 256), (256, 256))
   plan = jaxstreams.plan(three_chains, streams=3, spread=True)(x, w)
   text = str(plan)
-  for fragment in ("est. GFLOP", "est. MB", "est. us", "estimated step:",
-                   "critical path: R"):
+  for fragment in ("est. GFLOP", "est. MB", "est. us", "planner's makespan:",
+                   "not the GPU step estimate", "critical path: R"):
     assert fragment in text
+  # The planner's cost model is not the GPU step estimate: no figure of it
+  # is named so that the one could be taken for the other.
+  assert "estimated step" not in text and "GPU step estimate " not in text
   dots = [e for e in plan.equations if e.primitive == "dot_general"]
   assert all(e.flops == 2 * 8 * 256 * 256 for e in dots)
   assert plan.critical_path and plan.critical_path[-1] == max(

@@ -200,7 +200,7 @@ class WaysMemory:
     header = ["way", "temporaries", "arguments", "outputs", "for a call",
               "vs jax.jit", "temporaries vs jax.jit"]
     if any(x.seconds is not None for x in self.ways):
-      header.append("est. step")
+      header.append("GPU step est.")
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     fmt = lambda cells: "  " + "  ".join(
         c.ljust(n) for c, n in zip(cells, widths)).rstrip()
@@ -208,8 +208,9 @@ class WaysMemory:
              "is 'inline'):", fmt(header)] + [fmt(r) for r in rows]
     lines += [f"  {w.label}: {w.note}" for w in self.ways if w.note]
     if any(x.seconds is not None for x in self.ways):
-      lines.append("  est. step: the view's estimate of the step on the "
-                   "target (jaxstreams.xla.step_time), not a timing")
+      lines.append("  GPU step est.: the GPU step estimate of the way's "
+                   "program on the target (jaxstreams.xla.step_time), not a "
+                   "timing, nor the planner's makespan")
     return lines
 
 

@@ -237,8 +237,9 @@ class StreamPlan:
           f"{sum(e.seconds for e in self.equations if e.stream == s) * 1e6:.1f}"]
          for s in self.streams_used])
     lines.append(
-        f"  estimated step: {self.schedule.makespan * 1e6:.1f} us "
-        f"(one stream: {self.schedule.single_stream * 1e6:.1f} us); critical "
+        f"  planner's makespan: {self.schedule.makespan * 1e6:.1f} us "
+        f"(one stream: {self.schedule.single_stream * 1e6:.1f} us; its cost "
+        f"model for placing regions, not the GPU step estimate); critical "
         f"path: {' -> '.join(f'R{r}' for r in self.critical_path) or '-'}")
     lines.append("")
     lines += _table(

@@ -169,7 +169,7 @@ class StepEstimate:
     return "host" if self.host > self.device else "device"
 
   def __str__(self) -> str:
-    text = (f"estimated step {self.step * 1e6:.0f} us on {self.target}, "
+    text = (f"GPU step estimate {self.step * 1e6:.0f} us on {self.target}, "
             f"{self.bound}-bound (host: the call and its launches "
             f"{self.host * 1e6:.0f} us; device path {self.device * 1e6:.0f} us)")
     return text + "".join(f"; {n}" for n in self.notes)
