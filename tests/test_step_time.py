@@ -516,19 +516,19 @@ def test_a_kept_decision_s_key_covers_what_the_estimate_reads(monkeypatch,
   module the estimate reads (the play, the work, the launches, the fitted
   constants and held-out errors, the rule): a change of any one leaves no
   stale decision on disk."""
-  from jaxstreams.xla import graph
+  from jaxstreams.lower import estimated
   assert {"jaxstreams.xla.step_time", "jaxstreams.xla.work",
           "jaxstreams.xla.launches", "jaxstreams.xla.fitted_costs",
-          "jaxstreams.lower.estimated"} <= set(graph.ESTIMATE_MODULES)
-  before = graph.estimate_version()
-  assert graph.estimate_version() == before
+          "jaxstreams.lower.estimated"} <= set(estimated.ESTIMATE_MODULES)
+  before = estimated.estimate_version()
+  assert estimated.estimate_version() == before
   (tmp_path / "_estimate_part.py").write_text("COST = 1\n")
   monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.setattr(graph, "ESTIMATE_MODULES",
-                      (*graph.ESTIMATE_MODULES, "_estimate_part"))
-  one = graph.estimate_version()
+  monkeypatch.setattr(estimated, "ESTIMATE_MODULES",
+                      (*estimated.ESTIMATE_MODULES, "_estimate_part"))
+  one = estimated.estimate_version()
   (tmp_path / "_estimate_part.py").write_text("COST = 2\n")
-  assert len({before, one, graph.estimate_version()}) == 3
+  assert len({before, one, estimated.estimate_version()}) == 3
 
 
 def test_the_estimated_choice_compiles_the_ways_for_the_target(estimate_for_h100):

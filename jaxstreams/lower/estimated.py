@@ -36,7 +36,7 @@ compiled for the target in one child process
 (``jaxstreams.xla.xla_graphs_of``, kept for the process: seconds per way)
 once per signature and target, and the decision is kept on disk with the
 timed ones (``timing.store``, keyed by the program, the target, the ways
-and the estimate's own version, ``graph.estimate_version``): a returning
+and the estimate's own version, ``estimate_version``): a returning
 user's compile asks nothing more. The plan says the way was estimated, not
 timed, with each way's estimate (and how far a step's figure was off held
 out, ``fitted_costs.STEP_HELD_OUT``), its bound and its speed against the
@@ -48,12 +48,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import re
 from typing import Callable, Hashable, Sequence
 
 import jax
 
-from jaxstreams import config
+from jaxstreams import _compat, config
 from jaxstreams.lower import gpu, timing
 
 OPTION = "jaxstreams_estimate_target"
@@ -271,12 +272,35 @@ def _weighed(ways: Sequence[gpu.Way], default: gpu.Way,
   return list(dict.fromkeys([gpu.WAYS["inline"], default]))
 
 
+# What an estimated decision comes from besides the program and the target:
+# the code that reads XLA's output into launches and work, the play, the
+# fitted constants and held-out errors, and the rule that weighs them.
+ESTIMATE_MODULES = ("jaxstreams.xla.graph", "jaxstreams.xla.xla_logs",
+                    "jaxstreams.xla.schedule", "jaxstreams.xla.launches",
+                    "jaxstreams.xla.work", "jaxstreams.xla.step_time",
+                    "jaxstreams.xla.fitted_costs",
+                    "jaxstreams.lower.estimated")
+
+
+def estimate_version() -> str:
+  """A digest of everything an estimated decision depends on besides the
+  program and the target (``ESTIMATE_MODULES``' sources, and whether
+  jaxlib forks stream calls, which makes them extrapolated): a decision
+  kept on disk from another is stale."""
+  digest = hashlib.sha256(
+      f"forks stream calls: {_compat.XLA_SCHEDULES_STREAM_CALLS}".encode())
+  for name in ESTIMATE_MODULES:
+    with open(importlib.util.find_spec(name).origin, "rb") as source:
+      digest.update(source.read())
+  return digest.hexdigest()[:16]
+
+
 def _kept_or_estimated(lower, ways, default: str, found_target: Target,
                        where: str, streams: int) -> tuple[str, str]:
   """The decision kept on disk for this program, target, candidates and
   estimate (the fitted constants and the code that applies them), else the
   ways estimated now (and the decision kept)."""
-  from jaxstreams.xla.graph import estimate_version, target_text
+  from jaxstreams.xla.graph import target_text
   _, config_text = target_text(found_target.target)
   disk_key = timing.cache_key(
       lower(gpu.WAYS["inline"]).as_text(),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import re
@@ -422,30 +421,6 @@ def _label(region, fallback) -> str:
 
 def _regions_text(regions) -> str:
   return " ".join(f"R{r}" for r in regions)
-
-
-# What an estimated decision comes from besides the program and the target:
-# the code that reads XLA's output into launches and work, the play, the
-# fitted constants and held-out errors, and the rule that weighs them.
-ESTIMATE_MODULES = ("jaxstreams.xla.graph", "jaxstreams.xla.xla_logs",
-                    "jaxstreams.xla.schedule", "jaxstreams.xla.launches",
-                    "jaxstreams.xla.work", "jaxstreams.xla.step_time",
-                    "jaxstreams.xla.fitted_costs",
-                    "jaxstreams.lower.estimated")
-
-
-def estimate_version() -> str:
-  """A digest of everything an estimated decision depends on besides the
-  program and the target (``ESTIMATE_MODULES``' sources, and whether
-  jaxlib forks stream calls, which makes them extrapolated): a decision
-  kept on disk from another is stale."""
-  import importlib.util
-  digest = hashlib.sha256(
-      f"forks stream calls: {_compat.XLA_SCHEDULES_STREAM_CALLS}".encode())
-  for name in ESTIMATE_MODULES:
-    with open(importlib.util.find_spec(name).origin, "rb") as source:
-      digest.update(source.read())
-  return digest.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------
