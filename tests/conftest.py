@@ -51,8 +51,10 @@ Two tiers, and what runs on which jax (markers):
   end-to-end runs of the benchmark scripts and examples (each exercises
   jax through the library code the rest of the suite tests on every jax),
   the compile matrix's ways beyond the default (the default's cells, where
-  the versions' programs differ, run on every jax; each way's program is
-  checked on every jax by the view's tests), and the checks that read
+  the versions' programs differ, run on every jax, but those of four suite
+  models whose constructs the smaller programs hold:
+  ``test_compile_matrix.DEFAULT_ONCE``; each way's program is checked on
+  every jax by the view's tests), and the checks that read
   only this checkout's files (layout, docs' links, options). Everything
   that lowers, compiles or runs a program through ``_compat`` runs on
   every jax.
