@@ -24,7 +24,7 @@ estimated ratio to ``jax.jit`` (estimated / measured, less 1) where the
 constants were fitted without that model or that way, over every jax's
 compiled programs (``step_time_held_out_h100_jax<version>.txt``): what the
 estimate's figure for that kind of program may be off by, and what the
-default weighs it with (``jaxstreams.lower.estimated``). ``STEP_HELD_OUT``:
+default weighs it with (``jaxstreams.choose.estimated``). ``STEP_HELD_OUT``:
 the same for ``jax.jit``'s own step time, each model left out: what a
 step's figure in microseconds may be off by.
 """
