@@ -426,7 +426,6 @@ def test_by_default_the_estimate_is_for_the_gpu_at_hand(monkeypatch):
   autotuning is off; nothing where its calls are timed, or for a GPU the
   estimate is not fitted to; a named target wherever nothing times."""
   import jax
-  import jaxstreams
   from jaxstreams.choose import estimated
   h100 = _Device("gpu", "NVIDIA H100 80GB HBM3")
   with _options(jaxstreams_estimate_target="auto", jaxstreams_autotune=False):

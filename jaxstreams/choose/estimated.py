@@ -212,7 +212,7 @@ def choose(estimates: dict, default: str, where: str,
                  "the held-out error (the rule: another way only where its "
                  "gain is beyond the estimate's held-out error)")
   if held_out_range(default) is None:
-    rule = (f"no GPU run has measured its kind of program, so its estimate "
+    rule = ("no GPU run has measured its kind of program, so its estimate "
             "is extrapolated and does not decide")
   else:
     rule = ("no other way is estimated faster by more than the estimate's "
