@@ -56,10 +56,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 FITTED = ROOT / "jaxstreams" / "xla" / "fitted_costs.py"
 
 # The H100 runs the constants are fitted to (gpu_levers.py --trace, jax
-# 0.11.2: the second GPU session's, now archived, and the third's, the
+# 0.11.2: the second GPU session's (the earlier run) and the third's, the
 # current ones; the first session's timed ways under other names, before
 # the ways had their present form, and is left out).
-MEASURED = ("archive/h100-jax0.11.2-session2/gpu_levers_gpu_jax0.11.2.json",
+MEASURED = ("h100/jax0.11.2/gpu_levers_earlier_run_gpu_jax0.11.2.json",
             "h100/jax0.11.2/gpu_levers_gpu_jax0.11.2.json",
             "h100/jax0.11.2/gpu_levers_two_candidates_gpu_jax0.11.2.json")
 REFERENCE = "jax.jit"

@@ -2,7 +2,7 @@
 to H100 runs by ``benchmarks/fit_step_time.py`` from programs compiled on
 jax 0.11.2. Do not edit by hand: refit (see that script). Runs:
 
-* ``benchmarks/results/archive/h100-jax0.11.2-session2/gpu_levers_gpu_jax0.11.2.json``
+* ``benchmarks/results/h100/jax0.11.2/gpu_levers_earlier_run_gpu_jax0.11.2.json``
 * ``benchmarks/results/h100/jax0.11.2/gpu_levers_gpu_jax0.11.2.json``
 * ``benchmarks/results/h100/jax0.11.2/gpu_levers_two_candidates_gpu_jax0.11.2.json``
 
