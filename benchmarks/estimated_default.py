@@ -8,7 +8,7 @@ for ``gpu_target("h100").abstract(...)`` twice: with
 structural way and ``jax.jit``'s program compiled for the target the
 arguments are on; the structural way stands unless the estimate predicts a
 loss beyond its held-out error, and always for a kind of program no GPU
-run measured: ``jaxstreams.lower.estimated``). Per program: both ways,
+run measured: ``jaxstreams.choose.estimated``). Per program: both ways,
 whether they agree, each way's estimated step and bound, the rule that
 decided, and the seconds the estimate took (its compiles, in one child
 process; no decision is read from disk).

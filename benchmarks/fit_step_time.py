@@ -56,10 +56,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 FITTED = ROOT / "jaxstreams" / "xla" / "fitted_costs.py"
 
 # The H100 runs the constants are fitted to (gpu_levers.py --trace, jax
-# 0.11.2: the second GPU session's, now archived, and the third's, the
+# 0.11.2: the second GPU session's (the earlier run) and the third's, the
 # current ones; the first session's timed ways under other names, before
 # the ways had their present form, and is left out).
-MEASURED = ("archive/h100-jax0.11.2-session2/gpu_levers_gpu_jax0.11.2.json",
+MEASURED = ("h100/jax0.11.2/gpu_levers_earlier_run_gpu_jax0.11.2.json",
             "h100/jax0.11.2/gpu_levers_gpu_jax0.11.2.json",
             "h100/jax0.11.2/gpu_levers_two_candidates_gpu_jax0.11.2.json")
 REFERENCE = "jax.jit"
@@ -441,7 +441,7 @@ estimated ratio to ``jax.jit`` (estimated / measured, less 1) where the
 constants were fitted without that model or that way, over every jax's
 compiled programs (``step_time_held_out_h100_jax<version>.txt``): what the
 estimate's figure for that kind of program may be off by, and what the
-default weighs it with (``jaxstreams.lower.estimated``). ``STEP_HELD_OUT``:
+default weighs it with (``jaxstreams.choose.estimated``). ``STEP_HELD_OUT``:
 the same for ``jax.jit``'s own step time, each model left out: what a
 step's figure in microseconds may be off by.
 """

@@ -5,7 +5,7 @@ what is measured is the Python and dispatch cost around it. Batches of
 calls (each ends with block_until_ready on the last result), alternating the
 wrappers batch by batch; the median time per call and its ratio to jax.jit.
 
-First call (``jaxstreams.lower.choose``): trace, plan and compile, against
+First call (``jaxstreams.choose.choice``): trace, plan and compile, against
 ``jax.jit``'s first call of the same function, for the demo's two-tower
 training step and a transformer training step (12 layers of width 1024,
 sequence 512, batch 8, vocabulary 32000; each layer's attention on stream 1

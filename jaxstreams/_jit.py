@@ -9,7 +9,7 @@ donated arguments, shardings, the C++ fast path on later calls, and
 transformations applied from outside.
 
 Which ``jax.jit`` function a call reaches is chosen by
-``jaxstreams.lower.choose``, from the first top-level call on: on CPU the
+``jaxstreams.choose.choice``, from the first top-level call on: on CPU the
 program ``jax.jit`` builds; on a GPU the way for top-level calls (compiler
 options included, which jax refuses inside another trace; timed in the
 first calls where the rule leaves it open) and the way for calls traced
@@ -38,7 +38,8 @@ import jax
 from jaxstreams import _checks, _compat, _pipeline, config
 from jaxstreams._jit_staged import (Plans, make_plan, plans_for,
                                     qualified_name, staged_for)
-from jaxstreams.lower import choose, gpu, memory
+from jaxstreams.choose import choice, dispatch
+from jaxstreams.lower import gpu, memory
 from jaxstreams.lower.emit import FUSING_PROGRAMS, emits_inline
 from jaxstreams.partition import PartitionedProgram, StreamPlan, report
 
@@ -261,7 +262,7 @@ class StreamJit(functools.partial):
 
   Calling it calls ``self.func``: until the first top-level call, a
   function that settles which ``jax.jit`` function serves calls
-  (``jaxstreams.lower.choose``); then that ``jax.jit`` function itself, or
+  (``jaxstreams.choose.choice``); then that ``jax.jit`` function itself, or
   on a GPU a two-way switch between the top-level and the nested one (while
   the ways are timed: a lookup by signature). ``functools.partial`` makes
   that call in C: a ``jaxstreams.jit`` call costs what the ``jax.jit`` call
@@ -276,12 +277,12 @@ class StreamJit(functools.partial):
     self._jits: dict[tuple, Any] = {}
     self._children: dict[int, StreamJit] = {}   # streams=None: one per count
     self._lock = threading.RLock()
-    self._chooser = choose.Chooser(self)
+    self._chooser = choice.Chooser(self)
     self._devices: int | None = None   # of the call that settled, on a GPU
     # The plan of the call that settled, where a top-level way's compiler
     # options follow it (CONCURRENT graphs take convolutions in).
     self._settled_plan: StreamPlan | None = None
-    self._point_to(choose.FirstCall(weakref.ref(self)))
+    self._point_to(dispatch.FirstCall(weakref.ref(self)))
     return self
 
   def _point_to(self, target: Callable) -> None:
@@ -412,11 +413,11 @@ class StreamJit(functools.partial):
     every platform, including lowering for a GPU from a machine without
     one; and both trace the same staged function, so jax's trace and
     lowering caches serve both."""
-    choice = self._chooser.choice_for(args, kwargs)
+    chosen = self._chooser.choice_for(args, kwargs)
     if not self._chooser.settled:
-      self._devices = choose.device_count(args, kwargs, self._spec.jit_kwargs)
-    return self._jit(choice.way, top_level=True,
-                     plan=self.options_plan(choice.way, args, kwargs))
+      self._devices = choice.device_count(args, kwargs, self._spec.jit_kwargs)
+    return self._jit(chosen.way, top_level=True,
+                     plan=self.options_plan(chosen.way, args, kwargs))
 
   def options_plan(self, way: gpu.Way, args, kwargs) -> StreamPlan | None:
     """The plan a top-level way's compiler options follow (only ways with
@@ -463,7 +464,7 @@ class StreamJit(functools.partial):
           args, kwargs, target)
     found = self._spec.plan(*args, **kwargs)
     report = self._chooser.report(found, args, kwargs)
-    devices = choose.device_count(args, kwargs, self._spec.jit_kwargs)
+    devices = choice.device_count(args, kwargs, self._spec.jit_kwargs)
     if devices > 1 and not found.is_single_stream:
       report["gpu_reason"] += (
           f"; over {devices} devices, stream calls only inside shard_map "
@@ -517,7 +518,7 @@ class StreamJit(functools.partial):
       return self._for_streams(self._spec.streams_now())._current_jit()
     target = getattr(self.func, "top", self.func)
     return (self._nested_jit()
-            if isinstance(target, (choose.FirstCall, choose.BySignature))
+            if isinstance(target, (dispatch.FirstCall, dispatch.BySignature))
             else target)
 
   def __reduce__(self):
@@ -534,7 +535,7 @@ _BY_OPTION_LOCK = threading.RLock()
 def _option_changed() -> None:
   with _BY_OPTION_LOCK:
     for fn in list(_BY_OPTION):
-      fn._point_to(choose.FirstCall(weakref.ref(fn)))
+      fn._point_to(dispatch.FirstCall(weakref.ref(fn)))
     _BY_OPTION.clear()
 
 

@@ -75,7 +75,9 @@ stream calls for that reason); it fails loudly if that changes.
 import gc
 import glob
 import os
+import pathlib
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -85,6 +87,11 @@ import jaxstreams
 
 from jaxstreams.staging import _policy
 from programs import FlippingChooser, jaxstreams_threads, wait_until
+
+# The checkout last on sys.path: tests import the benchmarks' workloads
+# (``benchmarks.workloads``), while the installed jaxstreams, with its
+# native libraries, comes first.
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
 
 jax.config.update("jax_num_cpu_devices", 4)
 # On a GPU, every jaxstreams.jit function's first call would time its ways

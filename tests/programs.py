@@ -328,16 +328,16 @@ def _arguments_on_a_gpu(*, autotune, cache=None):
   and run on CPU, where XLA ignores the GPU options), its first calls
   timing the ways or not (``autotune``), with ``cache`` the autotune cache
   there; everything restored on the way out."""
-  from jaxstreams.lower import choose
-  platform = choose.platform
-  choose.platform = lambda *a: "gpu"
+  from jaxstreams.choose import choice
+  platform = choice.platform
+  choice.platform = lambda *a: "gpu"
   jaxstreams.config.update("jaxstreams_autotune", autotune)
   if cache is not None:
     jaxstreams.config.update("jaxstreams_autotune_cache", str(cache))
   try:
     yield
   finally:
-    choose.platform = platform
+    choice.platform = platform
     jaxstreams.config.reset("jaxstreams_autotune_cache")
     jaxstreams.config.reset("jaxstreams_autotune")
 

@@ -14,7 +14,8 @@ import pytest
 
 import jaxstreams
 from jaxstreams import _compat
-from jaxstreams.lower import choose, compile_pool, gpu, memory, timing
+from jaxstreams.choose import compile_pool, dispatch, timing
+from jaxstreams.lower import gpu, memory
 from programs import (assert_equal_results, one_chain, random_inputs,
                       towers_args, tuned_towers, two_towers,
                       wait_until)
@@ -257,13 +258,13 @@ def test_the_choice_is_per_signature(on_a_gpu, monkeypatch):
   clock.seconds = _clock("inline").seconds
   f(*large)
   assert concurrent._cache_size() == 2
-  assert isinstance(f.func, choose.BySignature)
+  assert isinstance(f.func, dispatch.BySignature)
   f._chooser.wait_compiled(large, {})
   _call_until_decided(f, large, jax.jit(two_towers)(*large))
   assert _decision(f, small).way == "concurrent"
   assert _decision(f, large).way == "inline"
   # Two ways in use: calls are looked up by signature.
-  assert isinstance(f.func, choose.BySignature)
+  assert isinstance(f.func, dispatch.BySignature)
   inline = f._jit(gpu.WAYS["inline"], top_level=True)
   counts = clock.calls.copy()
   before = inline._cache_size(), concurrent._cache_size()
@@ -286,7 +287,7 @@ def test_a_first_call_that_fails_leaves_nothing_half_done(on_a_gpu, monkeypatch)
   f = jaxstreams.jit(picky, streams=3)
   with pytest.raises(ValueError, match="batches of 8 only"):
     f(*towers_args(4))
-  assert isinstance(f.func, choose.FirstCall) and not f._chooser.settled
+  assert isinstance(f.func, dispatch.FirstCall) and not f._chooser.settled
   args = towers_args()
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
   assert f._chooser.deciding(args, {})

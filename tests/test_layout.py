@@ -18,16 +18,22 @@ floors below it, never of a floor above:
 2. ``runtime``: the native library and its ops, which lowering emits.
 3. - 6. the pipeline's stages in order: ``tag`` -> ``assign`` ->
    ``partition`` -> ``lower``.
-7. ``_pipeline``, ``_jit``, ``_jit_staged``: ``jaxstreams.jit``, which runs
-   the stages on a traced function and lowers the plan.
-8. ``staging``, ``serving``, ``xla``: built on ``jaxstreams.jit`` and the
-   programs it emits.
-9. ``jaxstreams`` itself (``__init__``): the public names.
+7. ``xla``: what XLA compiles and launches of the programs lowering makes,
+   seen without a GPU (the view, the step-time estimate).
+8. ``choose``: which way a function's calls run, weighing what lowering
+   made and the view read (timing, the estimate, memory).
+9. ``_pipeline``, ``_jit``, ``_jit_staged``: ``jaxstreams.jit``, which runs
+   the stages on a traced function, chooses its way and lowers the plan.
+10. ``staging``, ``serving``, ``_adapters``: built on ``jaxstreams.jit``
+    and the programs it emits.
+11. ``jaxstreams`` itself (``__init__``): the public names.
 
-Within ``lower`` the rooms come in the one direction a plan walks them
-(``LOWER_ROOMS``); a room imports only rooms after it.
+Within ``lower`` and within ``choose`` the rooms come in one direction
+(``LOWER_ROOMS``, the order a plan walks them; ``CHOOSE_ROOMS``); a room
+imports only rooms after it.
 
-The exceptions, each with its reason, are ``EXCEPTIONS``. Beside the
+No import climbs a floor, lazily or not: ``EXCEPTIONS`` is empty, and
+would hold each one with its reason. Beside the
 floors: no circle of imports (with the package ``__init__`` files each
 import of a submodule runs, but the root's, which imports every stage to
 offer the public names); ``jax._src`` imported by ``_compat`` alone; no
@@ -55,34 +61,22 @@ FLOORS = (
     ("assign",),
     ("partition",),
     ("lower",),
+    ("xla",),
+    ("choose",),
     ("_pipeline", "_jit", "_jit_staged"),
-    ("staging", "serving", "xla", "_adapters"),
+    ("staging", "serving", "_adapters"),
 )
 
-LOWER_ROOMS = ("choose", "estimated", "signature_choice", "timing", "memory",
-               "compile_pool", "gpu", "emit", "loops", "order", "packing",
-               "calls", "limits")
+LOWER_ROOMS = ("memory", "gpu", "emit", "loops", "order", "packing", "calls",
+               "limits")
+CHOOSE_ROOMS = ("choice", "dispatch", "signature", "estimated", "compile_pool",
+                "timing")
 
 # (importer, imported) pairs allowed to climb, each with its reason in a
 # comment. (config's checks of gpu_lowering and of estimate_target hold
 # the names they accept themselves: tests in test_gpu_lowering.py and
-# test_step_time.py hold them to the ways and to the targets.)
-EXCEPTIONS: set[tuple[str, str]] = {
-    # Where nothing times the ways and there is a GPU to estimate for, the
-    # default compiles its candidate ways for that GPU through the view's
-    # child process and keeps the one estimated fastest; the GPU is the
-    # target the arguments are placed on (by default) or a named one.
-    # Asked lazily, only where nothing times the ways.
-    ("jaxstreams.lower.estimated", "jaxstreams.xla.graph"),
-    ("jaxstreams.lower.estimated", "jaxstreams.xla.target"),
-    # The estimate acts only beyond its held-out error, which the fit
-    # writes beside its constants.
-    ("jaxstreams.lower.estimated", "jaxstreams.xla.fitted_costs"),
-    # f.plan(*args, target="h100") compiles every way for a GPU through the
-    # view's child process and states each one's memory and view: the plan
-    # asks the view, lazily, only when given a target.
-    ("jaxstreams._jit", "jaxstreams.xla.ways"),
-}
+# test_step_time.py hold them to the ways and to the targets.) None now.
+EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -192,12 +186,14 @@ def test_no_import_from_a_lower_floor_to_a_higher_one():
   assert not stale, f"exceptions no import needs any more: {stale}"
 
 
-def test_lowering_rooms_are_walked_in_one_direction():
-  rooms = {f"jaxstreams.lower.{name}": k for k, name in enumerate(LOWER_ROOMS)}
-  unplaced = sorted(m for m in MODULES if m.startswith("jaxstreams.lower.")
+@pytest.mark.parametrize("package, order", [("lower", LOWER_ROOMS),
+                                            ("choose", CHOOSE_ROOMS)])
+def test_rooms_are_walked_in_one_direction(package, order):
+  rooms = {f"jaxstreams.{package}.{name}": k for k, name in enumerate(order)}
+  unplaced = sorted(m for m in MODULES if m.startswith(f"jaxstreams.{package}.")
                     and m not in rooms)
-  assert not unplaced, (f"{unplaced}: add each to LOWER_ROOMS in "
-                        "tests/test_layout.py, where a plan walks it")
+  assert not unplaced, (f"{unplaced}: add each to {package.upper()}_ROOMS in "
+                        "tests/test_layout.py, where it is walked")
   back = [f"{m} imports {t} (line {line}), a room before it"
           for m, k in rooms.items()
           for t, line in sorted(IMPORTS[m].items())

@@ -39,7 +39,6 @@ import pytest
 from flax import nnx
 
 import jaxstreams
-import compile_matrix  # noqa: F401 - puts the checkout on sys.path (benchmarks)
 from benchmarks.workloads import (common, equinox_dual_encoder,
                                   linen_dual_encoder, linen_multitask,
                                   nnx_dual_encoder)

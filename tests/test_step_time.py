@@ -256,7 +256,7 @@ def test_the_structural_way_stands_within_the_held_out_error(monkeypatch):
   a kind of program no GPU run measured; a tie keeps the structural way.
   Held-out errors fixed here: concurrent -20%..+50%, inline -5%..+5%, so
   'inline' must be estimated more than 1.05 / 0.8 = 1.31x as fast."""
-  from jaxstreams.lower import estimated
+  from jaxstreams.choose import estimated
   from jaxstreams.xla import fitted_costs
   monkeypatch.setattr(fitted_costs, "HELD_OUT", {
       "concurrent": (-0.2, 0.5), "inline": (-0.05, 0.05)})
@@ -293,7 +293,7 @@ def test_the_structural_way_stands_within_the_held_out_error(monkeypatch):
 
 def test_jaxlib_0_12_forked_stream_calls_are_extrapolated(monkeypatch):
   from jaxstreams import _compat
-  from jaxstreams.lower import estimated
+  from jaxstreams.choose import estimated
   from jaxstreams.xla import fitted_costs
   assert estimated.held_out_range("streams") == (
       None if _compat.XLA_SCHEDULES_STREAM_CALLS
@@ -307,7 +307,7 @@ def test_memory_vetoes_only_a_real_share_of_the_device(monkeypatch):
   """A way is vetoed where it would not fit, or where its extra over
   'inline' is a tenth of the device's memory, not for the ratio of a few
   MiB (twice 'inline''s 10 MiB: kept)."""
-  from jaxstreams.lower import estimated
+  from jaxstreams.choose import estimated
   from jaxstreams.xla import fitted_costs
   monkeypatch.setattr(fitted_costs, "HELD_OUT", {
       "concurrent": (-0.2, 0.5), "inline": (-0.05, 0.05)})
@@ -358,7 +358,7 @@ def estimate_for_h100():
 def test_without_a_gpu_the_default_follows_the_estimate(estimate_for_h100,
                                                        monkeypatch):
   import jaxstreams
-  from jaxstreams.lower import estimated
+  from jaxstreams.choose import estimated
   asked = []
 
   def fake(lower, ways, target):
@@ -380,7 +380,7 @@ def test_without_a_gpu_the_default_follows_the_estimate(estimate_for_h100,
 def test_an_estimate_that_fails_leaves_the_structural_default(estimate_for_h100,
                                                              monkeypatch):
   import jaxstreams
-  from jaxstreams.lower import estimated
+  from jaxstreams.choose import estimated
 
   def broken(lower, ways, target):
     raise RuntimeError("no CUDA plugin")
@@ -426,8 +426,7 @@ def test_by_default_the_estimate_is_for_the_gpu_at_hand(monkeypatch):
   autotuning is off; nothing where its calls are timed, or for a GPU the
   estimate is not fitted to; a named target wherever nothing times."""
   import jax
-  import jaxstreams
-  from jaxstreams.lower import estimated
+  from jaxstreams.choose import estimated
   h100 = _Device("gpu", "NVIDIA H100 80GB HBM3")
   with _options(jaxstreams_estimate_target="auto", jaxstreams_autotune=False):
     assert estimated.target_for(_Device("cpu", "cpu")) is None
@@ -449,7 +448,7 @@ def test_by_default_the_estimate_is_for_the_gpu_at_hand(monkeypatch):
 def _asking(monkeypatch, step=80e-6):
   """Replace the compiles with fixed estimates: every way but ``inline``
   ``step``; returns the list of (ways, target) asked."""
-  from jaxstreams.lower import estimated
+  from jaxstreams.choose import estimated
   asked = []
 
   def fake(lower, ways, target):
@@ -516,10 +515,10 @@ def test_a_kept_decision_s_key_covers_what_the_estimate_reads(monkeypatch,
   module the estimate reads (the play, the work, the launches, the fitted
   constants and held-out errors, the rule): a change of any one leaves no
   stale decision on disk."""
-  from jaxstreams.lower import estimated
+  from jaxstreams.choose import estimated
   assert {"jaxstreams.xla.step_time", "jaxstreams.xla.work",
           "jaxstreams.xla.launches", "jaxstreams.xla.fitted_costs",
-          "jaxstreams.lower.estimated"} <= set(estimated.ESTIMATE_MODULES)
+          "jaxstreams.choose.estimated"} <= set(estimated.ESTIMATE_MODULES)
   before = estimated.estimate_version()
   assert estimated.estimate_version() == before
   (tmp_path / "_estimate_part.py").write_text("COST = 1\n")

@@ -2,11 +2,9 @@
 way a GPU runs it best. The rooms, in the one direction a plan walks them
 (each imports only those after it):
 
-* choosing the way: ``choose`` (which way a function's calls run, timed in
-  its first calls; ``signature_choice``: one signature's trial, ``timing``:
-  the rule and the decisions on disk, ``memory``: what each way needs on
-  the device and whether it fits, ``compile_pool``: the background
-  compiles) and ``gpu`` (the ways and the static rule);
+* the ways: ``memory`` (what each way needs on the device and whether it
+  fits) and ``gpu`` (the ways and the static rule); which way a function's
+  calls run is chosen above lowering and the view, in ``jaxstreams.choose``;
 * emitting regions: ``emit`` (the plan in order, a region in place or as a
   call);
 * emitting loop groups: ``loops`` (independent loops as one loop, each body

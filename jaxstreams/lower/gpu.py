@@ -46,7 +46,7 @@ towers) and one H100 run (jax 0.11.2):
   runs them on their streams, but launches their kernels one by one,
   which measured slower than ``jax.jit`` on the H100 with command buffers
   off). On a GPU, the first top-level calls time the
-  ``candidates`` and keep the fastest (``jaxstreams.lower.choose``).
+  ``candidates`` and keep the fastest (``jaxstreams.choose.choice``).
 
 On CPU every way is the program ``jax.jit`` builds: XLA:CPU has one stream
 and ignores the GPU options.

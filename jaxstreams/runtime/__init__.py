@@ -24,44 +24,66 @@ What it offers, on CPU (worker threads, host memory, steady clock) and CUDA
   Perfetto JSON timeline with one track per stream.
 """
 
-from . import timeline
-from ._capi import RuntimeOpError, StageClosedError, StageTimeoutError
-from ._loader import (
-    ENV_LIB_DIR,
-    RuntimeLibraryError,
-    available_platforms,
-    library_path,
+from jaxstreams.runtime import timeline
+from jaxstreams.runtime._capi import (
+  RuntimeOpError,
+  StageClosedError,
+  StageTimeoutError,
 )
-from ._ops import BEGIN, CALLER, END, INSTANT, delay, identity, marker, record, wait
-from ._pool import PoolConfig, allocate_event, config, init, release_event, shutdown, synchronize
-from .stage import StageArea, StageStats
+from jaxstreams.runtime._loader import (
+  ENV_LIB_DIR,
+  RuntimeLibraryError,
+  available_platforms,
+  library_path,
+)
+from jaxstreams.runtime._ops import (
+  BEGIN,
+  CALLER,
+  END,
+  INSTANT,
+  delay,
+  identity,
+  marker,
+  record,
+  wait,
+)
+from jaxstreams.runtime._pool import (
+  PoolConfig,
+  allocate_event,
+  config,
+  init,
+  release_event,
+  shutdown,
+  synchronize,
+)
+from jaxstreams.runtime.stage import StageArea, StageStats
 
 
 __all__ = [
-    "BEGIN",
-    "CALLER",
-    "END",
-    "ENV_LIB_DIR",
-    "INSTANT",
-    "PoolConfig",
-    "RuntimeLibraryError",
-    "RuntimeOpError",
-    "StageArea",
-    "StageClosedError",
-    "StageStats",
-    "StageTimeoutError",
-    "allocate_event",
-    "available_platforms",
-    "config",
-    "delay",
-    "identity",
-    "init",
-    "library_path",
-    "marker",
-    "record",
-    "release_event",
-    "shutdown",
-    "synchronize",
-    "timeline",
-    "wait",
+  "BEGIN",
+  "CALLER",
+  "END",
+  "ENV_LIB_DIR",
+  "INSTANT",
+  "PoolConfig",
+  "RuntimeLibraryError",
+  "RuntimeOpError",
+  "StageArea",
+  "StageClosedError",
+  "StageStats",
+  "StageTimeoutError",
+  "allocate_event",
+  "available_platforms",
+  "config",
+  "delay",
+  "identity",
+  "init",
+  "library_path",
+  "marker",
+  "record",
+  "release_event",
+  "shutdown",
+  "synchronize",
+  "timeline",
+  "wait",
 ]

@@ -25,7 +25,7 @@ from typing import Any
 from jaxstreams import config
 
 _state = threading.local()
-_names: dict[int, str] = {}          # region marker id -> "function/R<k>"
+_names: dict[int, str] = {}  # region marker id -> "function/R<k>"
 _ids = itertools.count(1)
 _ids_lock = threading.Lock()
 
@@ -44,7 +44,7 @@ def new_region_id(name: str) -> int:
 
 def wrap_region(fn, region_id: int, stream: int):
   """``fn`` with a BEGIN marker on its inputs and an END marker on its outputs."""
-  from jaxstreams.runtime import BEGIN, END, marker   # the native library
+  from jaxstreams.runtime import BEGIN, END, marker  # the native library
 
   def mark(values, phase):
     out = marker(*values, region=region_id, phase=phase, track=stream)
@@ -56,7 +56,8 @@ def wrap_region(fn, region_id: int, stream: int):
     # END also takes one BEGIN output, so BEGIN stays in the program even
     # when the body reads none of it; without inputs, BEGIN is left out.
     ended = mark(outs + begin[:1], END)
-    return ended[:len(outs)]
+    return ended[: len(outs)]
+
   return marked
 
 
@@ -78,6 +79,7 @@ def completion_token() -> None:
   process with several devices.
   """
   import jax
+
   jax.debug.callback(_step_done)
 
 
@@ -98,9 +100,11 @@ class profile:
 
   def __init__(self, path: str | os.PathLike | None = None):
     if path is not None and not isinstance(path, (str, os.PathLike)):
-      raise TypeError(f"jaxstreams.profile: path must be None or a file path "
-                      f"(str or os.PathLike), got {path!r} of type "
-                      f"{type(path).__name__}")
+      raise TypeError(
+        f"jaxstreams.profile: path must be None or a file path "
+        f"(str or os.PathLike), got {path!r} of type "
+        f"{type(path).__name__}"
+      )
     self.path = path
     self.timeline = None
     self.intervals: list[Any] = []
@@ -109,6 +113,7 @@ class profile:
   def __enter__(self) -> "profile":
     from jax.experimental.xla_metadata import set_xla_metadata
     from jaxstreams.runtime import timeline
+
     timeline.reset()
     self._metadata = set_xla_metadata(jaxstreams_profile="on")
     self._metadata.__enter__()
@@ -118,9 +123,10 @@ class profile:
   def __exit__(self, *exc_info) -> None:
     import jax
     from jaxstreams.runtime import timeline
+
     _state.depth -= 1
     self._metadata.__exit__(*exc_info)
-    jax.effects_barrier()   # the steps' runtime tokens: see completion_token
+    jax.effects_barrier()  # the steps' runtime tokens: see completion_token
     self.timeline = timeline.read()
     self.intervals = timeline.intervals(self.timeline.markers)
     if self.path is not None and self.timeline.markers:

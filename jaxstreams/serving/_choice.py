@@ -21,7 +21,7 @@ combination of requests.
   both on the server's own models, as ``jaxstreams.jit``'s first call times
   its ways: every batch program of the request's signature is compiled,
   then ``groups`` client threads send copies of the request through each
-  way in interleaved rounds (``jaxstreams.lower.timing.time_interleaved``), and
+  way in interleaved rounds (``jaxstreams.choose.timing.time_interleaved``), and
   grouped is kept only where it beats direct by that function's margin in
   the median and in most rounds. Direct is the baseline: a server is never
   made slower by a choice it could not confirm. The decision is cached on
@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import jax
 
 from jaxstreams import config
-from jaxstreams.lower import timing
+from jaxstreams.choose import timing
 
 MODES = ("by_platform", "direct", "grouped")
 WAYS = ("direct", "grouped")

@@ -2,7 +2,7 @@
 to H100 runs by ``benchmarks/fit_step_time.py`` from programs compiled on
 jax 0.11.2. Do not edit by hand: refit (see that script). Runs:
 
-* ``benchmarks/results/archive/h100-jax0.11.2-session2/gpu_levers_gpu_jax0.11.2.json``
+* ``benchmarks/results/h100/jax0.11.2/gpu_levers_earlier_run_gpu_jax0.11.2.json``
 * ``benchmarks/results/h100/jax0.11.2/gpu_levers_gpu_jax0.11.2.json``
 * ``benchmarks/results/h100/jax0.11.2/gpu_levers_two_candidates_gpu_jax0.11.2.json``
 
@@ -24,7 +24,7 @@ estimated ratio to ``jax.jit`` (estimated / measured, less 1) where the
 constants were fitted without that model or that way, over every jax's
 compiled programs (``step_time_held_out_h100_jax<version>.txt``): what the
 estimate's figure for that kind of program may be off by, and what the
-default weighs it with (``jaxstreams.lower.estimated``). ``STEP_HELD_OUT``:
+default weighs it with (``jaxstreams.choose.estimated``). ``STEP_HELD_OUT``:
 the same for ``jax.jit``'s own step time, each model left out: what a
 step's figure in microseconds may be off by.
 """

@@ -1,7 +1,7 @@
 """Choosing a way by the step-time estimate, where nothing can time it.
 
 On a GPU the first calls of a ``jaxstreams.jit`` function time the
-candidate ways (``jaxstreams.lower.choose``). Where nothing can (no GPU in
+candidate ways (``jaxstreams.choose.choice``). Where nothing can (no GPU in
 this process; or ``jaxstreams_autotune`` off), the default weighs them by
 their estimated steps on a GPU (``jaxstreams.xla.step_time``), where there
 is one to estimate for (``target_for``; ``jaxstreams_estimate_target``,
@@ -55,7 +55,8 @@ from typing import Callable, Hashable, Sequence
 import jax
 
 from jaxstreams import _compat, config
-from jaxstreams.lower import gpu, timing
+from jaxstreams.choose import timing
+from jaxstreams.lower import gpu
 
 OPTION = "jaxstreams_estimate_target"
 # A way needing more device memory than ``inline`` by this share of the
@@ -211,7 +212,7 @@ def choose(estimates: dict, default: str, where: str,
                  "the held-out error (the rule: another way only where its "
                  "gain is beyond the estimate's held-out error)")
   if held_out_range(default) is None:
-    rule = (f"no GPU run has measured its kind of program, so its estimate "
+    rule = ("no GPU run has measured its kind of program, so its estimate "
             "is extrapolated and does not decide")
   else:
     rule = ("no other way is estimated faster by more than the estimate's "
@@ -279,7 +280,7 @@ ESTIMATE_MODULES = ("jaxstreams.xla.graph", "jaxstreams.xla.xla_logs",
                     "jaxstreams.xla.schedule", "jaxstreams.xla.launches",
                     "jaxstreams.xla.work", "jaxstreams.xla.step_time",
                     "jaxstreams.xla.fitted_costs",
-                    "jaxstreams.lower.estimated")
+                    "jaxstreams.choose.estimated")
 
 
 def estimate_version() -> str:

@@ -2,7 +2,7 @@
 background, each run once (a warm-up), timed in interleaved rounds of the
 signature's calls, and decided (``timing``'s rule, kept on disk).
 
-``jaxstreams.lower.choose`` keeps one ``SignatureChoice`` per signature of a
+``jaxstreams.choose.choice`` keeps one ``SignatureChoice`` per signature of a
 function and hands each call to it while the choice is open; ``chooser``
 below is that ``Chooser`` (``refresh`` points the function's calls at what
 serves them once a choice is made), and ``owner`` the ``jaxstreams.jit``
@@ -22,7 +22,8 @@ from typing import Any, Sequence
 import jax
 from jax import tree_util
 
-from jaxstreams.lower import compile_pool, gpu, memory, timing
+from jaxstreams.choose import compile_pool, timing
+from jaxstreams.lower import gpu, memory
 
 
 def _copies(dynamic):

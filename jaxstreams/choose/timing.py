@@ -5,7 +5,7 @@ most rounds and in the median by the gain its memory asks
 (``required_gain``: ``MIN_GAIN``, more for a way that needs more device
 memory than the baseline). Decisions are kept on disk
 (the ``jaxstreams_autotune_cache`` option), keyed by program, device kind,
-candidates and versions. ``jaxstreams.lower.choose`` applies this to a
+candidates and versions. ``jaxstreams.choose.choice`` applies this to a
 function's calls; ``jaxstreams.serve`` to its trial of grouped against
 direct serving."""
 

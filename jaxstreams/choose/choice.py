@@ -3,9 +3,10 @@
 ``jaxstreams.lower.gpu`` holds the ways and the static rule; this module
 applies it to a function and, where the rule leaves it open, times the
 candidate ways in the function's own calls (one signature's choice:
-``signature_choice``; the timing rule and the decisions on disk:
-``timing``; the background compiles: ``compile_pool``). On CPU every call
-runs the program ``jax.jit`` builds and nothing here is timed.
+``signature``; the timing rule and the decisions on disk: ``timing``; the
+background compiles: ``compile_pool``; what the function calls meanwhile:
+``dispatch``). On CPU every call runs the program ``jax.jit`` builds and
+nothing here is timed.
 
 The first call costs what ``jax.jit``'s does:
 
@@ -47,10 +48,10 @@ The first call costs what ``jax.jit``'s does:
   default, untimed.
 * Where nothing times the ways (no GPU in this process, or
   ``jaxstreams_autotune`` off) but there is a GPU to estimate for (the
-  target the arguments are placed on, by default), the static default is
-  the structural way where it is estimated faster than ``inline`` there by
-  the gain its memory asks (a GPU the option names: the way estimated
-  fastest of all; ``estimated``).
+  target the arguments are placed on, by default), the structural way
+  stands unless its memory vetoes it or another way is estimated faster
+  by more than the estimate's held-out error; the estimate of a kind of
+  program no GPU run measured does not decide (``estimated``).
 
 Memory is never fatal (``jaxstreams.lower.memory``): a candidate whose
 compiled program would not fit in the device's free memory is never run,
@@ -79,11 +80,14 @@ from typing import TYPE_CHECKING, Callable, Hashable, Sequence
 import jax
 from jax import tree_util
 
-from jaxstreams import _compat, config
-from jaxstreams.lower import estimated, gpu, memory, timing
+from jaxstreams import config
+from jaxstreams.choose import estimated, timing
+from jaxstreams.choose.dispatch import (BySignature, FirstCall, Nested, Switch,
+                                        Watch)
+from jaxstreams.choose.signature import SignatureChoice
+from jaxstreams.lower import gpu, memory
 from jaxstreams.lower.emit import emits_inline
 from jaxstreams.lower.loops import bodies_in_place
-from jaxstreams.lower.signature_choice import SignatureChoice
 
 if TYPE_CHECKING:
   from jaxstreams.partition import StreamPlan
@@ -180,7 +184,7 @@ def static_choice(lowering: str, plan: Callable[[], "StreamPlan"],
   nothing will time them and there is a GPU to estimate for
   (``Chooser.estimator``): the way estimated fastest among those it
   weighs, and why, or None where it weighs nothing
-  (``jaxstreams.lower.estimated``; ``EstimateFailed`` where none could be
+  (``jaxstreams.choose.estimated``; ``EstimateFailed`` where none could be
   estimated)."""
   if lowering != gpu.DEFAULT:
     return Choice(gpu.WAYS[lowering], f"gpu_lowering={lowering!r}")
@@ -503,98 +507,3 @@ class Chooser:
     seconds.update({w: f.result()[1] for w, f in pending.items()
                     if not f.cancelled() and f.exception() is None})
     return seconds
-
-
-class FirstCall:
-  """What a ``StreamJit`` calls until its first top-level call settled the
-  ``jax.jit`` functions. Holds the function weakly: the function holds it."""
-
-  __slots__ = ("ref",)
-
-  def __init__(self, ref):
-    self.ref = ref
-
-  @_compat.api_boundary
-  def __call__(self, *args, **kwargs):
-    me = self.ref()
-    if me._streams is None:
-      return me._by_option()(*args, **kwargs)
-    if not _compat.at_top_level():
-      return me._nested_jit_for(args, kwargs)(*args, **kwargs)
-    return me._chooser.settle(args, kwargs)(*args, **kwargs)
-
-
-class Nested:
-  """Calls traced inside another jit (or under ``jax.grad`` / ``jax.vmap``):
-  to the nested way's ``jax.jit`` function, or to ``jax.jit``'s program
-  where the nested way emits that for the call's plan, so the call shares
-  its trace with top-level calls (``StreamJit._nested_jit_for``)."""
-
-  __slots__ = ("ref",)
-
-  def __init__(self, ref):
-    self.ref = ref
-
-  @_compat.api_boundary
-  def __call__(self, *args, **kwargs):
-    return self.ref()._nested_jit_for(args, kwargs)(*args, **kwargs)
-
-
-class Switch:
-  """Top-level calls to ``top``, calls traced inside another jit (or under
-  ``jax.grad`` / ``jax.vmap``) to ``nested``: jax accepts compiler options
-  only at top level."""
-
-  __slots__ = ("top", "nested")
-
-  def __init__(self, top, nested):
-    self.top, self.nested = top, nested
-
-  @_compat.api_boundary
-  def __call__(self, *args, **kwargs):
-    if _compat.at_top_level():
-      return self.top(*args, **kwargs)
-    return self.nested(*args, **kwargs)
-
-
-class Watch(Switch):
-  """A ``Switch`` whose top-level ``jax.jit`` function is the way every
-  signature so far chose: a call whose signature that function had not seen
-  (an entry more in its call cache, a check that costs a C++ call) is
-  reported to the chooser, which then times the ways for it."""
-
-  __slots__ = ("chooser", "way", "seen")
-
-  def __init__(self, top, nested, chooser: Chooser, way: gpu.Way):
-    super().__init__(top, nested)
-    self.chooser, self.way = chooser, way
-    self.seen = top._cache_size()
-
-  @_compat.api_boundary
-  def __call__(self, *args, **kwargs):
-    if not _compat.at_top_level():
-      return self.nested(*args, **kwargs)
-    out = self.top(*args, **kwargs)
-    seen = self.top._cache_size()
-    if seen != self.seen:
-      grew, self.seen = seen > self.seen, seen
-      if grew:
-        self.chooser.saw(args, kwargs, self.way)
-    return out
-
-
-class BySignature:
-  """Top-level calls looked up by signature (while a choice is open, or
-  where signatures chose different ways); nested calls to the nested way."""
-
-  __slots__ = ("ref",)
-
-  def __init__(self, ref):
-    self.ref = ref
-
-  @_compat.api_boundary
-  def __call__(self, *args, **kwargs):
-    me = self.ref()
-    if not _compat.at_top_level():
-      return me._nested_jit_for(args, kwargs)(*args, **kwargs)
-    return me._chooser.call(args, kwargs)
