@@ -14,9 +14,11 @@ The groups whose bodies would all run in place are left apart
 
 from __future__ import annotations
 
+import functools
+
 from jaxstreams import _compat
 from jaxstreams.lower.limits import (body_hazard, carry_hazard, carry_tail,
-                                     regions_in_place)
+                                     regions_in_place, without_cse_barriers)
 from jaxstreams.partition.loops import layout, loop_length
 from jaxstreams.partition.partitioned import Decisions, LoopBody, LoopPlan
 from jaxstreams.tag.read import primitives
@@ -46,22 +48,27 @@ def _loop_plan(program, graph, regions) -> LoopPlan:
 
 def loop_body(eqn, region: int, stream: int) -> LoopBody:
   """For the body of ``eqn`` (the scan of ``region``, on ``stream``) as a
-  stream call per step of its group's one loop: why it runs in place
-  instead (the main stream's body runs in place anyway), the positions of
-  its equations that run after its call (``limits.carry_tail``), where
-  those make the rest one, and why XLA cannot compile it whole."""
-  if stream == 0:
-    return LoopBody(region)
-  body = _compat.nested_jaxpr({"jaxpr": eqn.params["jaxpr"]}).jaxpr
+  stream call per step of its group's one loop: the body and its
+  equations as emitted, why it runs in place instead (the main stream's
+  body runs in place anyway), the positions of its equations that run
+  after its call (``limits.carry_tail``), where those make the rest one,
+  and why XLA cannot compile it whole."""
+  closed = _compat.nested_jaxpr({"jaxpr": eqn.params["jaxpr"]})
+  body = closed.jaxpr
   num_consts, num_carry = _compat.scan_counts(eqn.params)
+  decided = functools.partial(
+      LoopBody, region, closed, tuple(without_cse_barriers(body.eqns)),
+      num_consts, num_carry)
+  if stream == 0:
+    return decided()
   why = body_hazard(body.eqns)
   if why is not None:
-    return LoopBody(region, why, (), why)
+    return decided(why, (), why)
   why = carry_hazard(body, num_consts, num_carry)
   if why is None:
-    return LoopBody(region)
+    return decided()
   tail = carry_tail(body, num_consts, num_carry) or ()
-  return LoopBody(region, None if tail else why, tail, why)
+  return decided(None if tail else why, tail, why)
 
 
 def groups_apart(program, graph) -> dict[tuple[int, ...], str]:

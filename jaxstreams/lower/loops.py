@@ -35,7 +35,6 @@ import numpy as np
 from jaxstreams import _compat
 from jaxstreams.lower.calls import (install_region_rules, order_barrier,
                                     stream_call)
-from jaxstreams.lower.limits import without_cse_barriers
 from jaxstreams.lower.packing import Packing
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.loops import Phase
@@ -55,13 +54,11 @@ class _Member:
     self.region = region
     self.stream = plan.graph.streams[region]
     params = self.eqn.params
-    body = _compat.nested_jaxpr({"jaxpr": params["jaxpr"]})
-    inner = body.jaxpr
-    self.body_consts = list(body.consts)
-    eqns = without_cse_barriers(inner.eqns)
+    inner, eqns = decided.body.jaxpr, list(decided.eqns)
+    self.body_consts = list(decided.body.consts)
     self.body = part_function([*inner.constvars, *inner.invars],
                               inner.outvars, eqns)
-    self.num_consts, self.num_carry = _compat.scan_counts(params)
+    self.num_consts, self.num_carry = decided.num_consts, decided.num_carry
     self.unroll = int(params.get("unroll", 1))
     # Why its body cannot be a stream call here (then it runs in place, on
     # the main stream, inside the loop), or None; and the part of it that

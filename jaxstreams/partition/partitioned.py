@@ -17,6 +17,7 @@ the report shows them.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxstreams.assign import Cost, Placement
 from jaxstreams.partition.loops import Phase
@@ -28,13 +29,21 @@ from jaxstreams.tag.read import ExposedProgram
 @dataclasses.dataclass(frozen=True)
 class LoopBody:
   """How the body of one scan of a loop group runs in the group's one loop,
-  on the installed jaxlib: ``in_place``, why it runs in place (on the main
-  stream, in the loop's step) instead of as a stream call, or None (the
-  main stream's body runs in place anyway); ``tail``, the positions of its
-  body's top-level equations that run after its call, on the main stream,
-  so that the rest is a call XLA compiles (empty: none); ``why``, why the
+  on the installed jaxlib. ``body``: the scan's body (a closed jaxpr: body
+  constants, loop constants, carry, slices in; carry, results out), and
+  ``eqns`` its equations as emitted (``jax.checkpoint``'s barriers off,
+  ``limits.without_cse_barriers``); ``num_consts``, ``num_carry``: its
+  loop constants and carry. ``in_place``: why it runs in place (on the
+  main stream, in the loop's step) instead of as a stream call, or None
+  (the main stream's body runs in place anyway); ``tail``: the positions
+  of its top-level equations that run after its call, on the main stream,
+  so that the rest is a call XLA compiles (empty: none); ``why``: why the
   installed XLA cannot compile the body whole as a call, or None."""
   region: int
+  body: Any = dataclasses.field(compare=False, repr=False)
+  eqns: tuple = dataclasses.field(compare=False, repr=False)
+  num_consts: int
+  num_carry: int
   in_place: str | None = None
   tail: tuple[int, ...] = ()
   why: str | None = None

@@ -449,11 +449,9 @@ def _body_line(partitioned: PartitionedProgram, body: LoopBody) -> str:
   line += f"a stream call on stream {stream} each step"
   if not body.tail:
     return line
-  eqn = partitioned.program.jaxpr.eqns[partitioned.graph.members[body.region][0]]
-  eqns = _compat.nested_jaxpr({"jaxpr": eqn.params["jaxpr"]}).jaxpr.eqns
-  after = ", ".join(f"#{k} {eqns[k].primitive.name}" for k in body.tail)
-  return (line + f", then its equations {after} (of {len(eqns)}) on the "
-          "main stream")
+  after = ", ".join(f"#{k} {body.eqns[k].primitive.name}" for k in body.tail)
+  return (line + f", then its equations {after} (of {len(body.eqns)}) on "
+          "the main stream")
 
 
 def _value_names(jaxpr) -> dict[Any, str]:
