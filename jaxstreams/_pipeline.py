@@ -15,7 +15,7 @@ from jaxstreams import _compat, config
 from jaxstreams.assign import (DEFAULT_DEVICE, DeviceModel, Placement,
                                StreamRules, assign_streams, equation_cost,
                                load_rules, spread_assign)
-from jaxstreams.lower.loops import groups_apart
+from jaxstreams.lower.decide import decide, groups_apart
 from jaxstreams.partition import PartitionedProgram, partition
 from jaxstreams.partition.schedule import estimate
 from jaxstreams.tag import expose_tags
@@ -82,9 +82,12 @@ def _plan(closed_jaxpr, streams, source, function_name,
     placements, graph, schedule, summary = _try_spread(
         program, placements, graph, schedule, seconds, work, streams, options)
   # A group whose bodies the installed XLA would all run in place gains
-  # nothing from one loop: its scans stay apart (lower/loops.py).
+  # nothing from one loop: its scans stay apart (lower/decide.py). Then
+  # what lowering must decide for this jaxlib is decided, once, and kept
+  # in the plan for emission to follow and the report to show.
   graph.loops_apart = groups_apart(program, graph)
   graph.loops = [g for g in graph.loops if g not in graph.loops_apart]
+  decisions = decide(program, graph)
   bodies, placements = {}, list(placements)
   for index, placement in enumerate(placements):
     if placement.rule == "inside":
@@ -99,7 +102,8 @@ def _plan(closed_jaxpr, streams, source, function_name,
       function_name=function_name, streams=streams, program=program,
       placements=tuple(placements), costs=tuple(costs), graph=graph,
       schedule=schedule, summary=summary,
-      reduce_stream_wait=options.reduce_stream_wait, bodies=bodies)
+      reduce_stream_wait=options.reduce_stream_wait, bodies=bodies,
+      decisions=decisions)
 
 
 def _try_spread(program, placements, graph, schedule, seconds, work, streams,

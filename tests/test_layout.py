@@ -67,8 +67,8 @@ FLOORS = (
     ("staging", "serving", "_adapters"),
 )
 
-LOWER_ROOMS = ("memory", "gpu", "emit", "loops", "order", "packing", "calls",
-               "limits")
+LOWER_ROOMS = ("memory", "gpu", "decide", "emit", "loops", "order", "packing",
+               "calls", "limits")
 CHOOSE_ROOMS = ("choice", "dispatch", "signature", "estimated", "compile_pool",
                 "timing")
 
@@ -199,6 +199,27 @@ def test_rooms_are_walked_in_one_direction(package, order):
           for t, line in sorted(IMPORTS[m].items())
           if t in rooms and rooms[t] < k]
   assert not back, "\n".join(back)
+
+
+# What decides how a program is emitted (lower/limits.py's analysis of what
+# XLA compiles inside a stream call), asked once before emission by
+# lower/decide.py and kept in the plan.
+HAZARD_ANALYSIS = ("region_hazard", "regions_in_place", "body_hazard",
+                   "carry_hazard", "carry_tail")
+
+
+@pytest.mark.parametrize("module", ["jaxstreams.lower.emit",
+                                    "jaxstreams.lower.loops"])
+def test_emission_decides_nothing(module):
+  """Emission follows the plan's decisions (``PartitionedProgram.
+  decisions``): it names none of the hazard analysis, imported or not."""
+  tree = ast.parse(MODULES[module].read_text())
+  named = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+  named |= {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)}
+  named |= {alias.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) for alias in node.names}
+  assert not named & set(HAZARD_ANALYSIS), sorted(named & set(HAZARD_ANALYSIS))
 
 
 def test_jax_internals_only_through_compat():

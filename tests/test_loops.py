@@ -631,6 +631,11 @@ def test_a_body_that_reads_its_carry_after_writing_it_runs_beside_the_other(
       str(plan))
   assert not plan.in_place and plan.gpu_lowering == "loops_concurrent"
   assert ("part after the call" in str(plan)) == split, str(plan)
+  # The decisions made before emission, in the plan: each body a call,
+  # its increment after it where the jaxlib needs that.
+  for region, body in zip(group.regions, group.bodies):
+    assert body.startswith(f"R{region} body: a stream call on stream"), body
+    assert ("then its equations" in body) == split, body
   expected = jax.jit(towers)(*args)
   np.testing.assert_array_equal(f(*args), expected)
   # XLA:CPU fuses the sums of the one loop's program in its own way.

@@ -87,7 +87,6 @@ from jaxstreams.choose.dispatch import (BySignature, FirstCall, Nested, Switch,
 from jaxstreams.choose.signature import SignatureChoice
 from jaxstreams.lower import gpu, memory
 from jaxstreams.lower.emit import emits_inline
-from jaxstreams.lower.loops import bodies_in_place
 
 if TYPE_CHECKING:
   from jaxstreams.partition import StreamPlan
@@ -465,10 +464,8 @@ class Chooser:
     why = choice.reason
     if choice.decision is not None:
       why += ": " + choice.decision.describe()
-    partitioned = (owner._spec.partitioned(*args, **kwargs)
-                   if plan.loops or owner._spec.lowering() == gpu.DEFAULT
-                   else None)
     if owner._spec.lowering() == gpu.DEFAULT:
+      partitioned = owner._spec.partitioned(*args, **kwargs)
       nested_why = gpu.why_default_nested(plan)
       program = owner._program(owner._nested_way(), top_level=False)
       if not emits_inline(partitioned, program):
@@ -477,10 +474,8 @@ class Chooser:
     else:
       nested_why = (f"inside another jit: {owner._nested_way().name!r} (no "
                     "compiler options reach a function traced there)")
-    whole, part = bodies_in_place(partitioned) if plan.loops else ({}, {})
     found = {"gpu_lowering": choice.way.name,
-             "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}",
-             "in_place": {**gpu.in_place(plan), **whole}, "in_part": part}
+             "gpu_reason": f"{choice.way.summary} ({why}); {nested_why}"}
     if choice.decision is not None:
       entry = self._signatures.get(self.key(args, kwargs))
       measured = memory.measured(choice.decision, entry.footprints

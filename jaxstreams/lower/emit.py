@@ -7,7 +7,9 @@ stream call (``lower/calls.py``): a ``call`` carrying
 ``_xla_stream_annotation="<stream>"`` and ``inlineable="false"``, which
 XLA:GPU runs on that compute stream with its own events. XLA:CPU runs such
 a call as an ordinary computation. A region that the installed XLA cannot
-compile as a call (``lower/limits.py``) is emitted in place.
+compile as a call is emitted in place: which ones, like how each group of
+loops runs as one, was decided before emission (``lower/decide.py``, kept
+in ``PartitionedProgram.decisions``); emission follows those decisions.
 
 Around the calls, ``lower/order.py`` decides the order XLA sees: sequence
 points for the XLA that does not schedule stream calls itself, and combiner
@@ -41,7 +43,6 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxstreams import _compat
 from jaxstreams.lower.calls import install_region_rules, stream_call, xla_stream
-from jaxstreams.lower.limits import regions_in_place
 from jaxstreams.lower.loops import emit_group
 from jaxstreams.lower.order import (COMBINER_KEY, Sequencer, collective_waits,
                                     combiner_keys, emitted,
@@ -49,7 +50,6 @@ from jaxstreams.lower.order import (COMBINER_KEY, Sequencer, collective_waits,
 from jaxstreams.lower.packing import Packing
 from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
-from jaxstreams.tag.read import primitives
 
 # The name scope around each region's equations. XLA keeps it in each
 # instruction's op_name, so a kernel of a region emitted in place (no call
@@ -148,9 +148,9 @@ def _emit(plan: PartitionedProgram, args: Sequence[Any], profile: bool,
     env[var] = value
   # Independent loops on different streams run as one loop, each body on
   # its stream (lower/loops.py), in every program but jax.jit's own.
-  loop_groups = ({group[0]: group for group in graph.loops}
+  loop_groups = ({group.regions[0]: group for group in plan.decisions.loops}
                  if gpu_lowering in FUSING_PROGRAMS else {})
-  grouped = {r for group in loop_groups.values() for r in group}
+  grouped = {r for group in loop_groups.values() for r in group.regions}
   aside, refused = (_in_place(plan, grouped, gpu_lowering,
                               strict and gpu_lowering == "streams")
                     if stream_calls else ({}, {}))
@@ -194,14 +194,14 @@ def _emit(plan: PartitionedProgram, args: Sequence[Any], profile: bool,
 def _in_place(plan: PartitionedProgram, grouped, way: str,
               strict: bool) -> tuple[dict[int, str], dict[int, str]]:
   """The off-main regions (not run as one loop) that the installed XLA
-  cannot compile as stream calls: ``(in place, refused)``, each by region
-  with why. By default such a region runs in place; with ``strict`` (a way
-  asked for) it stays a call, marked so that lowering it for a GPU raises
-  a ``LoweringError`` naming it (on CPU it runs in place like every
-  region)."""
+  cannot compile as stream calls (``plan.decisions.in_place``): ``(in
+  place, refused)``, each by region with why. By default such a region
+  runs in place; with ``strict`` (a way asked for) it stays a call, marked
+  so that lowering it for a GPU raises a ``LoweringError`` naming it (on
+  CPU it runs in place like every region)."""
   streams = plan.graph.streams
-  hazards = regions_in_place(
-      streams, lambda i: primitives(plan.region_equations(i)), grouped)
+  hazards = {index: why for index, why in plan.decisions.in_place.items()
+             if index not in grouped}
   if not strict:
     return hazards, {}
   return {}, {index: (

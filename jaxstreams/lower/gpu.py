@@ -173,15 +173,6 @@ def has_loop_groups(plan) -> bool:
   return plan is not None and bool(plan.loops)
 
 
-def in_place(plan) -> dict[int, str]:
-  """The off-main regions of ``plan`` (a ``StreamPlan``) that the installed
-  XLA cannot compile as stream calls (``jaxstreams.lower.limits``), and why;
-  the loops of a group run as one loop instead."""
-  return limits.regions_in_place(
-      [r.stream for r in plan.regions], lambda i: plan.regions[i].holds,
-      {r for group in plan.loops for r in group.regions})
-
-
 def default_top_level(plan=None) -> Way:
   """The way a top-level call of ``plan`` runs when nothing was timed:
   ``loops_concurrent`` where the plan has loops to run as one,

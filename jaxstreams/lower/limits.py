@@ -70,8 +70,8 @@ def regions_in_place(streams: Sequence[int],
   """The off-main regions (of plan streams ``streams``, by index) that the
   installed XLA cannot compile as stream calls, and why; ``holds(index)``
   gives a region's primitives, and the regions ``grouped`` run as one loop
-  instead. The plan's report (``lower/gpu.py``) and the emitted program
-  (``lower/emit.py``) both read this."""
+  instead. Asked once per plan, before emission (``lower/decide.py``):
+  the plan keeps the answer, which emission and the report both read."""
   found = {}
   for index, stream in enumerate(streams):
     if stream != 0 and index not in grouped:

@@ -9,11 +9,12 @@ place. The loop runs where XLA compiles loops on every jaxlib (the main
 thread of the program), and each step's bodies run side by side on their
 streams.
 
-A body that the installed XLA cannot compile as a stream call (``limits``)
-runs in place, on the main stream, in the loop's step; where only its
-readings of the carry after the next one is written stop it, those run
-after its call there instead (``_Tail``), and a group whose bodies would
-all run in place is left apart (``groups_apart``). The loop's counter
+A body that the installed XLA cannot compile as a stream call runs in
+place, on the main stream, in the loop's step; where only its readings of
+the carry after the next one is written stop it, those run after its call
+there instead (``_Tail``). Which, and the group's phases, were decided
+before emission (``lower/decide.py``, ``PartitionedProgram.decisions``):
+here they are followed, not asked again. The loop's counter
 and the bodies' constants stay outside the calls (jaxlib 0.12 crashes on a
 constant inside one; ``calls`` lowers region calls so).
 
@@ -34,39 +35,37 @@ import numpy as np
 from jaxstreams import _compat
 from jaxstreams.lower.calls import (install_region_rules, order_barrier,
                                     stream_call)
-from jaxstreams.lower.limits import (body_hazard, carry_hazard, carry_tail,
-                                     without_cse_barriers)
 from jaxstreams.lower.packing import Packing
 from jaxstreams.partition.cut import part_function
-from jaxstreams.partition.loops import Phase, layout, loop_length
-from jaxstreams.partition.partitioned import PartitionedProgram
+from jaxstreams.partition.loops import Phase
+from jaxstreams.partition.partitioned import (LoopBody, LoopPlan,
+                                              PartitionedProgram)
 
 
 class _Member:
   """One scan of a group: its equation, region and stream, and its body as
-  a function of (body constants, loop constants, carry, slices)."""
+  a function of (body constants, loop constants, carry, slices), run as
+  ``decided`` (its ``LoopBody``)."""
 
-  def __init__(self, plan: PartitionedProgram, region: int):
+  def __init__(self, plan: PartitionedProgram, decided: LoopBody):
+    region = decided.region
     (index,) = plan.graph.members[region]
     self.eqn = plan.program.jaxpr.eqns[index]
     self.region = region
     self.stream = plan.graph.streams[region]
     params = self.eqn.params
-    body = _compat.nested_jaxpr({"jaxpr": params["jaxpr"]})
-    inner = body.jaxpr
-    self.body_consts = list(body.consts)
-    eqns = without_cse_barriers(inner.eqns)
+    inner, eqns = decided.body.jaxpr, list(decided.eqns)
+    self.body_consts = list(decided.body.consts)
     self.body = part_function([*inner.constvars, *inner.invars],
                               inner.outvars, eqns)
-    self.num_consts, self.num_carry = _compat.scan_counts(params)
-    self.length = loop_length(self.eqn)
+    self.num_consts, self.num_carry = decided.num_consts, decided.num_carry
     self.unroll = int(params.get("unroll", 1))
     # Why its body cannot be a stream call here (then it runs in place, on
     # the main stream, inside the loop), or None; and the part of it that
     # runs after its call, on the main stream, so that the rest can be one.
-    self.hazard, tail, self.why = _limits(self.eqn, self.stream)
-    self.tail = (_Tail(inner, eqns, tail, self.num_consts, self.num_carry)
-                 if tail else None)
+    self.hazard = decided.in_place
+    self.tail = (_Tail(inner, eqns, decided.tail, self.num_consts,
+                       self.num_carry) if decided.tail else None)
 
   @property
   def on_stream(self) -> bool:
@@ -166,78 +165,17 @@ class _Tail:
     return [*carry, *results]
 
 
-def _limits(eqn, stream: int
-            ) -> tuple[str | None, tuple[int, ...], str | None]:
-  """For the body of ``eqn`` (a scan on ``stream``) as a stream call per
-  step of the one loop: why it runs in place instead, or None (the main
-  stream's body runs in place anyway); the positions of its equations
-  that run after its call (``limits.carry_tail``), where those make the
-  rest one; and why the installed XLA cannot compile it whole, or None."""
-  if stream == 0:
-    return None, (), None
-  body = _compat.nested_jaxpr({"jaxpr": eqn.params["jaxpr"]}).jaxpr
-  num_consts, num_carry = _compat.scan_counts(eqn.params)
-  why = body_hazard(body.eqns)
-  if why is not None:
-    return why, (), why
-  why = carry_hazard(body, num_consts, num_carry)
-  if why is None:
-    return None, (), None
-  tail = carry_tail(body, num_consts, num_carry) or ()
-  return (None if tail else why), tail, why
-
-
-def groups_apart(program, graph) -> dict[tuple[int, ...], str]:
-  """The groups of ``graph.loops`` (a ``RegionGraph`` of ``program``) whose
-  one loop would hold nothing side by side, and why: every off-main body
-  would run in place (``_limits``), so all of them would run on the main
-  stream one after the other. Such scans stay the loops ``jax.jit`` builds;
-  a group keeps one loop where at least one body is a stream call."""
-  apart = {}
-  for group in graph.loops:
-    hazards = {r: _limits(program.jaxpr.eqns[graph.members[r][0]],
-                          graph.streams[r])[0] for r in group}
-    if any(graph.streams[r] != 0 and why is None for r, why in hazards.items()):
-      continue
-    whys = {why: [r for r in group if hazards[r] == why]
-            for why in hazards.values() if why is not None}
-    reasons = (list(whys) if len(whys) == 1 else
-               [f"{'+'.join(f'R{r}' for r in regions)}: {why}"
-                for why, regions in whys.items()])
-    apart[group] = ("every body would run in place, on the main stream one "
-                    f"after the other ({'; '.join(reasons)})")
-  return apart
-
-
-def bodies_in_place(plan: PartitionedProgram
-                    ) -> tuple[dict[int, str], dict[int, str]]:
-  """The off-main loop bodies of ``plan``'s groups that run in place (on
-  the main stream, in the one loop) because the installed XLA cannot
-  compile them as a stream call per step, and why, by region; and those
-  that run in part after their call, on the main stream (``_Tail``), and
-  why."""
-  whole, part = {}, {}
-  for group in plan.graph.loops:
-    for region in group:
-      member = _Member(plan, region)
-      if member.hazard is not None:
-        whole[region] = member.hazard
-      elif member.tail is not None:
-        part[region] = member.why
-  return whole, part
-
-
-def emit_group(plan: PartitionedProgram, regions: Sequence[int],
+def emit_group(plan: PartitionedProgram, group: LoopPlan,
                read: Callable[[Any], Any], stream_of: Callable[[int], int],
                scope: Callable[[int], Any], *,
                out_of_graphs: bool = False) -> dict[Any, Any]:
-  """Emit the scans of ``regions`` (one group) as one loop; returns each
-  member's results by variable. ``read`` gives the value of a variable,
-  ``stream_of(region)`` the XLA stream of an off-main member's calls, and
-  ``scope(region)`` the name scope of a member's work.
+  """Emit the scans of ``group`` as one loop, as decided before emission;
+  returns each member's results by variable. ``read`` gives the value of a
+  variable, ``stream_of(region)`` the XLA stream of an off-main member's
+  calls, and ``scope(region)`` the name scope of a member's work.
 
   Scans of different lengths run as the group's phases
-  (``partition.loops.layout``): in each, one loop whose step runs every
+  (``group.phases``, from ``partition.loops.layout``): in each, one loop whose step runs every
   member's share of layers, its body called that many times over; a member
   alone in a phase runs its layers as a loop of its own, in place. Each
   step reads a member's layers from its whole stacked operands and writes
@@ -250,11 +188,10 @@ def emit_group(plan: PartitionedProgram, regions: Sequence[int],
   ``delay``, a custom call XLA cannot capture, so XLA runs the call on its
   stream with events and launches its kernels one by one. Where the
   runtime's CUDA library is not there, the bodies stay in the graph."""
-  members = [_Member(plan, r) for r in regions]
+  members = [_Member(plan, body) for body in group.bodies]
   reads = [[v for v in m.eqn.invars if not isinstance(v, jcore.Literal)]
            for m in members]
-  reverse = bool(members[0].eqn.params["reverse"])
-  phases = layout([m.length for m in members])
+  reverse, phases = group.reverse, group.phases
   install_region_rules()
   # The XLA of jaxlib 0.10 and 0.11 does not schedule stream calls itself:
   # it may put a call's done right after its start, and then the bodies run

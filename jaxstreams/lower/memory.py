@@ -18,8 +18,7 @@ from typing import Callable, Mapping
 
 from jaxstreams import _compat
 from jaxstreams.lower.emit import FUSING_PROGRAMS, emits_inline
-from jaxstreams.lower.limits import regions_in_place
-from jaxstreams.tag.read import primitives, sub_jaxprs
+from jaxstreams.tag.read import sub_jaxprs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,9 +334,7 @@ def extra_bound(partitioned, program: str) -> int:
       extra += sum(sizes) - max(sizes)
       grouped.update(group)
   if program == "streams":
-    in_place = regions_in_place(
-        graph.streams, lambda i: primitives(partitioned.region_equations(i)),
-        grouped)
+    in_place = partitioned.decisions.in_place
     extra += sum(footprint_bound(partitioned, r)
                  for r, stream in enumerate(graph.streams)
                  if stream != 0 and r not in grouped and r not in in_place)

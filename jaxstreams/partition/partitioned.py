@@ -6,16 +6,77 @@ graph and the estimated schedule: jaxpr variables and equations, nothing
 printable. The user's report, ``StreamPlan`` (``partition/plan.py``), is built
 from it on request, so tracing a ``jaxstreams.jit`` function never pays for
 names and source lines, and lowering never reads the report.
+
+It also carries what lowering decided before emitting anything
+(``Decisions``, made by ``jaxstreams.lower.decide``): which regions the
+installed XLA cannot compile as stream calls, and how each group of loops
+runs as one. Emission turns them into the program and decides nothing;
+the report shows them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxstreams.assign import Cost, Placement
+from jaxstreams.partition.loops import Phase
 from jaxstreams.partition.regions import RegionGraph
 from jaxstreams.partition.schedule import Schedule
 from jaxstreams.tag.read import ExposedProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopBody:
+  """How the body of one scan of a loop group runs in the group's one loop,
+  on the installed jaxlib. ``body``: the scan's body (a closed jaxpr: body
+  constants, loop constants, carry, slices in; carry, results out), and
+  ``eqns`` its equations as emitted (``jax.checkpoint``'s barriers off,
+  ``limits.without_cse_barriers``); ``num_consts``, ``num_carry``: its
+  loop constants and carry. ``in_place``: why it runs in place (on the
+  main stream, in the loop's step) instead of as a stream call, or None
+  (the main stream's body runs in place anyway); ``tail``: the positions
+  of its top-level equations that run after its call, on the main stream,
+  so that the rest is a call XLA compiles (empty: none); ``why``: why the
+  installed XLA cannot compile the body whole as a call, or None."""
+  region: int
+  body: Any = dataclasses.field(compare=False, repr=False)
+  eqns: tuple = dataclasses.field(compare=False, repr=False)
+  num_consts: int
+  num_carry: int
+  in_place: str | None = None
+  tail: tuple[int, ...] = ()
+  why: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+  """A group of scans (``RegionGraph.loops``) run as one loop: its regions,
+  direction, each scan's layers, the loops it runs as (``partition.loops.
+  layout``, positions in ``regions``) and each body's ``LoopBody``."""
+  regions: tuple[int, ...]
+  reverse: bool
+  lengths: tuple[int, ...]
+  phases: tuple[Phase, ...]
+  bodies: tuple[LoopBody, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Decisions:
+  """What lowering decided for a program before emitting it (``jaxstreams.
+  lower.decide``), for the installed jaxlib. ``in_place``: the off-main
+  regions that XLA cannot compile as stream calls, and why (grouped scans
+  among them run as one loop instead where the way fuses loops); ``loops``:
+  how each group of ``graph.loops`` runs as one loop, in that order."""
+  in_place: dict[int, str] = dataclasses.field(default_factory=dict)
+  loops: tuple[LoopPlan, ...] = ()
+
+  def bodies_in_place(self) -> tuple[dict[int, str], dict[int, str]]:
+    """The grouped bodies that run in place, and why, by region; and those
+    that run in part after their call, and why."""
+    bodies = [b for group in self.loops for b in group.bodies]
+    return ({b.region: b.in_place for b in bodies if b.in_place},
+            {b.region: b.why for b in bodies if b.tail})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -40,6 +101,8 @@ class PartitionedProgram:
   # calls.
   bodies: dict[int, "PartitionedProgram"] = dataclasses.field(
       default_factory=dict)
+  # What lowering decided before emission (``jaxstreams.lower.decide``).
+  decisions: Decisions = Decisions()
 
   @property
   def has_calls(self) -> bool:

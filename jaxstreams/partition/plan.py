@@ -19,8 +19,9 @@ import jax.extend.core as jcore
 
 from jaxstreams import _compat
 from jaxstreams.assign import equation_name
-from jaxstreams.partition.loops import Phase, layout, loop_length
-from jaxstreams.partition.partitioned import PartitionedProgram
+from jaxstreams.partition.loops import Phase
+from jaxstreams.partition.partitioned import (LoopBody, LoopPlan,
+                                              PartitionedProgram)
 from jaxstreams.partition.regions import transitive_reduction
 from jaxstreams.partition.schedule import Schedule
 from jaxstreams.tag.read import primitives
@@ -70,12 +71,16 @@ class LoopGroup:
   none depending on another), that can run as one loop whose steps run
   every body on its region's stream. ``lengths``: each scan's layers;
   ``phases``: the loops they run as (``partition.loops.layout``, positions
-  in ``regions``), the first with every scan in it; ``steps`` is its."""
+  in ``regions``), the first with every scan in it; ``steps`` is its.
+  ``bodies``: how each body runs in the one loop on the installed jaxlib,
+  decided before emission (``PartitionedProgram.decisions``), one line per
+  region in ``regions`` order."""
   regions: tuple[int, ...]
   steps: int
   reverse: bool
   lengths: tuple[int, ...] = ()
   phases: tuple[Phase, ...] = ()
+  bodies: tuple[str, ...] = ()
 
   def describe(self, streams: Sequence[int]) -> str:
     """One line: the regions, their layers, how the loop runs them."""
@@ -137,10 +142,11 @@ class StreamPlan:
   loops_apart: dict[tuple[int, ...], str] = dataclasses.field(
       default_factory=dict)
   # Off-main regions that the installed XLA cannot compile as stream calls,
-  # and why: ways with stream calls run them in place (set with the way).
+  # and why: ways with stream calls run them in place (decided before
+  # emission, ``PartitionedProgram.decisions``).
   in_place: dict[int, str] = dataclasses.field(default_factory=dict)
   # Loop bodies whose readings of their carry after writing its next value
-  # run after their stream call, on the main stream, and why (set with it).
+  # run after their stream call, on the main stream, and why (decided so).
   in_part: dict[int, str] = dataclasses.field(default_factory=dict)
   # What each way needs on the device against jax.jit's program (a
   # ``jaxstreams.lower.memory.WaysMemory``): set by ``f.plan(*args,
@@ -255,6 +261,7 @@ class StreamPlan:
       for group in self.loops:
         lines.append("  " + group.describe(
             [self.regions[r].stream for r in group.regions]))
+        lines += [f"    {body}" for body in group.bodies]
     if self.loops_apart:
       lines += ["", "independent loops left apart (each its own loop, as "
                 "jax.jit runs them):"]
@@ -399,6 +406,9 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
              named(graph.inputs[i]), named(graph.outputs[i]),
              primitives(partitioned.region_equations(i)))
       for i in range(len(graph.streams)))
+  decisions = partitioned.decisions
+  grouped = {r for group in decisions.loops for r in group.regions}
+  whole, part = decisions.bodies_in_place()
   kept = (transitive_reduction(len(regions), graph.edges)
           if partitioned.reduce_stream_wait else set(graph.edges))
   dependencies = tuple(
@@ -411,17 +421,37 @@ def report(partitioned: PartitionedProgram) -> StreamPlan:
       edges=tuple(sorted(graph.edges)), schedule=partitioned.schedule,
       summary=partitioned.summary,
       bodies={i: report(body) for i, body in partitioned.bodies.items()},
-      loops=tuple(_loop_group(partitioned, g) for g in graph.loops),
-      loops_apart=dict(graph.loops_apart))
+      loops=tuple(_loop_group(partitioned, g)
+                  for g in partitioned.decisions.loops),
+      loops_apart=dict(graph.loops_apart),
+      in_place={**{r: why for r, why in decisions.in_place.items()
+                   if r not in grouped}, **whole},
+      in_part=part)
 
 
-def _loop_group(partitioned: PartitionedProgram, regions) -> LoopGroup:
-  eqns = [partitioned.program.jaxpr.eqns[partitioned.graph.members[r][0]]
-          for r in regions]
-  lengths = tuple(loop_length(eqn) for eqn in eqns)
-  phases = layout(lengths)
-  return LoopGroup(tuple(regions), phases[0].steps,
-                   bool(eqns[0].params["reverse"]), lengths, phases)
+def _loop_group(partitioned: PartitionedProgram, group: LoopPlan
+                ) -> LoopGroup:
+  """The report of a loop group as decided before emission."""
+  return LoopGroup(group.regions, group.phases[0].steps, group.reverse,
+                   group.lengths, group.phases,
+                   tuple(_body_line(partitioned, b) for b in group.bodies))
+
+
+def _body_line(partitioned: PartitionedProgram, body: LoopBody) -> str:
+  """How one body of a loop group runs in the one loop, in a line."""
+  stream = partitioned.graph.streams[body.region]
+  line = f"R{body.region} body: "
+  if stream == 0:
+    return line + "in place, on the main stream"
+  if body.in_place is not None:
+    return line + ("in place, on the main stream (XLA cannot compile it as "
+                   "a stream call; see below)")
+  line += f"a stream call on stream {stream} each step"
+  if not body.tail:
+    return line
+  after = ", ".join(f"#{k} {body.eqns[k].primitive.name}" for k in body.tail)
+  return (line + f", then its equations {after} (of {len(body.eqns)}) on "
+          "the main stream")
 
 
 def _value_names(jaxpr) -> dict[Any, str]:
