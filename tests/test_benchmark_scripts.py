@@ -171,8 +171,8 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
     # With defaults, for an H100 without one: scanned towers and a dual
     # encoder side by side (loops no GPU run measured: extrapolated, the
     # estimate does not decide), the two-tower step and the Inception-style
-    # one as CONCURRENT graphs (the estimate predicts no loss beyond its
-    # held-out error); the reason names the rule that decided.
+    # one as CONCURRENT graphs (held out, the estimate of CONCURRENT was off
+    # by more than 20%: it does not decide); the reason names the rule.
     found = result["programs"]
     assert {n: (p["structural"], p["estimated"]) for n, p in found.items()} == {
         "scan_towers": ("loops_concurrent", "loops_concurrent"),
@@ -184,9 +184,8 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
                in p["reason"] for p in found.values())
     assert all("extrapolated and does not decide" in found[n]["reason"]
                for n in ("scan_towers", "dual_encoders"))
-    assert all("within the held-out error" in found[n]["reason"]
-               and "the structural way stands within it" in found[n]["reason"]
-               for n in ("demo", "inception"))
+    assert all("off by more than 20% for these ways, so it does not decide"
+               in found[n]["reason"] for n in ("demo", "inception"))
   if script == "xla_graphs":
     rows = result["programs"]["four_branches"]
     assert rows["jax.jit"]["parallelism"] >= 1.0

@@ -22,8 +22,11 @@ keeping it lost at most 2%. So (``choose``) the structural way
 (``gpu.default_top_level``) stands unless
 
 * another way is estimated faster than it by more than the held-out error
-  of both (the measured speed-up lies above 1 whatever the error): a tie
-  keeps the structural way;
+  of both (the measured speed-up lies above 1 whatever the error), where
+  neither way's held-out error passes ``DECIDES_WITHIN`` (20%): a tie
+  keeps the structural way, and so does an estimate that was off by more
+  (CONCURRENT's was, on the chains and the Inception-style step: its
+  figures are shown, with why they do not decide);
 * the structural way would not fit in the device's memory, or needs more
   than ``inline`` by ``MEMORY_SHARE`` of the device's memory.
 
@@ -63,6 +66,11 @@ OPTION = "jaxstreams_estimate_target"
 # device's memory is vetoed: a real share of the device, not a ratio of a
 # few MiB of temporaries.
 MEMORY_SHARE = 0.1
+# The estimate decides between two ways only where, held out (each H100
+# model estimated by constants fitted without it), neither way's figure was
+# off by more than this share: past it, its figures are shown, never acted
+# on.
+DECIDES_WITHIN = 0.2
 
 
 class EstimateFailed(RuntimeError):
@@ -132,14 +140,29 @@ def held_out_range(way: str) -> tuple[float, float] | None:
   return fitted_costs.HELD_OUT.get(way)
 
 
+def beyond_reach(way: str) -> str:
+  """Why the estimate of ``way`` does not decide ("" where it may): no GPU
+  run measured its kind of program (extrapolated), or, held out, its figure
+  was off by more than ``DECIDES_WITHIN`` on some H100 model."""
+  errors = held_out_range(way)
+  if errors is None:
+    return "extrapolated"
+  worst = max(errors, key=abs)
+  if abs(worst) > DECIDES_WITHIN:
+    return (f"held out, off by up to {worst:+.0%} (beyond the "
+            f"{DECIDES_WITHIN:.0%} within which the estimate decides)")
+  return ""
+
+
 def speedup(estimates: dict, way: str,
             over: str) -> tuple[float, float, float] | None:
   """``way``'s estimated speed over ``over``'s (``over``'s step over
   ``way``'s), and the least and most it may be given both ways' held-out
-  errors; None where either is extrapolated."""
-  errors, against = held_out_range(way), held_out_range(over)
-  if errors is None or against is None:
+  errors; None where the estimate of either does not decide
+  (``beyond_reach``)."""
+  if beyond_reach(way) or beyond_reach(over):
     return None
+  errors, against = held_out_range(way), held_out_range(over)
   ratio = estimates[over].step / estimates[way].step
   return (ratio, ratio * (1 + against[0]) / (1 + errors[1]),
           ratio * (1 + against[1]) / (1 + errors[0]))
@@ -181,12 +204,12 @@ def choose(estimates: dict, default: str, where: str,
     estimate = estimates[way]
     text = f"{way} {estimate.step * 1e6:.0f} us ({estimate.bound}-bound"
     if way == default:
-      return text + (", extrapolated)" if held_out_range(way) is None
-                     else ")")
+      return text + (f", {beyond_reach(way)})" if beyond_reach(way) else ")")
     found = speedup(estimates, way, default)
     if found is None:
       return text + (f", {estimates[default].step / estimate.step:.2f}x "
-                     f"{default!r}'s speed, extrapolated)")
+                     f"{default!r}'s speed, "
+                     f"{beyond_reach(way) or beyond_reach(default)})")
     return text + (f", {found[0]:.2f}x {default!r}'s speed, "
                    f"{found[1]:.2f}-{found[2]:.2f}x within the held-out error)")
   listed = "; ".join(figure(w) for w in sorted(estimates,
@@ -214,6 +237,10 @@ def choose(estimates: dict, default: str, where: str,
   if held_out_range(default) is None:
     rule = ("no GPU run has measured its kind of program, so its estimate "
             "is extrapolated and does not decide")
+  elif beyond_reach(default) or all(
+      beyond_reach(w) for w in estimates if w != default):
+    rule = ("held out, the estimate was off by more than "
+            f"{DECIDES_WITHIN:.0%} for these ways, so it does not decide")
   else:
     rule = ("no other way is estimated faster by more than the estimate's "
             "held-out error (the rule: the structural way stands within "
