@@ -31,41 +31,26 @@ def _passthrough_avals(*avals, **params):
   return list(avals)
 
 
-record_p = _ffi.define_op(
-  "jaxstreams_record",
-  "jaxstreams_record",
-  _passthrough_avals,
-  attrs=("event", "stream"),
-  multiple_results=True,
-  has_side_effect=True,
-  alias_operands=True,
-)
-wait_p = _ffi.define_op(
-  "jaxstreams_wait",
-  "jaxstreams_wait",
-  _passthrough_avals,
-  attrs=("event", "stream"),
-  multiple_results=True,
-  has_side_effect=True,
-  alias_operands=True,
-)
-delay_p = _ffi.define_op(
-  "jaxstreams_delay",
-  "jaxstreams_delay",
-  _passthrough_avals,
-  attrs=("microseconds", "stream"),
-  multiple_results=True,
-  has_side_effect=True,
-  alias_operands=True,
-)
-marker_p = _ffi.define_op(
-  "jaxstreams_marker",
-  "jaxstreams_marker",
-  _passthrough_avals,
-  attrs=("region", "phase", "track", "stream"),
-  multiple_results=True,
-  has_side_effect=True,
-  alias_operands=True,
+def _ordered_op(name: str, attrs: tuple[str, ...]):
+  """A primitive that passes its operands through (aliased) and has a side
+  effect on a stream, so XLA keeps it in order: records, waits, delays and
+  markers."""
+  return _ffi.define_op(
+    name,
+    name,
+    _passthrough_avals,
+    attrs=attrs,
+    multiple_results=True,
+    has_side_effect=True,
+    alias_operands=True,
+  )
+
+
+record_p = _ordered_op("jaxstreams_record", ("event", "stream"))
+wait_p = _ordered_op("jaxstreams_wait", ("event", "stream"))
+delay_p = _ordered_op("jaxstreams_delay", ("microseconds", "stream"))
+marker_p = _ordered_op(
+  "jaxstreams_marker", ("region", "phase", "track", "stream")
 )
 
 
