@@ -82,12 +82,12 @@ def _plan(closed_jaxpr, streams, source, function_name,
     placements, graph, schedule, summary = _try_spread(
         program, placements, graph, schedule, seconds, work, streams, options)
   # A group whose bodies the installed XLA would all run in place gains
-  # nothing from one loop: its scans stay apart (lower/decide.py). Then
-  # what lowering must decide for this jaxlib is decided, once, and kept
-  # in the plan for emission to follow and the report to show.
+  # nothing from one loop: its scans stay apart (lower/decide.py). Once
+  # the shard_map bodies are planned, what lowering must decide for this
+  # jaxlib is decided, once, and kept in the plan for emission to follow
+  # and the report to show.
   graph.loops_apart = groups_apart(program, graph)
   graph.loops = [g for g in graph.loops if g not in graph.loops_apart]
-  decisions = decide(program, graph)
   bodies, placements = {}, list(placements)
   for index, placement in enumerate(placements):
     if placement.rule == "inside":
@@ -98,12 +98,12 @@ def _plan(closed_jaxpr, streams, source, function_name,
         bodies[index] = body
       else:   # nothing in it runs off the main stream: it is one equation
         placements[index] = Placement(0, "main")
-  return PartitionedProgram(
+  planned = PartitionedProgram(
       function_name=function_name, streams=streams, program=program,
       placements=tuple(placements), costs=tuple(costs), graph=graph,
       schedule=schedule, summary=summary,
-      reduce_stream_wait=options.reduce_stream_wait, bodies=bodies,
-      decisions=decisions)
+      reduce_stream_wait=options.reduce_stream_wait, bodies=bodies)
+  return dataclasses.replace(planned, decisions=decide(planned))
 
 
 def _try_spread(program, placements, graph, schedule, seconds, work, streams,

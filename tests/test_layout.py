@@ -206,20 +206,43 @@ def test_rooms_are_walked_in_one_direction(package, order):
 # lower/decide.py and kept in the plan.
 HAZARD_ANALYSIS = ("region_hazard", "regions_in_place", "body_hazard",
                    "carry_hazard", "carry_tail")
+# What cuts a jaxpr into functions (partition/cut.py) and unpacks nested
+# jaxprs and scans' counts: lower/decide.py cuts each region, equation and
+# loop body before emission, and emission binds those cuts.
+CUTTING = ("cut", "part_function", "part_jaxpr", "make_jaxpr",
+           "nested_jaxpr", "scan_counts", "equation_jaxpr", "Packing.of")
+# And what the ordering decides once for a program of stream calls.
+ORDER_DECISIONS = ("collective_waits", "combiner_keys", "emitted",
+                   "packed_for_collectives", "xla_stream",
+                   "available_platforms")
+EMISSION = ("jaxstreams.lower.emit", "jaxstreams.lower.loops")
 
 
-@pytest.mark.parametrize("module", ["jaxstreams.lower.emit",
-                                    "jaxstreams.lower.loops"])
+def _named(module: str) -> set[str]:
+  """The names ``module`` imports or calls (``f``, ``x.f``, and
+  ``Class.method`` as such)."""
+  tree = ast.parse(MODULES[module].read_text())
+  named = {alias.name for node in ast.walk(tree)
+           if isinstance(node, ast.ImportFrom) for alias in node.names}
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Call):
+      continue
+    if isinstance(node.func, ast.Name):
+      named.add(node.func.id)
+    elif isinstance(node.func, ast.Attribute):
+      named.add(node.func.attr)
+      if isinstance(node.func.value, ast.Name):
+        named.add(f"{node.func.value.id}.{node.func.attr}")
+  return named
+
+
+@pytest.mark.parametrize("module", EMISSION)
 def test_emission_decides_nothing(module):
   """Emission follows the plan's decisions (``PartitionedProgram.
-  decisions``): it names none of the hazard analysis, imported or not."""
-  tree = ast.parse(MODULES[module].read_text())
-  named = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-  named |= {node.attr for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute)}
-  named |= {alias.name for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) for alias in node.names}
-  assert not named & set(HAZARD_ANALYSIS), sorted(named & set(HAZARD_ANALYSIS))
+  decisions``): it imports or calls none of the hazard analysis, of what
+  cuts functions, or of the ordering's decisions."""
+  named = _named(module) & {*HAZARD_ANALYSIS, *CUTTING, *ORDER_DECISIONS}
+  assert not named, sorted(named)
 
 
 def test_jax_internals_only_through_compat():

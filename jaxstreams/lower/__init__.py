@@ -6,7 +6,9 @@ way a GPU runs it best. The rooms, in the one direction a plan walks them
   fits) and ``gpu`` (the ways and the static rule); which way a function's
   calls run is chosen above lowering and the view, in ``jaxstreams.choose``;
 * deciding before emitting: ``decide`` (which regions run in place, how
-  each group of loops runs as one; kept in the plan, once per program);
+  each group of loops runs as one, the functions each region and body is
+  cut into, the ordering's keys and packings; kept in the plan, once per
+  program);
 * emitting regions: ``emit`` (the plan in order, a region in place or as a
   call, as decided);
 * emitting loop groups: ``loops`` (independent loops as one loop, each body

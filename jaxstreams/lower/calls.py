@@ -40,18 +40,27 @@ ORDER_ATTRIBUTE = "jaxstreams_order"
 # it for a GPU raises jaxstreams.LoweringError with the attribute's text
 # (on CPU it runs in place, as every region does there).
 REFUSED_ATTRIBUTE = "jaxstreams_refused"
+# The name scope around each region's equations. XLA keeps it in each
+# instruction's op_name, so a kernel of a region emitted in place (no call
+# of its own) is still traced back to its plan region (jaxstreams.xla_graphs).
+REGION_SCOPE = "jaxstreams_region_{index}"
 # Marks a region call already lowered through the GPU rule below.
 _PREPARED_ATTRIBUTE = "jaxstreams_prepared"
 
 
-def xla_stream(plan, stream: int) -> int:
-  """The XLA:GPU compute stream a region of plan stream ``stream`` runs on
-  (``plan``: a ``PartitionedProgram``): the plan's off-main streams
-  numbered from 1 in order. The plan's ids are the user's, and XLA numbers
-  real streams: a program with stream id 10**6 ran out of GPU memory on an
-  H100 (jax 0.11.2)."""
-  used = sorted({s for s in plan.graph.streams if s != 0})
+def xla_stream(region_streams: Sequence[int], stream: int) -> int:
+  """The XLA:GPU compute stream a region of plan stream ``stream`` runs on,
+  given every region's plan stream (``RegionGraph.streams``): the plan's
+  off-main streams numbered from 1 in order. The plan's ids are the
+  user's, and XLA numbers real streams: a program with stream id 10**6 ran
+  out of GPU memory on an H100 (jax 0.11.2)."""
+  used = sorted({s for s in region_streams if s != 0})
   return used.index(stream) + 1
+
+
+def region_scope(index: int):
+  """The name scope of region ``index``'s work (``REGION_SCOPE``)."""
+  return jax.named_scope(REGION_SCOPE.format(index=index))
 
 
 def stream_call(fn: Callable[..., Any], stream_id: int, region: int,

@@ -28,8 +28,8 @@ All of the above is for stream calls (the ``streams`` programs). The
 ``inline`` program binds every region's equations in place, in plan order:
 the program ``jax.jit`` builds. Which program runs, with which compiler
 options, is ``jaxstreams.lower.gpu``'s choice. Every region's equations are
-emitted inside a name scope (``REGION_SCOPE``), so that XLA's kernels can be
-traced back to their plan region in either program. Profiling always uses
+emitted inside a name scope (``calls.REGION_SCOPE``), so that XLA's kernels
+can be traced back to their plan region in either program. Profiling always uses
 stream calls: its timeline shows regions on streams.
 """
 
@@ -42,19 +42,12 @@ import jax.extend.core as jcore
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxstreams import _compat
-from jaxstreams.lower.calls import install_region_rules, stream_call, xla_stream
+from jaxstreams.lower.calls import (install_region_rules, region_scope,
+                                    stream_call)
 from jaxstreams.lower.loops import emit_group
-from jaxstreams.lower.order import (COMBINER_KEY, Sequencer, collective_waits,
-                                    combiner_keys, emitted,
-                                    packed_for_collectives)
+from jaxstreams.lower.order import COMBINER_KEY, Sequencer
 from jaxstreams.lower.packing import Packing
-from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
-
-# The name scope around each region's equations. XLA keeps it in each
-# instruction's op_name, so a kernel of a region emitted in place (no call
-# of its own) is still traced back to its plan region (jaxstreams.xla_graphs).
-REGION_SCOPE = "jaxstreams_region_{index}"
 
 # The programs that run a group of independent loops as one loop with each
 # body on its stream: stream calls, and jax.jit's program with loops fused
@@ -79,10 +72,9 @@ def emits_inline(plan: PartitionedProgram, program: str) -> bool:
 
 
 def region_function(plan: PartitionedProgram, index: int):
-  """A function of the region's inputs returning its outputs."""
-  graph = plan.graph
-  return part_function(graph.inputs[index], graph.outputs[index],
-                       plan.region_equations(index))
+  """A function of the region's inputs returning its outputs (the region
+  as cut before emission, ``Decisions.regions``)."""
+  return jcore.jaxpr_as_fun(plan.decisions.regions[index])
 
 
 def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False,
@@ -139,46 +131,45 @@ def _emit(plan: PartitionedProgram, args: Sequence[Any], profile: bool,
                       stream != 0 for stream in graph.streams)
   body_calls = (profile or gpu_lowering in ("streams", "bodies")) and any(
       body.has_calls for body in plan.bodies.values())
-  if stream_calls or body_calls:
+  # Independent loops on different streams run as one loop, each body on
+  # its stream (lower/loops.py), in every program but jax.jit's own.
+  loop_groups = ({group.regions[0]: group for group in plan.decisions.loops}
+                 if gpu_lowering in FUSING_PROGRAMS else {})
+  if stream_calls or body_calls or loop_groups:
     install_region_rules()
   env: dict[Any, Any] = {}
   for var, value in zip(program.jaxpr.constvars, program.consts):
     env[var] = value
   for var, value in zip(program.jaxpr.invars, args):
     env[var] = value
-  # Independent loops on different streams run as one loop, each body on
-  # its stream (lower/loops.py), in every program but jax.jit's own.
-  loop_groups = ({group.regions[0]: group for group in plan.decisions.loops}
-                 if gpu_lowering in FUSING_PROGRAMS else {})
   grouped = {r for group in loop_groups.values() for r in group.regions}
   aside, refused = (_in_place(plan, grouped, gpu_lowering,
                               strict and gpu_lowering == "streams")
                     if stream_calls else ({}, {}))
-  waits = collective_waits(plan) if stream_calls else {}
-  keys = combiner_keys(waits)
+  keys = plan.decisions.combiner_keys if stream_calls else {}
   sequenced = stream_calls and not loop_groups and not aside and not refused
   order = (Sequencer.for_plan(plan, env, lambda i, reads: _equation_function(
       plan, i, reads, keys)) if sequenced else None)
-  packings = (packed_for_collectives(plan, waits) if stream_calls
-              and order is None and _compat.XLA_SCHEDULES_STREAM_CALLS else {})
+  # Only the XLA that schedules stream calls itself packs for collectives
+  # (Decisions.collective_packings), and it has no sequence points.
+  packings = plan.decisions.collective_packings if stream_calls else {}
 
   for index, stream in enumerate(graph.streams):
     if index in loop_groups:
       env.update(emit_group(
           plan, loop_groups[index], env.__getitem__,
-          lambda region: xla_stream(plan, graph.streams[region]),
-          lambda region: jax.named_scope(REGION_SCOPE.format(index=region)),
           out_of_graphs=(gpu_lowering == "loops"
-                         and not _compat.XLA_SCHEDULES_STREAM_CALLS)))
+                         and not _compat.XLA_SCHEDULES_STREAM_CALLS
+                         and plan.decisions.bodies_out_of_graphs)))
       continue
     if index in grouped:
       continue   # emitted with its group
-    if stream_calls and not emitted(plan, index):
+    if stream_calls and index in plan.decisions.unread:
       # Nothing reads it: jax drops it when lowering. In place it is
       # emitted all the same, so the traced program is the one jax.jit
       # traces (a tracer leaked into it fails the call, as under jax.jit).
       continue
-    with jax.named_scope(REGION_SCOPE.format(index=index)):
+    with region_scope(index):
       _emit_region(plan, index, env, order, profile,
                    stream_calls and index not in aside, body_calls, keys,
                    packings.get(index), refused.get(index))
@@ -243,7 +234,7 @@ def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
     if packing is not None:
       unpacked = fn
       fn = lambda *xs: [packing.pack(unpacked(*xs))]
-    fn = stream_call(fn, xla_stream(plan, stream), index, refused)
+    fn = stream_call(fn, plan.decisions.xla_streams[index], index, refused)
   results = fn(*inputs)
   if stream != 0 and stream_calls and packing is not None:
     results = [packing.unpack(results[0], v) for v in graph.outputs[index]]
@@ -253,14 +244,16 @@ def _emit_region(plan: PartitionedProgram, index: int, env: dict, order,
 
 def _equation_function(plan: PartitionedProgram, i: int, reads,
                        keys: dict[int, str] | None = None):
-  """A function of ``reads``' values binding equation ``i`` again: as it is
-  (a collective with a combiner key in ``keys`` carrying it), or, for a
-  ``shard_map`` with a planned body, through ``jax.shard_map`` with the
-  body's regions emitted as stream calls (on every device)."""
+  """A function of ``reads``' values (what the equation reads, each once,
+  first read first) binding main-stream equation ``i`` again: as it is
+  (``Decisions.equations``; a collective with a combiner key in ``keys``
+  carrying it), or, for a ``shard_map`` with a planned body, through
+  ``jax.shard_map`` with the body's regions emitted as stream calls (on
+  every device)."""
   eqn = plan.program.jaxpr.eqns[i]
   body = plan.bodies.get(i)
   if body is None:
-    bind = part_function(reads, eqn.outvars, [eqn])
+    bind = jcore.jaxpr_as_fun(plan.decisions.equations[i])
     key = (keys or {}).get(i)
     if key is None:
       return bind

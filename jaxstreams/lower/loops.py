@@ -33,19 +33,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstreams import _compat
-from jaxstreams.lower.calls import (install_region_rules, order_barrier,
-                                    stream_call)
+from jaxstreams.lower.calls import order_barrier, region_scope, stream_call
 from jaxstreams.lower.packing import Packing
-from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.loops import Phase
-from jaxstreams.partition.partitioned import (LoopBody, LoopPlan,
+from jaxstreams.partition.partitioned import (BodyTail, LoopBody, LoopPlan,
                                               PartitionedProgram)
 
 
 class _Member:
-  """One scan of a group: its equation, region and stream, and its body as
-  a function of (body constants, loop constants, carry, slices), run as
-  ``decided`` (its ``LoopBody``)."""
+  """One scan of a group: its equation, region, stream and XLA stream, and
+  its body as a function of (body constants, loop constants, carry,
+  slices), run as ``decided`` (its ``LoopBody``, the functions cut
+  before emission)."""
 
   def __init__(self, plan: PartitionedProgram, decided: LoopBody):
     region = decided.region
@@ -53,19 +52,18 @@ class _Member:
     self.eqn = plan.program.jaxpr.eqns[index]
     self.region = region
     self.stream = plan.graph.streams[region]
-    params = self.eqn.params
-    inner, eqns = decided.body.jaxpr, list(decided.eqns)
+    self.xla_stream = plan.decisions.xla_streams[region]
     self.body_consts = list(decided.body.consts)
-    self.body = part_function([*inner.constvars, *inner.invars],
-                              inner.outvars, eqns)
+    self.body = jcore.jaxpr_as_fun(decided.function)
+    self.scan = jcore.jaxpr_as_fun(decided.scan)
     self.num_consts, self.num_carry = decided.num_consts, decided.num_carry
-    self.unroll = int(params.get("unroll", 1))
+    self.unroll = int(self.eqn.params.get("unroll", 1))
     # Why its body cannot be a stream call here (then it runs in place, on
     # the main stream, inside the loop), or None; and the part of it that
     # runs after its call, on the main stream, so that the rest can be one.
     self.hazard = decided.in_place
-    self.tail = (_Tail(inner, eqns, decided.tail, self.num_consts,
-                       self.num_carry) if decided.tail else None)
+    self.tail = _Tail(decided.split) if decided.split else None
+    self.packed_as = decided.packed_as
 
   @property
   def on_stream(self) -> bool:
@@ -116,35 +114,18 @@ class _Member:
 
 class _Tail:
   """The equations of a body that run after its stream call, on the main
-  stream (``limits.carry_tail``): the call runs the rest (``head``),
-  returning the carry, each layer's results that the rest makes and what
-  the tail reads from it (incoming carry included); ``finish`` runs the
-  tail for each layer and puts the results back in the body's order."""
+  stream (``limits.carry_tail``), as cut before emission (``BodyTail``):
+  the call runs the rest (``head``), returning the carry, each layer's
+  results that the rest makes and what the tail reads from it (incoming
+  carry included); ``finish`` runs the tail for each layer and puts the
+  results back in the body's order."""
 
-  def __init__(self, jaxpr, eqns, positions: Sequence[int], num_consts: int,
-               num_carry: int):
-    moved = set(positions)
-    head = [e for i, e in enumerate(eqns) if i not in moved]
-    tail = [eqns[i] for i in positions]
-    made_by_tail = {v for e in tail for v in e.outvars}
-    before = ({v for e in head for v in e.outvars}
-              | set(jaxpr.invars[num_consts:num_consts + num_carry]))
-    needed = list(dict.fromkeys(
-        v for e in tail for v in e.invars
-        if not isinstance(v, jcore.Literal) and v in before))
-    ys = jaxpr.outvars[num_carry:]
-    self.from_tail = [not isinstance(v, jcore.Literal) and v in made_by_tail
-                      for v in ys]
-    head_ys = [v for v, later in zip(ys, self.from_tail) if not later]
-    fixed = [*jaxpr.constvars, *jaxpr.invars[:num_consts]]
-    self.head = part_function(
-        [*jaxpr.constvars, *jaxpr.invars],
-        [*jaxpr.outvars[:num_carry], *head_ys, *needed], head)
-    self.run_tail = part_function(
-        [*fixed, *jaxpr.invars[num_consts + num_carry:], *needed],
-        [v for v, later in zip(ys, self.from_tail) if later], tail)
-    self.num_fixed, self.num_carry = len(fixed), num_carry
-    self.num_head_ys, self.num_needed = len(head_ys), len(needed)
+  def __init__(self, cut: BodyTail):
+    self.head = jcore.jaxpr_as_fun(cut.head)
+    self.run_tail = jcore.jaxpr_as_fun(cut.tail)
+    self.from_tail = cut.from_tail
+    self.num_fixed, self.num_carry = cut.num_fixed, cut.num_carry
+    self.num_head_ys, self.num_needed = cut.num_head_ys, cut.num_needed
 
   def finish(self, values: Sequence[Any], outs: Sequence[Any], layers: int
              ) -> list:
@@ -166,13 +147,11 @@ class _Tail:
 
 
 def emit_group(plan: PartitionedProgram, group: LoopPlan,
-               read: Callable[[Any], Any], stream_of: Callable[[int], int],
-               scope: Callable[[int], Any], *,
+               read: Callable[[Any], Any], *,
                out_of_graphs: bool = False) -> dict[Any, Any]:
   """Emit the scans of ``group`` as one loop, as decided before emission;
   returns each member's results by variable. ``read`` gives the value of a
-  variable, ``stream_of(region)`` the XLA stream of an off-main member's
-  calls, and ``scope(region)`` the name scope of a member's work.
+  variable; each member's work is in its region's name scope.
 
   Scans of different lengths run as the group's phases
   (``group.phases``, from ``partition.loops.layout``): in each, one loop whose step runs every
@@ -186,13 +165,13 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
   where XLA's default graph builder would chain the bodies one after the
   other (jaxlib 0.10 and 0.11): the body ends in the runtime's zero-length
   ``delay``, a custom call XLA cannot capture, so XLA runs the call on its
-  stream with events and launches its kernels one by one. Where the
-  runtime's CUDA library is not there, the bodies stay in the graph."""
+  stream with events and launches its kernels one by one (the caller asks
+  for it only where the runtime's CUDA library is there,
+  ``Decisions.bodies_out_of_graphs``)."""
   members = [_Member(plan, body) for body in group.bodies]
   reads = [[v for v in m.eqn.invars if not isinstance(v, jcore.Literal)]
            for m in members]
   reverse, phases = group.reverse, group.phases
-  install_region_rules()
   # The XLA of jaxlib 0.10 and 0.11 does not schedule stream calls itself:
   # it may put a call's done right after its start, and then the bodies run
   # one after the other. One barrier over every body's operands and one over
@@ -208,9 +187,6 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
   # without it (docs/xla.md).
   results_pinned = any(m.on_stream for m in members)
   pinned = results_pinned and not _compat.XLA_SCHEDULES_STREAM_CALLS
-  if out_of_graphs:
-    from jaxstreams.runtime import _loader
-    out_of_graphs = {"cpu", "cuda"} <= set(_loader.available_platforms())
 
   def operands(flat):
     """Per member, its values in operand order (literals filled in)."""
@@ -227,9 +203,8 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
     """The members as the scans they were (what XLA:CPU runs)."""
     results, at = [], 0
     for m, read_vars in zip(members, reads):
-      bind = part_function(read_vars, m.eqn.outvars, [m.eqn])
-      with scope(m.region):
-        results += bind(*flat[at:at + len(read_vars)])
+      with region_scope(m.region):
+        results += m.scan(*flat[at:at + len(read_vars)])
       at += len(read_vars)
     return results
 
@@ -246,9 +221,9 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
       return run, None
     if out_of_graphs:
       run = _outside_graphs(run)
-    packed = (_Packed(run) if pinned and _compat.MULTI_RESULT_CALLS_RUN_IN_TURN
-              else None)
-    return stream_call(packed or run, stream_of(m.region), m.region), packed
+    packed = (_Packed(run, m.packed_as)
+              if pinned and m.packed_as is not None else None)
+    return stream_call(packed or run, m.xla_stream, m.region), packed
 
   def one_loop(phase: Phase, consts, carry, xs, ys):
     """Run ``phase`` (members by position in it); returns (carry, stacked
@@ -265,14 +240,14 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
         inputs = _together(inputs)
       outs = []
       for m, call, values in zip(group, calls, inputs):
-        with scope(m.region):
+        with region_scope(m.region):
           outs.append(list(call(*values)))
       if results_pinned:
         outs = [out if packed is None else packed.unpack(out)
                 for packed, out in zip(packs, _together(outs))]
       for p, (m, k) in enumerate(zip(group, phase.per_step)):
         if m.on_stream and m.tail is not None:
-          with scope(m.region):
+          with region_scope(m.region):
             outs[p] = m.tail.finish(inputs[p], outs[p], k)
       return ([out[:m.num_carry] for m, out in zip(group, outs)],
               [out[m.num_carry:] for m, out in zip(group, outs)])
@@ -295,7 +270,7 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
       if len(where) == 1:
         (i,) = where
         outs = [_alone(members[i], phase, consts[i], carry[i], xs[i], ys[i],
-                       reverse, scope)]
+                       reverse)]
       else:
         outs = list(zip(*one_loop(phase, [consts[i] for i in where],
                                   [carry[i] for i in where],
@@ -317,7 +292,7 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
 
 
 def _alone(m: "_Member", phase: Phase, consts, carry, xs, ys,
-           reverse: bool, scope) -> tuple[list, list]:
+           reverse: bool) -> tuple[list, list]:
   """A member's layers of ``phase`` (it alone) as a loop of its own, in
   place: the scan as written, over those layers."""
   run = m.step(1, reverse)
@@ -326,7 +301,7 @@ def _alone(m: "_Member", phase: Phase, consts, carry, xs, ys,
     out = list(run(*consts, *h[0], *x[0]))
     return [out[:m.num_carry]], [out[m.num_carry:]]
 
-  with scope(m.region):
+  with region_scope(m.region):
     (carry,), (ys,) = _scan_phase(
         step, phase, [list(carry)], [xs], [ys], reverse,
         min(m.unroll, phase.steps))
@@ -386,12 +361,13 @@ def _put(wholes: list, made: list, first) -> list:
 
 
 class _Packed:
-  """A body that returns its results in one buffer (``Packing``) where
-  they can share one (one floating dtype, integers it holds exactly);
-  decided when the call traces it. ``unpack`` gives the results back."""
+  """A body that returns its results in one buffer of dtype ``carrier``
+  (``Packing``, decided before emission: ``LoopBody.packed_as``) where
+  they are several. ``unpack`` gives the results back."""
 
-  def __init__(self, run: Callable[..., list]):
+  def __init__(self, run: Callable[..., list], carrier):
     self.run = run
+    self.carrier = carrier
     self.packing = None
     self.slots: list = []
 
@@ -399,7 +375,7 @@ class _Packed:
     outs = list(self.run(*values))
     if len(outs) > 1:
       self.slots = [_Slot(jax.typeof(v)) for v in outs]
-      self.packing = Packing.of(self.slots)
+      self.packing = Packing(self.slots, self.carrier)
     return outs if self.packing is None else [self.packing.pack(outs)]
 
   def unpack(self, outs: list) -> list:

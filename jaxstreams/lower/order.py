@@ -29,12 +29,14 @@ Collectives. A collective stays on the main stream (XLA:GPU compiles none
 inside a stream call), and XLA:GPU's combiners merge independent collectives
 of one kind into one, which waits for all their inputs: in a data-parallel
 ``shard_map`` step, every tower's gradient all-reduce becomes one, after the
-last tower. ``emit`` therefore gives each collective that waits for stream
-calls a ``combiner_key`` naming those calls (``combiner_keys``): XLA merges
-only collectives that can start at the same point, and one tower's
-gradients are reduced while another tower computes. For the XLA that
-schedules stream calls itself, a call that a collective waits for returns
-its outputs in one buffer (``packed_for_collectives`` says why).
+last tower. Each collective that waits for stream calls therefore gets a
+``combiner_key`` naming those calls (``combiner_keys``): XLA merges only
+collectives that can start at the same point, and one tower's gradients
+are reduced while another tower computes. For the XLA that schedules
+stream calls itself, a call that a collective waits for returns its
+outputs in one buffer (``packed_for_collectives`` says why). Both are
+decided once per program, before emission (``lower/decide.py``); ``emit``
+applies them.
 """
 
 from __future__ import annotations
@@ -46,9 +48,8 @@ import jax.extend.core as jcore
 
 from jaxstreams import _compat, config
 from jaxstreams.assign.cost import COLLECTIVES
-from jaxstreams.lower.calls import order_barrier, stream_call, xla_stream
+from jaxstreams.lower.calls import order_barrier, stream_call
 from jaxstreams.lower.packing import Packing
-from jaxstreams.partition.cut import part_function
 from jaxstreams.partition.partitioned import PartitionedProgram
 
 
@@ -201,9 +202,9 @@ class Sequencer:
         step += 1
     self._use(plan.program.jaxpr.outvars, step)
     # Main-stream equations XLA fuses into their users (cost model: no
-    # kernel of their own), by the values they make.
+    # kernel of their own): their positions, by the values they make.
     eqns = plan.program.jaxpr.eqns
-    self.fusible = {v: eqns[i] for r, st in enumerate(graph.streams) if st == 0
+    self.fusible = {v: i for r, st in enumerate(graph.streams) if st == 0
                     for i in graph.members[r]
                     if plan.costs[i].kernels == 0 and not eqns[i].effects
                     for v in eqns[i].outvars}
@@ -260,7 +261,7 @@ class Sequencer:
     A pinned call (one with work to overlap) waits for the next barrier and
     its results are in flight until a main-stream equation reads them."""
     graph = self.plan.graph
-    stream, outputs = graph.streams[index], graph.outputs[index]
+    outputs = graph.outputs[index]
     operands, where = [], {}
     sources = []     # per region input: (operand position, key or None)
     for var in graph.inputs[index]:
@@ -281,7 +282,7 @@ class Sequencer:
       results = fn(*inputs)
       return [packing.pack(results)] if packing is not None else results
 
-    results = stream_call(body, xla_stream(self.plan, stream),
+    results = stream_call(body, self.plan.decisions.xla_streams[index],
                           index)(*operands)
     self.step += 1
     pinned = index in self.calls
@@ -348,13 +349,15 @@ class Sequencer:
     live = [k for k, value in held.items()
             if self.last_use.get(k, -1) >= self.step and k not in self.flying
             and isinstance(value, jax.core.Tracer)]
+    eqns = self.plan.program.jaxpr.eqns
     remake, keys, seen = [], [], set()
     todo = [(k, False) for k in reversed(live)]
     while todo:   # depth first, inputs before the values made from them
       k, inputs_done = todo.pop()
-      eqn = self.fusible.get(k)
+      index = self.fusible.get(k)
+      eqn = None if index is None else eqns[index]
       if inputs_done:
-        remake.append(eqn)
+        remake.append(index)
         continue
       if k in seen:
         continue
@@ -373,10 +376,11 @@ class Sequencer:
         self.buffers[key] = value
       else:
         self.env[key] = value
-    for eqn in dict.fromkeys(remake):
+    for index in dict.fromkeys(remake):
+      eqn = eqns[index]
       reads = list(dict.fromkeys(v for v in eqn.invars
                                  if not isinstance(v, jcore.Literal)))
-      results = part_function(reads, eqn.outvars, [eqn])(
+      results = jcore.jaxpr_as_fun(self.plan.decisions.equations[index])(
           *(self.read(v) for v in reads))
       for var, value in zip(eqn.outvars, results):
         self.env[var] = value

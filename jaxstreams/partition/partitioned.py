@@ -9,9 +9,10 @@ names and source lines, and lowering never reads the report.
 
 It also carries what lowering decided before emitting anything
 (``Decisions``, made by ``jaxstreams.lower.decide``): which regions the
-installed XLA cannot compile as stream calls, and how each group of loops
-runs as one. Emission turns them into the program and decides nothing;
-the report shows them.
+installed XLA cannot compile as stream calls, how each group of loops
+runs as one, and the functions each region and loop body is cut into.
+Emission turns them into the program and decides nothing; the report
+shows them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,26 @@ from jaxstreams.partition.schedule import Schedule
 from jaxstreams.tag.read import ExposedProgram
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class BodyTail:
+  """A loop body cut where part of it runs after its stream call, on the
+  main stream (``LoopBody.tail``). ``head``: what the call runs, a closed
+  jaxpr of (body constants, loop constants, carry, slices) returning the
+  carry, the body's results it makes (``from_tail`` False) and what the
+  tail reads from it (``num_needed`` values, the incoming carry among
+  them); ``tail``: a closed jaxpr of (body and loop constants, slices,
+  those values) returning the rest of the results (``from_tail`` True), in
+  the body's order. ``num_fixed``: the body's and loop's constants;
+  ``num_carry``: the carry; ``num_head_ys``: the results ``head`` makes."""
+  head: Any = dataclasses.field(repr=False)
+  tail: Any = dataclasses.field(repr=False)
+  from_tail: tuple[bool, ...]
+  num_fixed: int
+  num_carry: int
+  num_head_ys: int
+  num_needed: int
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopBody:
   """How the body of one scan of a loop group runs in the group's one loop,
@@ -38,7 +59,17 @@ class LoopBody:
   (the main stream's body runs in place anyway); ``tail``: the positions
   of its top-level equations that run after its call, on the main stream,
   so that the rest is a call XLA compiles (empty: none); ``why``: why the
-  installed XLA cannot compile the body whole as a call, or None."""
+  installed XLA cannot compile the body whole as a call, or None.
+
+  The functions it is emitted as, cut before emission: ``function``, the
+  body as emitted (a closed jaxpr of body constants, loop constants,
+  carry, slices); ``split``, the same cut at its tail (``BodyTail``,
+  where ``tail`` is not empty); ``scan``, the scan equation itself as a
+  closed jaxpr of its operands that are not literals, in operand order
+  (what XLA:CPU runs). ``packed_as``: the dtype its call returns its
+  results in, one buffer, where they are several (jaxlib 0.10 runs a call
+  with several results to its done before the next call starts;
+  ``lower/packing.py``), or None."""
   region: int
   body: Any = dataclasses.field(compare=False, repr=False)
   eqns: tuple = dataclasses.field(compare=False, repr=False)
@@ -47,6 +78,11 @@ class LoopBody:
   in_place: str | None = None
   tail: tuple[int, ...] = ()
   why: str | None = None
+  function: Any = dataclasses.field(default=None, compare=False, repr=False)
+  split: BodyTail | None = dataclasses.field(default=None, compare=False,
+                                             repr=False)
+  scan: Any = dataclasses.field(default=None, compare=False, repr=False)
+  packed_as: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +103,35 @@ class Decisions:
   lower.decide``), for the installed jaxlib. ``in_place``: the off-main
   regions that XLA cannot compile as stream calls, and why (grouped scans
   among them run as one loop instead where the way fuses loops); ``loops``:
-  how each group of ``graph.loops`` runs as one loop, in that order."""
+  how each group of ``graph.loops`` runs as one loop, in that order.
+
+  And the functions the program is cut into for emission: ``regions``,
+  each region as a closed jaxpr of its inputs returning its outputs;
+  ``equations``, where regions may be emitted equation by equation (a
+  program with stream calls or planned ``shard_map`` bodies), each
+  main-stream equation as a closed jaxpr of the values it reads (each
+  once, first read first). ``xla_streams``: the XLA:GPU compute stream of
+  each region's call (0: the main stream). ``bodies_out_of_graphs``:
+  whether a stream call in a loop can be kept out of XLA's CUDA graphs (the
+  runtime's library, whose ``delay`` does that, is there).
+
+  Where regions are stream calls (``jaxstreams.lower.order``): ``unread``,
+  the regions left out (nothing reads them, and they have no effects);
+  ``combiner_keys``, by main-stream collective that waits for a call, the
+  key that keeps XLA from merging it with collectives waiting for others;
+  ``collective_packings``, by call such a collective waits for, the
+  ``Packing`` of its results into one buffer (the XLA that schedules
+  stream calls itself)."""
   in_place: dict[int, str] = dataclasses.field(default_factory=dict)
   loops: tuple[LoopPlan, ...] = ()
+  regions: tuple[Any, ...] = ()
+  equations: dict[int, Any] = dataclasses.field(default_factory=dict)
+  xla_streams: tuple[int, ...] = ()
+  bodies_out_of_graphs: bool = False
+  unread: frozenset[int] = frozenset()
+  combiner_keys: dict[int, str] = dataclasses.field(default_factory=dict)
+  collective_packings: dict[int, Any] = dataclasses.field(
+      default_factory=dict)
 
   def bodies_in_place(self) -> tuple[dict[int, str], dict[int, str]]:
     """The grouped bodies that run in place, and why, by region; and those

@@ -21,7 +21,7 @@ import re
 from typing import Iterator, Mapping, Sequence, Union
 
 from jaxstreams.lower.calls import REGION_ATTRIBUTE
-from jaxstreams.lower.emit import REGION_SCOPE
+from jaxstreams.lower.calls import REGION_SCOPE
 from jaxstreams.xla.schedule import HloParseError, _computations
 from jaxstreams.xla.work import Work, arrays, instruction_work
 from jaxstreams.xla.xla_logs import (BufferUses, GraphLogError, LoggedGraph,
