@@ -20,8 +20,8 @@ has to be woken, is the likely reading; this script shows the cost, not its
 cause).
 
 Method (``_common.py``): ``--rounds`` rounds, each runs every gap once over
-``--steps`` steps in alternating order; the median per gap.
-Saves benchmarks/results/<device>/jax<version>/cpu_dispatch_gap_<platform>_jax<version>[_quick].json
+``--steps`` steps in alternating order; the median per gap. Saves
+benchmarks/results/<device>/jax<version>/cpu_dispatch_gap_<platform>_jax<version>[_quick].json
 and .txt.
 
   python benchmarks/cpu_dispatch_gap.py [--quick] [--steps 400] [--rounds 15]

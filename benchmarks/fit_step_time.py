@@ -127,7 +127,8 @@ BOUNDS["efficiency"] = (0.01, 1.0)
 REFERENCE_WEIGHT = 0.5
 
 
-def result_file(kind: str, jax_version: str, suffix: str = "txt") -> pathlib.Path:
+def result_file(kind: str, jax_version: str,
+                suffix: str = "txt") -> pathlib.Path:
   """``results/h100/jax<version>/step_time_<kind>_h100_jax<version>``: the
   compiled programs, the fit or the committed constants' errors, beside the
   other figures of an H100 and that jax."""
@@ -159,7 +160,8 @@ def measured() -> dict:
       for way, row in case["ways"].items():
         if way in WAYS and way != REFERENCE:
           entry["ratios"].setdefault(way, []).append(row["ratio_vs_jax_jit"])
-  return {model: {"ratio": {w: statistics.mean(r) for w, r in e["ratios"].items()},
+  return {model: {"ratio": {w: statistics.mean(r)
+                            for w, r in e["ratios"].items()},
                   "runs": e["ratios"],
                   "reference_s": statistics.mean(e["reference_s"])}
           for model, e in found.items()}
@@ -175,7 +177,8 @@ def compile_programs(out: pathlib.Path) -> None:
   programs = {}
   for name in step_time_models.NAMES:
     views = step_time_models.compile_model(name, comparable_ways())
-    programs[name] = {way: view.program.to_json() for way, view in views.items()}
+    programs[name] = {way: view.program.to_json()
+                      for way, view in views.items()}
     print(name, {w: v.summary().splitlines()[0] for w, v in views.items()},
           flush=True)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +195,8 @@ def predict(programs: dict, costs, device) -> dict:
   for model, ways in programs.items():
     found[model] = {}
     for way, data in ways.items():
-      program = data if isinstance(data, GpuProgram) else GpuProgram.from_json(data)
+      program = (data if isinstance(data, GpuProgram)
+                 else GpuProgram.from_json(data))
       found[model][way] = estimate_step(program, costs, device,
                                         device_path=False).step
   return found
@@ -369,7 +373,8 @@ def report(costs, predicted, figures, jax_version: str, loss: float) -> str:
            "its own data, no evidence of accuracy (that is the held-out "
            "file, step_time_held_out_h100_jax<version>.txt).",
            "Per model: each way's ratio to jax.jit, estimated / measured "
-           "(mean of the runs, their spread), and the error; jax.jit's time.", ""]
+           "(mean of the runs, their spread), and the error; jax.jit's "
+           "time.", ""]
   found = errors(predicted, figures)
   for model, row in found.items():
     steps = predicted[model]
@@ -385,7 +390,8 @@ def report(costs, predicted, figures, jax_version: str, loss: float) -> str:
                    f"({min(runs):.2f}-{max(runs):.2f})  {row[way]:+6.1%}")
   lines += ["", "constants (us; efficiency: share of the peaks):"]
   for key, value in sorted(vars(costs).items()):
-    lines.append(f"  {key:16s} {value if key == 'efficiency' else value * 1e6:.3f}"
+    lines.append(f"  {key:16s} "
+                 f"{value if key == 'efficiency' else value * 1e6:.3f}"
                  + ("  (pinned)" if key in PINNED else
                     "  (tied)" if key in TIED else ""))
   return "\n".join(lines) + "\n"
@@ -394,7 +400,8 @@ def report(costs, predicted, figures, jax_version: str, loss: float) -> str:
 def committed_programs() -> dict:
   """jax version -> the committed programs (model -> way -> plain data)."""
   found = {}
-  for path in sorted((RESULTS / "h100").glob("jax*/step_time_programs_h100_*.json")):
+  for path in sorted((RESULTS / "h100").glob(
+      "jax*/step_time_programs_h100_*.json")):
     data = json.loads(path.read_text())
     found[data["jax"]] = data["programs"]
   return found
@@ -427,7 +434,8 @@ def write_constants(costs, jax_version: str, ranges: dict,
   pinned += "".join(f"\n* ``{k}``: as ``{v}``" for k, v in TIED.items())
   held = "".join(f"\n    {w!r}: ({low!r}, {high!r}),"
                  for w, (low, high) in sorted(ranges.items()))
-  FITTED.write_text(f'''"""The step-time estimate's constants (``step_time.LaunchCosts``), fitted
+  FITTED.write_text('''"""The step-time estimate's constants '''
+                    f'''(``step_time.LaunchCosts``), fitted
 to H100 runs by ``benchmarks/fit_step_time.py`` from programs compiled on
 jax {jax_version}. Do not edit by hand: refit (see that script). Runs:
 {runs}
@@ -484,8 +492,9 @@ def main(argv=None) -> int:
   if args.evaluate:
     from jaxstreams.xla import fitted_costs
     data = json.loads(path.read_text())
-    text = report(fitted_costs.H100, predict(data["programs"], fitted_costs.H100,
-                                             device), figures, data["jax"], None)
+    text = report(fitted_costs.H100,
+                  predict(data["programs"], fitted_costs.H100, device),
+                  figures, data["jax"], None)
     print(text)
     if not args.no_write:
       result_file("estimate", data["jax"]).write_text(text)

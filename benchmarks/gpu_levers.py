@@ -92,7 +92,8 @@ def chains_model(size, streams, key):
 
   def make_fn(place):
     def f(ws, x):
-      outs = [place(1 + i % (streams - 1), chain, x, w) for i, w in enumerate(ws)]
+      outs = [place(1 + i % (streams - 1), chain, x, w)
+              for i, w in enumerate(ws)]
       return sum(o.astype(jnp.float32).sum() for o in outs)
     return f
   return make_fn, (ws, x)
@@ -289,9 +290,11 @@ def anchor_check(reference_out, anchors: dict) -> dict:
   for way, step in anchors.items():
     got = step().detach().cpu().numpy()
     if isinstance(reference_out, tuple) and len(reference_out) == 2:
-      want = np.concatenate([np.asarray(x) for x in reference_out])   # embeddings
+      # embeddings
+      want = np.concatenate([np.asarray(x) for x in reference_out])
     else:
-      want = np.asarray(jax.tree_util.tree_leaves(reference_out)[0])   # the loss
+      # the loss
+      want = np.asarray(jax.tree_util.tree_leaves(reference_out)[0])
     out[way] = float(np.max(np.abs(got - want)))
   return out
 
@@ -354,7 +357,8 @@ def traced_overlap(compiled, args, calls: int) -> dict:
     with jax.profiler.trace(folder, create_perfetto_trace=True):
       for _ in range(calls):
         jax.block_until_ready(compiled(*args))
-    found = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"), recursive=True)
+    found = glob.glob(os.path.join(folder, "**", "*.trace.json.gz"),
+                      recursive=True)
     if not found:
       return {"error": "no perfetto trace written"}
     with gzip.open(found[0], "rt") as f:
@@ -427,7 +431,8 @@ def main():
             "pytorch_max_difference_from_jax": checked}
     lines.append(f"\n{name} {size}\n  default chose {chosen['way']!r} "
                  f"(first call {chosen['first_call_s']:.2f} s, decided after "
-                 f"{chosen['calls_to_decide']} calls, {chosen['decided_s']:.2f} s): "
+                 f"{chosen['calls_to_decide']} calls, "
+                 f"{chosen['decided_s']:.2f} s): "
                  f"{chosen['reason']}")
     for way, compiled in ways.items():
       text = compiled.as_text()
@@ -459,7 +464,8 @@ def main():
         line += f"  peak {entry['memory']['peak_mb']:8.1f} MB"
       if args_.trace:
         entry["overlap"] = torch_overlap(step, min(calls, 20))
-        line += f"  kernels overlapped {entry['overlap']['overlapped_share']:5.1%}"
+        line += ("  kernels overlapped "
+                 f"{entry['overlap']['overlapped_share']:5.1%}")
       case["ways"][way] = entry
       lines.append(line)
     if no_torch is not None:
@@ -468,9 +474,10 @@ def main():
   text = "\n".join(lines) + "\n"
   print(text)
   suffix = "_quick" if args_.quick else ""
-  which = "" if args_.models == "suite" else "_" + args_.models.replace(",", "+")
-  path = _common.save(args_.out, f"gpu_levers{which}_{jax.default_backend()}_jax"
-                      f"{jax.__version__}{suffix}", result, text)
+  which = ("" if args_.models == "suite"
+           else "_" + args_.models.replace(",", "+"))
+  path = _common.save(args_.out, f"gpu_levers{which}_{jax.default_backend()}"
+                      f"_jax{jax.__version__}{suffix}", result, text)
   print("saved", path)
 
 

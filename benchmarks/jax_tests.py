@@ -1,14 +1,14 @@
 """JAX's own tests with ``jax.jit`` swapped for ``jaxstreams.jit``.
 
 Runs each of JAX's test files twice under the Python that runs it (a venv
-with jax, pytest and jaxstreams' native runtime installed): as they are, and with
-``jax.jit`` replaced by ``jaxstreams.jit(f, streams=4, spread=True, **kw)``
-(``_jit_swap.py``). It prints and saves, per file, what passed, failed and
-was skipped each way, and the tests that fail only when swapped: where a
-``jaxstreams.jit`` function is not yet the ``jax.jit`` function it wraps.
-Tests that fail both ways (a test file newer than the installed jax, a
-missing optional package) say nothing about jaxstreams and are counted,
-not listed.
+with jax, pytest and jaxstreams' native runtime installed): as they are, and
+with ``jax.jit`` replaced by
+``jaxstreams.jit(f, streams=4, spread=True, **kw)`` (``_jit_swap.py``). It
+prints and saves, per file, what passed, failed and was skipped each way,
+and the tests that fail only when swapped: where a ``jaxstreams.jit``
+function is not yet the ``jax.jit`` function it wraps. Tests that fail both
+ways (a test file newer than the installed jax, a missing optional package)
+say nothing about jaxstreams and are counted, not listed.
 
 The test files come from a JAX source tree at the installed version
 (``--jax-src``: the root of a checkout, with ``tests/``), or from a git
@@ -18,7 +18,8 @@ ref given. Slow (api_test is some minutes a run): run on purpose, not by CI.
   python benchmarks/jax_tests.py --jax-git /path/to/jax.git \\
       [--ref jax-v0.10.2] [-n 2] [-k expr] [--files api_test debug_nans_test]
 
-The results go to ``benchmarks/results/<device>/jax<version>/jax_tests_<platform>_jax<version>.json``
+The results go to
+``benchmarks/results/<device>/jax<version>/jax_tests_<platform>_jax<version>.json``
 and ``.txt`` (``--quick``: debug_nans_test alone, ``*_quick.*``); a run of
 some files (``--files``) keeps the other files' tallies from an earlier run
 of the same tests.
@@ -204,8 +205,8 @@ def main(argv=None) -> int:
               "files": {}, "not_run": list(args.files)}
     name = (f"jax_tests_{result['machine']['platform']}_jax{jax.__version__}"
             + ("_quick" if args.quick else ""))
-    earlier = _earlier(pathlib.Path(_common.out_folder(args.out)) / f"{name}.json",
-                       ref, args.k)
+    earlier = _earlier(pathlib.Path(_common.out_folder(args.out))
+                       / f"{name}.json", ref, args.k)
     result["files"] = {f: t for f, t in earlier.items() if f not in args.files}
     for test_file in args.files:
       plain = _run(src, test_file, False, args, env, scratch)

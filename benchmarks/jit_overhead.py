@@ -54,8 +54,10 @@ import _common  # noqa: E402
 import jaxstreams  # noqa: E402
 
 STREAMS = 3
-TRANSFORMER = dict(layers=12, width=1024, heads=16, seq=512, batch=8, vocab=32000)
-QUICK_TRANSFORMER = dict(layers=2, width=64, heads=4, seq=32, batch=2, vocab=256)
+TRANSFORMER = dict(layers=12, width=1024, heads=16, seq=512, batch=8,
+                   vocab=32000)
+QUICK_TRANSFORMER = dict(layers=2, width=64, heads=4, seq=32, batch=2,
+                         vocab=256)
 DEMO = dict(towers=2, width=512, depth=4, batch=8)      # streams_demo's
 QUICK_DEMO = dict(towers=2, width=32, depth=1, batch=4)
 
@@ -93,7 +95,8 @@ def per_call(calls: int, batches: int) -> tuple[dict, list[str]]:
   }
   baselines = {"jaxstreams.jit(streams=1)": "jax.jit",
                "jaxstreams.jit(streams from option)": "jax.jit",
-               "jaxstreams.jit(streams=2), region": "jax.jit, two-part function"}
+               "jaxstreams.jit(streams=2), region":
+                   "jax.jit, two-part function"}
   for fn in candidates.values():
     for _ in range(200):
       fn(x).block_until_ready()
@@ -106,7 +109,8 @@ def per_call(calls: int, batches: int) -> tuple[dict, list[str]]:
   for name, seconds in medians.items():
     line = f"  {name:40s} {seconds * 1e6:8.2f} us/call"
     if name in baselines:
-      line += f"   x{medians[name] / medians[baselines[name]]:.3f} vs {baselines[name]}"
+      line += (f"   x{medians[name] / medians[baselines[name]]:.3f} vs "
+               f"{baselines[name]}")
     lines.append(line)
   return {"calls_per_batch": calls, "batches": batches,
           "median_us_per_call": {k: v * 1e6 for k, v in medians.items()},
@@ -150,7 +154,8 @@ def transformer(size, streams: bool):
 
   def make_fn():
     def block(p, x):
-      h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["scale"]
+      h = (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+           * p["scale"])
       if not streams:
         return x + attention(p, h) + mlp(p, h)
       with jaxstreams.stream(1):
@@ -215,7 +220,8 @@ def models(quick: bool, wanted: set[str]) -> list[tuple[str, object, tuple]]:
         continue
       size = gpu_levers.QUICK_SIZES[name] if quick else size
       make_fn, args = model(size, gpu_levers.STREAMS, jax.random.PRNGKey(0))
-      found.append((name, lambda make_fn=make_fn: _placed(make_fn, common), args))
+      found.append((name, lambda make_fn=make_fn: _placed(make_fn, common),
+                    args))
   return found
 
 
@@ -313,12 +319,13 @@ def first_calls(rounds: int, quick: bool, wanted: set[str]
             f"(paired x{ratio:.2f}); compiled beside it: "
             f"{', '.join(sorted(last['compiled_beside_s'])) or 'nothing'}")
     if last["compiled_beside_s"]:
-      line += (f" ({statistics.median(beside):.2f} s of compiles, the last "
-               f"done {statistics.median(r['all_compiled_after_s'] for r in record):.2f}"
-               " s after the first call began)")
+      line += (
+          f" ({statistics.median(beside):.2f} s of compiles, the last done "
+          f"{statistics.median(r['all_compiled_after_s'] for r in record):.2f}"
+          " s after the first call began)")
     if "calls_to_decide" in last:
-      line += (f"; chose {last['way']!r} after {last['calls_to_decide']} calls, "
-               f"{last['decided_after_s']:.2f} s")
+      line += (f"; chose {last['way']!r} after {last['calls_to_decide']} "
+               f"calls, {last['decided_after_s']:.2f} s")
     else:
       line += f"; way {last['way']!r} (nothing runs here: nothing is timed)"
     lines.append(line)
@@ -360,9 +367,10 @@ def main():
     lines += more
   m = result["machine"]
   text = "\n".join(
-      [f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}; "
-       f"{m['cpu_cores_usable']} cores, load average {m['load_average_at_start']} "
-       f"at start, {_common.load()} at end"] + lines) + "\n"
+      [f"device: {device.device_kind} ({device.platform}), jax "
+       f"{jax.__version__}; {m['cpu_cores_usable']} cores, load average "
+       f"{m['load_average_at_start']} at start, {_common.load()} at end"]
+      + lines) + "\n"
   print(text, end="")
   suffix = ("" if args.part == "all" else f"_{args.part}") + (
       "_quick" if args.quick else "")

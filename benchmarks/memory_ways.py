@@ -195,9 +195,9 @@ def main():
   result = {"machine": _common.machine(), "target": "h100 (deviceless)",
             "method": "XLA's memory analysis of each way's program compiled "
                       "for an H100 without one; bytes", "programs": {}}
-  lines = [f"Device memory of each way, H100 deviceless, jax {jax.__version__}: "
-           "temporaries beyond jax.jit's program (arguments and outputs are "
-           "the same for every way)"]
+  lines = [f"Device memory of each way, H100 deviceless, jax "
+           f"{jax.__version__}: temporaries beyond jax.jit's program "
+           "(arguments and outputs are the same for every way)"]
   for name, make in programs(options.quick).items():
     fn, args, streams = make()
     result["programs"][name] = found = measure(

@@ -59,7 +59,8 @@ def make_program(target_eqns: int, branches: int = 8):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", type=int, nargs="+", default=[100, 1000, 10000])
+  parser.add_argument("--sizes", type=int, nargs="+",
+                      default=[100, 1000, 10000])
   parser.add_argument("--reps", type=int, default=5)
   parser.add_argument("--out", default=None, help=_common.OUT_HELP)
   args = parser.parse_args()
@@ -78,7 +79,8 @@ def main():
     median = statistics.median(times)
     rows.append({"equations": n, "median_ms": median * 1e3,
                  "ms_per_1000_equations": median * 1e3 / n * 1000,
-                 "regions": len(plan.regions), "streams_used": list(plan.streams_used)})
+                 "regions": len(plan.regions),
+                 "streams_used": list(plan.streams_used)})
     print(f"{n:6d} equations: {median * 1e3:9.2f} ms  "
           f"({median * 1e6 / n:7.1f} us per equation, "
           f"{median * 1e3 / n * 1000:6.2f} ms per 1,000), "

@@ -75,8 +75,10 @@ BATCH, WIDTH, HIDDEN = 256, 64, 512
 
 def make_params(seed=0):
   rng = np.random.default_rng(seed)
-  return {"w1": jnp.asarray(rng.standard_normal((WIDTH + 1, HIDDEN)) / 16, jnp.float32),
-          "w2": jnp.asarray(rng.standard_normal((HIDDEN, HIDDEN)) / 32, jnp.float32),
+  return {"w1": jnp.asarray(rng.standard_normal((WIDTH + 1, HIDDEN)) / 16,
+                            jnp.float32),
+          "w2": jnp.asarray(rng.standard_normal((HIDDEN, HIDDEN)) / 32,
+                            jnp.float32),
           "w3": jnp.asarray(rng.standard_normal((HIDDEN, 1)) / 32, jnp.float32)}
 
 
@@ -116,7 +118,8 @@ def producer(n, wait_s, cpu_s, seed=0):
       raw = np.frombuffer(digest * 64, np.uint8).astype(np.float32)
       if time.perf_counter() >= deadline:
         break
-    x = rng.standard_normal((BATCH, WIDTH)).astype(np.float32) + raw[:WIDTH] / 255
+    x = (rng.standard_normal((BATCH, WIDTH)).astype(np.float32)
+         + raw[:WIDTH] / 255)
     yield {"ids": rng.integers(0, 1 << 20, BATCH, dtype=np.int32), "x": x,
            "y": rng.standard_normal(BATCH).astype(np.float32)}
 
@@ -133,7 +136,8 @@ def calibrate(step_s, wait_fraction):
   """Producer costs whose measured total is about step_s per batch: the
   fixed costs (random numbers, oversleeping, the first hashing round) are
   measured and taken off the budget, split as wait_fraction says."""
-  cost = {"wait_s": wait_fraction * step_s, "cpu_s": (1 - wait_fraction) * step_s}
+  cost = {"wait_s": wait_fraction * step_s,
+          "cpu_s": (1 - wait_fraction) * step_s}
   overhead = max(0.0, producer_seconds(cost) - step_s)
   return {"wait_s": max(0.0, cost["wait_s"] - wait_fraction * overhead),
           "cpu_s": max(0.0, cost["cpu_s"] - (1 - wait_fraction) * overhead)}
@@ -228,8 +232,8 @@ def transfer_batches(n, mib, seed=0):
 
 
 def _timed_items(items):
-  """Consumes `items` (device arrays), reducing each on the device and
-  waiting for it; returns (seconds to the first item, seconds per later item)."""
+  """Consumes `items` (device arrays), reducing each on the device and waiting
+  for it; returns (seconds to the first item, seconds per later item)."""
   t0 = time.perf_counter()
   first = None
   n = 0
@@ -289,7 +293,8 @@ def measure_transfer(steps, repeats, mib):
           "steady_items_per_s": rate,
           "steady_mib_per_s": {k: v * item_mib for k, v in rate.items()},
           "items_per_s": whole,
-          "vs_device_put_ahead": {k: v / whole["device_put_ahead"] for k, v in whole.items()},
+          "vs_device_put_ahead": {k: v / whole["device_put_ahead"]
+                                  for k, v in whole.items()},
           "runs_first_s": firsts, "runs_steady_items_per_s": steady}
 
 
@@ -343,7 +348,8 @@ def main():
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--transfer-steps", type=int, default=100,
                       help="items per run in the transfer case")
-  parser.add_argument("--transfer-mb", type=float, nargs="+", default=[0.25, 4.0],
+  parser.add_argument("--transfer-mb", type=float, nargs="+",
+                      default=[0.25, 4.0],
                       help="item sizes (MiB) of the transfer case")
   parser.add_argument("--out", default=None, help=_common.OUT_HELP)
   args = parser.parse_args()
@@ -351,7 +357,8 @@ def main():
   params = make_params()
   step = make_step(args.layers)
   step_s, step_cores = measure_step(step, params)
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count())
   capacity = parallel_capacity(cores)
   cases = {"wait90": calibrate(step_s, 0.9), "wait80": calibrate(step_s, 0.8),
            "cpu": calibrate(step_s, 0.0)}
@@ -376,7 +383,8 @@ def main():
     # the producer alone. Cores are the other limit (see the docstring).
     overlap_s = max(step_s, producer_s)
     results[case] = {
-        "producer_wait_ms": cost["wait_s"] * 1e3, "producer_cpu_ms": cost["cpu_s"] * 1e3,
+        "producer_wait_ms": cost["wait_s"] * 1e3,
+        "producer_cpu_ms": cost["cpu_s"] * 1e3,
         "producer_alone_ms": producer_s * 1e3,
         "plain_cpu_ms_per_step": cpu_per_step * 1e3,
         "overlap_bound_vs_plain": 1 / (med["plain"] * overlap_s),
@@ -386,31 +394,38 @@ def main():
         "speedup_vs_plain": {k: v / med["plain"] for k, v in med.items()},
         "runs": rates}
 
-  transfer = {f"{mib:g}MiB": measure_transfer(args.transfer_steps, args.repeats, mib)
+  transfer = {f"{mib:g}MiB": measure_transfer(args.transfer_steps,
+                                              args.repeats, mib)
               for mib in args.transfer_mb}
 
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}, {cores} cores, "
-        f"step {step_s * 1e3:.2f} ms (batch {BATCH}, {args.layers} hidden layers), "
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"{cores} cores, step {step_s * 1e3:.2f} ms (batch {BATCH}, "
+        f"{args.layers} hidden layers), "
         f"keeping {step_cores:.2f} cores busy; {cores} threads of hashing "
         f"get {capacity:.2f}x one thread's work done")
   for case, r in results.items():
     print(f"\nproducer '{case}': {r['producer_wait_ms']:.1f} ms waiting + "
           f"{r['producer_cpu_ms']:.1f} ms CPU budget per batch; alone it takes "
           f"{r['producer_alone_ms']:.1f} ms per batch. Plain loop: "
-          f"{r['plain_cpu_ms_per_step']:.1f} ms of CPU per step on {cores} cores; "
-          f"perfect overlap would be {r['overlap_bound_vs_plain']:.2f}x plain")
+          f"{r['plain_cpu_ms_per_step']:.1f} ms of CPU per step on {cores} "
+          "cores; perfect overlap would be "
+          f"{r['overlap_bound_vs_plain']:.2f}x plain")
     for name, rate in r["steps_per_s"].items():
       lo, hi = r["spread"][name]
-      print(f"  {name:<20} {rate:8.1f} steps/s  {r['speedup_vs_plain'][name]:.2f}x plain "
+      print(f"  {name:<20} {rate:8.1f} steps/s  "
+            f"{r['speedup_vs_plain'][name]:.2f}x plain "
             f"(runs {lo:.2f}..{hi:.2f})")
   for case in ("wait90", "wait80"):
-    best = max(results[case]["speedup_vs_plain"][k] for k in ("prefetch", "staged"))
+    best = max(results[case]["speedup_vs_plain"][k]
+               for k in ("prefetch", "staged"))
     verdict = "meets" if best >= 1.8 else "does NOT meet"
     print(f"producer '{case}': best of prefetch and staged {best:.2f}x plain: "
           f"{verdict} the 1.8x target; a hand-written thread and queue "
           f"{results[case]['speedup_vs_plain']['threaded_queue']:.2f}x")
-  best_cpu = max(results["cpu"]["speedup_vs_plain"][k] for k in ("prefetch", "staged"))
-  print(f"\nAll-CPU producer: {best_cpu:.2f}x. The step keeps {step_cores:.2f} of "
+  best_cpu = max(results["cpu"]["speedup_vs_plain"][k]
+                 for k in ("prefetch", "staged"))
+  print(f"\nAll-CPU producer: {best_cpu:.2f}x. "
+        f"The step keeps {step_cores:.2f} of "
         f"{cores} cores busy (XLA:CPU's intra-op thread pool) and the producer "
         f"needs a core for about as long, so the two share the cores instead "
         f"of running side by side: perfect overlap "
@@ -425,22 +440,25 @@ def main():
         "stays the default path.")
 
   print("\ntransfer paths (free producer, the consumer only reduces each item; "
-        "first item: time to it, incl. threads, stage area and its get program; "
-        "steady: the items after it; whole: the run):")
+        "first item: time to it, incl. threads, stage area and its get "
+        "program; steady: the items after it; whole: the run):")
   wins = {}
   for size, r in transfer.items():
     print(f"  {r['items']} items of {r['item_mib']:.2f} MiB:")
     for name, rate in r["items_per_s"].items():
       print(f"    {name:<20} first {r['first_item_ms'][name]:6.1f} ms  steady "
             f"{r['steady_items_per_s'][name]:8.1f} items/s "
-            f"{r['steady_mib_per_s'][name]:8.1f} MiB/s  whole {rate:8.1f} items/s "
+            f"{r['steady_mib_per_s'][name]:8.1f} MiB/s  "
+            f"whole {rate:8.1f} items/s "
             f"{r['vs_device_put_ahead'][name]:.2f}x device_put ahead")
-    dp, sa = (r["items_per_s"][k] for k in ("prefetch_device_put", "prefetch_stage_area"))
+    dp, sa = (r["items_per_s"][k]
+              for k in ("prefetch_device_put", "prefetch_stage_area"))
     wins[size] = "stage_area" if sa > dp else "device_put"
   for case in results:
     dp, sa = (results[case]["steps_per_s"][k]
               for k in ("prefetch_device_put", "prefetch_stage_area"))
-    print(f"  producer '{case}': prefetch device_put {dp:.1f}, stage_area {sa:.1f} steps/s")
+    print(f"  producer '{case}': prefetch device_put {dp:.1f}, "
+          f"stage_area {sa:.1f} steps/s")
   backend = jax.default_backend()
   votes = list(wins.values())
   counts = {path: votes.count(path) for path in set(votes)}
@@ -462,7 +480,8 @@ def main():
                       f"prefetch_{jax.default_backend()}.json")
   with open(path, "w") as f:
     json.dump({"benchmark": "prefetch", "jax": jax.__version__,
-               "backend": jax.default_backend(), "device": str(jax.devices()[0]),
+               "backend": jax.default_backend(),
+               "device": str(jax.devices()[0]),
                "cores": cores, "machine": platform.machine(),
                "python": platform.python_version(), "step_ms": step_s * 1e3,
                "step_cores_busy": step_cores, "parallel_capacity": capacity,

@@ -46,8 +46,8 @@ as take about as long: ``--steps`` / step ms, 4000 at 0.1 ms; a fifth at
 each loop's median time per step, and per loop the median over rounds of
 plain's time over its time in the same round (the paired ratio; above 1 is
 faster than the plain loop). The load average is recorded per case. Saves
-benchmarks/results/<device>/jax<version>/prefetch_sweep_<platform>[_quick].json and
-.txt.
+benchmarks/results/<device>/jax<version>/prefetch_sweep_<platform>[_quick].json
+and .txt.
 
 ``--cpu-sync-dispatch`` runs XLA:CPU computations in the calling thread
 (``jax_cpu_enable_async_dispatch=False``, set before the backend starts);

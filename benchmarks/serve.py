@@ -203,7 +203,8 @@ def torch_way(model, inputs_np):
 
 
 def check(name, got, want, exact):
-  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+  for a, b in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
     a, b = np.asarray(a), np.asarray(b)
     ok = (np.array_equal(a, b) if exact else
           np.allclose(a, b, rtol=2e-2, atol=2e-2))
@@ -284,13 +285,16 @@ def bench_model(model, args, info, lines):
       row[name] = {"throughput_rps_median": float(np.median(rates[name])),
                    "throughput_rps_samples": rates[name],
                    # A short sample under load may complete no request.
-                   "p50_us": float(np.percentile(lat, 50)) if lat.size else float("nan"),
-                   "p99_us": float(np.percentile(lat, 99)) if lat.size else float("nan"),
+                   "p50_us": (float(np.percentile(lat, 50)) if lat.size
+                              else float("nan")),
+                   "p99_us": (float(np.percentile(lat, 99)) if lat.size
+                              else float("nan")),
                    "requests": int(lat.size)}
       if name != "jax.jit":
         row[name]["paired_ratio_to_jit"] = _common.paired(
             rates[name], rates["jax.jit"])
-        row[name]["p99_over_jit"] = row[name]["p99_us"] / row["jax.jit"]["p99_us"]
+        row[name]["p99_over_jit"] = (row[name]["p99_us"]
+                                     / row["jax.jit"]["p99_us"])
     if CONTROL in row:
       row["noise_floor"] = abs(row[CONTROL]["paired_ratio_to_jit"] - 1.0)
     rows[str(threads)] = row
@@ -371,7 +375,8 @@ def traced(call, inputs, threads: int, seconds: float) -> dict:
       return {"error": "no perfetto trace written"}
     with gzip.open(found[0], "rt") as f:
       trace = json.load(f)
-  return {**kernel_overlap(trace), "kernels_by_stream": kernels_by_stream(trace)}
+  return {**kernel_overlap(trace),
+          "kernels_by_stream": kernels_by_stream(trace)}
 
 
 def _goals(rows):
@@ -385,14 +390,17 @@ def _goals(rows):
         serve["paired_ratio_to_jit"] >= GOAL_16_THREADS
         and serve["p99_over_jit"] <= GOAL_16_THREADS_P99)
   if "1" in rows:
-    goals["serve_1_thread_throughput"] = rows["1"]["serve"]["paired_ratio_to_jit"]
-    goals["met_at_1_thread"] = goals["serve_1_thread_throughput"] >= GOAL_1_THREAD
+    goals["serve_1_thread_throughput"] = (
+        rows["1"]["serve"]["paired_ratio_to_jit"])
+    goals["met_at_1_thread"] = (goals["serve_1_thread_throughput"]
+                                >= GOAL_1_THREAD)
   return goals
 
 
 def main():
   parser = _common.parser(__doc__.splitlines()[0],
-                          quick="the MLP only, 0.1 s x 2 rounds, 1 and 16 threads")
+                          quick="the MLP only, 0.1 s x 2 rounds, 1 and 16 "
+                                "threads")
   parser.add_argument("--models", default="mlp,encoder,dlrm")
   parser.add_argument("--threads", default="1,4,16,64")
   parser.add_argument("--seconds", type=float, default=0.3,
@@ -417,7 +425,8 @@ def main():
   names = args.models.split(",")
   unknown = sorted(set(names) - set(serve_models.MODELS))
   if unknown:
-    parser.error(f"unknown models {unknown}; known: {sorted(serve_models.MODELS)}")
+    parser.error(f"unknown models {unknown}; known: "
+                 f"{sorted(serve_models.MODELS)}")
 
   info = _common.machine()
   lines = [f"device: {info['device_kind']} ({info['platform']}), jax "
@@ -446,7 +455,8 @@ def main():
                "averages)"),
   }
   name = f"serve_{info['platform']}" + ("_quick" if args.quick else "")
-  print(f"saved {_common.save(args.out, name, result, text=chr(10).join(lines))}")
+  print("saved "
+        f"{_common.save(args.out, name, result, text=chr(10).join(lines))}")
 
 
 if __name__ == "__main__":

@@ -149,8 +149,10 @@ def encoder(seed: int = 0, tokens=32, width=128, heads=4, layers=2, ff=256,
     blocks.append({
         "qkv": _dense(rng, width, 3 * width), "out": _dense(rng, width, width),
         "ff1": _dense(rng, width, ff), "ff2": _dense(rng, ff, width),
-        "g1": np.ones((width,), np.float32), "b1": np.zeros((width,), np.float32),
-        "g2": np.ones((width,), np.float32), "b2": np.zeros((width,), np.float32)})
+        "g1": np.ones((width,), np.float32),
+        "b1": np.zeros((width,), np.float32),
+        "g2": np.ones((width,), np.float32),
+        "b2": np.zeros((width,), np.float32)})
   params = {"blocks": blocks, "head": _dense(rng, width, classes)}
   head_width = width // heads
 
@@ -188,7 +190,8 @@ def dlrm(seed: int = 0, dense=13, tables=8, rows=1000, dim=32) -> Model:
 
   def forward(p, ops, x, index):          # x: (1, dense); index: (1, tables)
     vectors = [_run_mlp(ops, p["bottom"], x)]
-    vectors += [ops.take_rows(t, index[:, k]) for k, t in enumerate(p["tables"])]
+    vectors += [ops.take_rows(t, index[:, k])
+                for k, t in enumerate(p["tables"])]
     stacked = ops.stack(vectors, 1)                       # (1, tables+1, dim)
     dots = stacked @ ops.swap_last(stacked)
     flat = ops.concat([dots[:, i, j:j + 1] for i, j in pairs], -1)

@@ -45,7 +45,8 @@ def lowered_ways(name: str, ways: dict) -> dict:
       options = (common.CONCURRENT_OPTIONS if how.get("concurrent") else
                  gpu_levers.NO_COMMAND_BUFFERS if how.get("no_graphs") else {})
       jitted = jax.jit(make_fn(common.place_none),
-                       **({"compiler_options": dict(options)} if options else {}))
+                       **({"compiler_options": dict(options)} if options
+                          else {}))
     else:
       jitted = jaxstreams.jit(make_fn(common.place_jaxstreams),
                               streams=gpu_levers.STREAMS,

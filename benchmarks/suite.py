@@ -48,7 +48,8 @@ CPU_NOTE = (
 # Measuring one case.
 
 def _leaves(out):
-  return [np.asarray(x, dtype=np.float64) for x in jax.tree_util.tree_leaves(out)]
+  return [np.asarray(x, dtype=np.float64)
+          for x in jax.tree_util.tree_leaves(out)]
 
 
 def _rel_diff(out, ref) -> float:
@@ -186,7 +187,8 @@ def markdown(report: dict) -> str:
       f"# jaxstreams benchmark suite: {m['device_kind']} ({m['platform']})",
       "",
       f"- created: {report['created']}, total run time "
-      f"{report['total_seconds']:.0f} s{' (quick mode)' if report['quick'] else ''}",
+      f"{report['total_seconds']:.0f} s"
+      f"{' (quick mode)' if report['quick'] else ''}",
       f"- machine: {m['cpu_model']}, {m['cpu_cores']} cores "
       f"({m['cpu_cores_usable']} usable); {m['os']}; load average (1, 5, "
       f"15 min) {m.get('load_average_at_start')} at start, "
@@ -232,7 +234,8 @@ def markdown(report: dict) -> str:
         f"{_ms(r['times_s'].get(r['candidate']))} | {' | '.join(cells)} | "
         f"{other} | {'n/a' if mem is None else f'{mem:.2f}'} | "
         f"{'yes' if r['agrees'] else 'NO'} | "
-        f"{_schedule_cell(r.get('scheduled_overlap', {}).get(r['candidate']))} |")
+        f"{_schedule_cell(r.get('scheduled_overlap', {}).get(r['candidate']))}"
+        " |")
   chose = [r for r in report["results"] if r.get("candidate_chose")]
   if chose:
     lines += ["", "What the candidate chose while it was timed "

@@ -5,10 +5,10 @@ lowered as ``jaxstreams.jit`` lowers it by default, is compiled for this
 machine's GPU in a child process with XLA's logging on
 (``jaxstreams.xla.graph.capture(target="local")``) and XLA's text is saved to
 ``benchmarks/results/<device>/jax<version>/fixtures/<program>.json``, with
-the device (``h100`` for the H100s the tests compare with). ``tests/test_gpu_fixtures.py`` compiles the same programs for the
-built-in H100 target without a GPU, on every CI run, and checks that the
-deviceless view finds the same graphs and edges and the same regions side
-by side.
+the device (``h100`` for the H100s the tests compare with).
+``tests/test_gpu_fixtures.py`` compiles the same programs for the built-in H100
+target without a GPU, on every CI run, and checks that the deviceless view finds
+the same graphs and edges and the same regions side by side.
 
   python benchmarks/xla_fixtures.py [--out DIR] [--only scan_towers,demo]
 """
@@ -58,7 +58,8 @@ def main(argv=None) -> int:
   p.add_argument("--only", default="", help="program names joined by commas")
   args = p.parse_args(argv)
   if jax.default_backend() != "gpu":
-    raise SystemExit("xla_fixtures.py records a GPU's own compile: it needs a GPU")
+    raise SystemExit("xla_fixtures.py records a GPU's own compile: it needs "
+                     "a GPU")
   jaxstreams.config.update("jaxstreams_autotune", False)
   names = args.only.split(",") if args.only else list(FIXTURES)
   folder = (pathlib.Path(args.out) if args.out else

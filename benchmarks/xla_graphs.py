@@ -51,7 +51,8 @@ def graphs_of(fn, args, streams, *, way=None, nested=False, plain=False):
       "sequential": bool(biggest.sequential) if biggest else None,
       "outside_graphs": len(graphs.outside),
       "pairs_side_by_side": [sum(t for _, _, t in checks), len(checks)],
-      "top_level_way": plan.gpu_lowering if plan is not None and way is None else way,
+      "top_level_way": (plan.gpu_lowering if plan is not None and way is None
+                        else way),
   }
 
 

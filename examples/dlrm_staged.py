@@ -121,7 +121,8 @@ def make_raw_rows(pool, dense, sparse, towers, seed):
   labels = (score > 0).astype(int)
   rows = []
   for i in range(pool):
-    cats = [f"c{j}_{vocab[i, j] * 2654435761 % 2**24:06x}" for j in range(sparse)]
+    cats = [f"c{j}_{vocab[i, j] * 2654435761 % 2**24:06x}"
+            for j in range(sparse)]
     rows.append(",".join([*map(str, labels[i]), *map(str, counts[i]), *cats])
                 .encode())
   return rows
@@ -316,7 +317,8 @@ def time_host_and_step(step, params, data_args):
 def main(argv):
   del argv
   if min(_STEPS.value, _BATCH.value, _SPARSE.value, _DENSE.value,
-         _TOWERS.value, _STREAMS.value, _CAPACITY.value) < 1 or _STEPS.value < 2:
+         _TOWERS.value, _STREAMS.value,
+         _CAPACITY.value) < 1 or _STEPS.value < 2:
     raise app.UsageError("sizes must be >= 1 and --steps >= 2")
   streams, towers = _STREAMS.value, _TOWERS.value
   print(f"backend: {jax.default_backend()}, jax {jax.__version__}, "
@@ -336,7 +338,8 @@ def main(argv):
                        _SPARSE.value, _BUCKETS.value, _DIM.value,
                        _BOTTOM.value, _TOP.value, towers)
   step = jaxstreams.jit(
-      make_train_step(streams, towers, _SPARSE.value, _BUCKETS.value, _LR.value),
+      make_train_step(streams, towers, _SPARSE.value, _BUCKETS.value,
+                      _LR.value),
       streams=streams)
 
   example = prepare(pool_rows[:_BATCH.value], towers, _DENSE.value,
@@ -388,7 +391,8 @@ def main(argv):
 
   timed = _STEPS.value - 1
   u_rate, s_rate, p_rate = timed / u_s, timed / s_s, timed / p_s
-  fetched = f"loss fetched every {fetch} step(s)" if fetch else "loss never fetched"
+  fetched = (f"loss fetched every {fetch} step(s)" if fetch
+             else "loss never fetched")
   print(f"throughput (steps/s, first step excluded, median of "
         f"{len(seconds['staged'])} runs, {fetched}): unstaged {u_rate:.1f}, "
         f"staged {s_rate:.1f}, prefetch {p_rate:.1f}")

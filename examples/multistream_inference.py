@@ -163,7 +163,8 @@ def main():
         all_equal = all_equal and same
   if args.groups != 1:
     print(f"groups={args.groups} / groups=1 throughput: "
-          f"{throughput[f'groups={args.groups}'] / throughput['groups=1']:.2f}x")
+          f"{throughput[f'groups={args.groups}'] / throughput['groups=1']:.2f}"
+          "x")
   kind = "bitwise" if bitwise else "to rounding"
   print(f"results equal to jax.jit: {'yes' if all_equal else 'NO'} ({kind})")
   if not all_equal:

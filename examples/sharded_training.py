@@ -63,7 +63,8 @@ _SHARD_MAP = flags.DEFINE_bool(
 
 def init(features, width, towers, seed=0):
   rng = np.random.default_rng(seed)
-  params = {"towers": [{"w": rng.standard_normal((features, width)) / features ** 0.5,
+  params = {"towers": [{"w": (rng.standard_normal((features, width))
+                              / features ** 0.5),
                         "v": rng.standard_normal((width, 1)) / width ** 0.5}
                        for _ in range(towers)]}
   x = rng.standard_normal((_BATCH.value, features))

@@ -146,8 +146,10 @@ def decode_csv(lines):
     is_digit = (byte >= ord("0")) & (byte <= ord("9"))
     digit = byte.astype(jnp.int32) - ord("0")
     f_num = field[:, None] == jnp.arange(len(NUMERIC))[None, :]
-    ints = jnp.where(f_num & is_digit[:, None], ints * 10 + digit[:, None], ints)
-    f_cat = field[:, None] == (len(NUMERIC) + jnp.arange(len(CATEGORICAL)))[None, :]
+    ints = jnp.where(f_num & is_digit[:, None], ints * 10 + digit[:, None],
+                     ints)
+    f_cat = (field[:, None]
+             == (len(NUMERIC) + jnp.arange(len(CATEGORICAL)))[None, :])
     fnv = (hashes ^ byte[:, None]) * jnp.uint32(FNV_PRIME)
     hashes = jnp.where(f_cat & is_char[:, None], fnv, hashes)
     return (field + is_comma.astype(jnp.int32), ints, hashes), None
@@ -162,7 +164,8 @@ def decode_csv(lines):
 def features(batch, buckets):
   """Parsing and hashing: depends only on the batch, so SmartStage's."""
   ints, hashes = decode_csv(batch["lines"])
-  bucket = (hashes % jnp.uint32(buckets)).astype(jnp.int32)  # string_to_hash_bucket
+  # string_to_hash_bucket
+  bucket = (hashes % jnp.uint32(buckets)).astype(jnp.int32)
   ids = bucket + jnp.arange(len(CATEGORICAL), dtype=jnp.int32) * buckets
   dense = jnp.log1p(ints[:, 1:].astype(jnp.float32))
   label = ints[:, 0].astype(jnp.float32)
@@ -177,7 +180,8 @@ def init_params(key, buckets, dim, hidden):
   k1, k2, k3 = jax.random.split(key, 3)
   n_in = len(CATEGORICAL) * dim + len(NUMERIC) - 1
   return {
-      "embedding": 0.05 * jax.random.normal(k1, (len(CATEGORICAL) * buckets, dim)),
+      "embedding": 0.05 * jax.random.normal(
+          k1, (len(CATEGORICAL) * buckets, dim)),
       "w1": jax.random.normal(k2, (n_in, hidden)) * n_in ** -0.5,
       "b1": jnp.zeros((hidden,)),
       "w2": jax.random.normal(k3, (hidden, 1)) * hidden ** -0.5,
@@ -325,8 +329,9 @@ def main(argv):
   same_len = len(s_losses) == len(u_losses)
   bitwise = same_len and np.array_equal(s_losses, u_losses) and all(
       np.array_equal(a, b) for a, b in pairs)
-  close = same_len and np.allclose(s_losses, u_losses, rtol=1e-4, atol=1e-6) and all(
-      np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in pairs)
+  close = (same_len
+           and np.allclose(s_losses, u_losses, rtol=1e-4, atol=1e-6)
+           and all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in pairs))
   verdict = "bitwise" if bitwise else "to rounding" if close else "NO"
 
   timed = steps - 1                      # the first step is not timed
@@ -339,7 +344,8 @@ def main(argv):
         f"switch(es)): {way['mode_reason']}")
   staged_rate, plain_rate = timed / s_seconds, timed / u_seconds
   fetch = _FETCH_EVERY.value
-  fetched = f"loss fetched every {fetch} step(s)" if fetch else "loss never fetched"
+  fetched = (f"loss fetched every {fetch} step(s)" if fetch
+             else "loss never fetched")
   print(f"throughput (steps/s, first step excluded, median of "
         f"{len(seconds['staged'])} runs, {fetched}): staged {staged_rate:.1f}, "
         f"unstaged {plain_rate:.1f}, ratio {staged_rate / plain_rate:.2f}x")

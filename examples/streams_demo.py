@@ -85,7 +85,7 @@ def show_gpu_graphs(programs, plan, args):
         lowering_platforms=("cuda",)).as_text()
     calls = re.findall(r'call @\S+.*_xla_stream_annotation = "(\d+)"', text)
     print(f"lowered for CUDA: {len(calls)} region calls, on streams "
-          f"{sorted(set(int(c) for c in calls))}. To see the CUDA graphs an "
+          f"{sorted({int(c) for c in calls})}. To see the CUDA graphs an "
           f"H100 would launch: {error}\n")
     return
   print("the CUDA graphs an H100 launches for the step (compiled without one; "
@@ -160,7 +160,8 @@ def show_scanned_towers(args, depth, batch):
           + ("" if side else ": one tower's loop after the other's"))
   same = all(np.array_equal(a, b) for a, b in zip(
       jax.tree_util.tree_leaves(default(*step_args)),
-      jax.tree_util.tree_leaves(jax.jit(scanned_dual_encoder_step)(*step_args))))
+      jax.tree_util.tree_leaves(
+          jax.jit(scanned_dual_encoder_step)(*step_args))))
   print(f"  results equal jax.jit: {'bitwise' if same else 'NO'}")
   if jax.default_backend() == "gpu":
     concurrent = jax.jit(scanned_dual_encoder_step).lower(*step_args).compile(
@@ -232,7 +233,8 @@ def main():
 
   if jax.default_backend() == "gpu":
     ways = {"jax.jit": plain,
-            f"jaxstreams.jit, default ({default.plan(params, x, y).gpu_lowering})": default}
+            f"jaxstreams.jit, default "
+            f"({default.plan(params, x, y).gpu_lowering})": default}
     for way in gpu.WAYS:
       ways[f"jaxstreams.jit, {way}"] = jaxstreams.jit(
           step, streams=streams, gpu_lowering=way)

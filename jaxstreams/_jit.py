@@ -188,7 +188,8 @@ class _Spec:
     names = set((names,) if isinstance(names, str) else names or ())
     nums = {n % len(args) if n < 0 and args else n for n in nums}
     try:
-      positional = [p.name for p in inspect.signature(self.fun).parameters.values()
+      positional = [p.name
+                    for p in inspect.signature(self.fun).parameters.values()
                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
       positional = []
@@ -226,7 +227,8 @@ class _Spec:
                          program, self.plans(streams),
                          strict=self.lowering() != gpu.DEFAULT)
     kwargs = dict(self.jit_kwargs)
-    options = {**(compiler_options or {}), **(kwargs.get("compiler_options") or {})}
+    options = {**(compiler_options or {}),
+               **(kwargs.get("compiler_options") or {})}
     if options:
       kwargs["compiler_options"] = options
     if not donate:
@@ -355,7 +357,8 @@ class StreamJit(functools.partial):
 
   def _nested_way(self) -> gpu.Way:
     name = self._spec.lowering()
-    return gpu.default_nested() if name == gpu.DEFAULT else gpu.WAYS[name].nested
+    return (gpu.default_nested() if name == gpu.DEFAULT
+            else gpu.WAYS[name].nested)
 
   def _nested_jit(self):
     """The ``jax.jit`` function of calls traced inside another jit: the
@@ -442,7 +445,8 @@ class StreamJit(functools.partial):
 
   def eval_shape(self, *args, **kwargs):
     if self._streams is None:
-      return self._for_streams(self._spec.streams_now()).eval_shape(*args, **kwargs)
+      return self._for_streams(self._spec.streams_now()).eval_shape(
+          *args, **kwargs)
     return self._aot_jit(args, kwargs).eval_shape(*args, **kwargs)
 
   def plan(self, *args, target: Any = None, **kwargs) -> StreamPlan:
@@ -508,7 +512,8 @@ class StreamJit(functools.partial):
     """The entries in the C++ call caches of this function's ``jax.jit``
     functions (``jax.jit``'s own ``_cache_size``)."""
     return (sum(jitted._cache_size() for jitted in list(self._jits.values()))
-            + sum(child._cache_size() for child in list(self._children.values())))
+            + sum(child._cache_size()
+                  for child in list(self._children.values())))
 
   def _current_jit(self):
     """The ``jax.jit`` function a top-level call reaches now (before the

@@ -106,7 +106,8 @@ class Plans:
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._plans: "collections.OrderedDict[Any, tuple]" = collections.OrderedDict()
+    self._plans: "collections.OrderedDict[Any, tuple]" = (
+        collections.OrderedDict())
     # What a plan implies, by (signature, question): whether a nested
     # program emits jax.jit's (StreamJit._nested_emits_inline).
     self.facts: dict[Any, Any] = {}
@@ -151,7 +152,8 @@ class Plans:
 
 # function -> {(streams, spread, source, program, strict): Staged,
 #              (streams, spread, source): Plans}, the function held weakly.
-_STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
+_STAGED: "weakref.WeakKeyDictionary[Callable, dict]" = (
+    weakref.WeakKeyDictionary())
 _STAGED_LOCK = threading.Lock()
 
 

@@ -30,7 +30,8 @@ class LeafSignature(NamedTuple):
   def struct(self) -> jax.ShapeDtypeStruct:
     """A stand-in to trace with: ``jax.make_jaxpr(f)(sig.struct())`` traces
     ``f`` as it would be traced with the leaf itself."""
-    return jax.ShapeDtypeStruct(self.shape, self.dtype, weak_type=self.weak_type,
+    return jax.ShapeDtypeStruct(self.shape, self.dtype,
+                                weak_type=self.weak_type,
                                 sharding=self.sharding)
 
 

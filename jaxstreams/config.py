@@ -66,7 +66,8 @@ STREAMS = _define(Option(
 PROFILE = _define(Option(
     "jaxstreams_profile", bool, False,
     "Trace jaxstreams.jit functions with a timing marker at the start and end "
-    "of each region (read when a function is traced; see jaxstreams.profile()).",
+    "of each region (read when a function is traced; see "
+    "jaxstreams.profile()).",
     ))
 
 
@@ -106,7 +107,8 @@ def _gpu_lowering_value(value: str) -> str | None:
 
 GPU_LOWERING = _define(Option(
     "jaxstreams_gpu_lowering", str, "default",
-    "How a plan that uses several streams runs on a GPU (jaxstreams.lower.gpu). "
+    "How a plan that uses several streams runs on a GPU "
+    "(jaxstreams.lower.gpu). "
     "'default': at top level 'concurrent' ('loops_concurrent' where the plan "
     "has independent loops on different streams), or the fastest way timed "
     "in the first calls (jaxstreams_autotune); inside another jit 'streams' "
@@ -118,8 +120,8 @@ GPU_LOWERING = _define(Option(
     "off-main region a call on its own CUDA stream, loops as in 'loops'. "
     "'streams_concurrent': stream calls with CONCURRENT graphs. A way asked "
     "for that XLA cannot compile for a region raises "
-    "jaxstreams.LoweringError. Read when a jaxstreams.jit function is made (with "
-    "streams=None: at its first call with each stream count); "
+    "jaxstreams.LoweringError. Read when a jaxstreams.jit function is made "
+    "(with streams=None: at its first call with each stream count); "
     "jaxstreams.jit(gpu_lowering=...) chooses for one function. Changes "
     "nothing on CPU, which runs one stream.",
     _gpu_lowering_value))
@@ -207,12 +209,13 @@ def _option(name: str) -> Option:
   except KeyError:
     close = difflib.get_close_matches(name, _OPTIONS, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"unknown jaxstreams option {name!r}.{hint} Known options: "
-                     f"{', '.join(sorted(_OPTIONS))}.") from None
+    raise ValueError(f"unknown jaxstreams option {name!r}.{hint} Known "
+                     f"options: {', '.join(sorted(_OPTIONS))}.") from None
 
 
 def _validate(option: Option, value: Any, source: str) -> Any:
-  """``value`` checked against ``option``; errors name the source of the value."""
+  """``value`` checked against ``option``; errors name the source of the
+  value."""
   if option.type is bool:
     ok = isinstance(value, bool)
   elif option.type is int:
@@ -284,7 +287,8 @@ def on_change(callback: Callable[[], None]) -> None:
 
 
 def read(name: str) -> Any:
-  """The value in force: update() > absl flag on the command line > env > default."""
+  """The value in force: update() > absl flag on the command line > env >
+  default."""
   value = _resolved.get(name, _resolved)
   if value is _resolved:
     value = _resolved[name] = _resolve(_option(name))

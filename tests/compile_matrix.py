@@ -69,7 +69,8 @@ LOOPLESS = frozenset({"constant_towers", "demo", "dlrm", "inception",
 
 
 def _weights(seed, layers=LAYERS, width=WIDTH):
-  return jax.random.normal(jax.random.PRNGKey(seed), (layers, width, width)) * 0.1
+  return jax.random.normal(jax.random.PRNGKey(seed),
+                           (layers, width, width)) * 0.1
 
 
 def _towers(tower):
@@ -114,7 +115,8 @@ def _checkpointed_scan_tower(ws, x):
   return lax.scan(body, x, ws)[0]
 
 
-_CONSTANT = np.random.RandomState(0).randn(WIDTH, WIDTH).astype(np.float32) * 0.1
+_CONSTANT = (np.random.RandomState(0).randn(WIDTH, WIDTH).astype(np.float32)
+             * 0.1)
 
 
 def _constant_tower(ws, x):

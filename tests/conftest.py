@@ -177,7 +177,8 @@ def pytest_configure(config):
       "markers", "once: an end-to-end or exhaustive run that CI runs on one "
       "jax only (see this module's docstring)")
   config.addinivalue_line(
-      "markers", "cpu_backend: the test checks behaviour on XLA:CPU, JAX's default there")
+      "markers", "cpu_backend: the test checks behaviour on XLA:CPU, JAX's "
+      "default there")
   config.addinivalue_line(
       "markers", "slow(reason): over the 20 s budget on 2 cores; the README's "
       "command leaves it out, CI runs it (see this module's docstring)")

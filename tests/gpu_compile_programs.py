@@ -47,7 +47,8 @@ def dlrm_towers():
   params = dlrm.init(jax.random.PRNGKey(0), size)
   b = size["batch"]
   args = (params, jnp.ones((b, dlrm.DENSE)),
-          jnp.zeros((size["towers"], b, size["hot"]), jnp.int32), jnp.ones((b,)))
+          jnp.zeros((size["towers"], b, size["hot"]), jnp.int32),
+          jnp.ones((b,)))
   return fn, args, 4
 
 
@@ -57,12 +58,14 @@ def two_towers():
 
 
 def one_chain():
-  """Negative control: each region needs the previous one; nothing can overlap."""
+  """Negative control: each region needs the previous one; nothing can
+  overlap."""
   from programs import one_chain
   return one_chain, (jnp.ones((128, 128)), jnp.ones((128, 128))), 2
 
 
-PROGRAMS = {"two_towers": two_towers, "two_tower_demo": two_tower_demo, "four_branches": four_branches,
+PROGRAMS = {"two_towers": two_towers, "two_tower_demo": two_tower_demo,
+            "four_branches": four_branches,
             "dlrm_towers": dlrm_towers, "one_chain": one_chain}
 
 
@@ -82,7 +85,8 @@ def schedule_of(name, target, compiler_options=None, sequence_points=True):
   options = {"compiler_options": compiler_options} if compiler_options else {}
   # The schedule of the regions as stream calls (the default lowering is the
   # program jax.jit builds, which has none).
-  jitted = jaxstreams.jit(fn, streams=streams, gpu_lowering="streams", **options)
+  jitted = jaxstreams.jit(fn, streams=streams, gpu_lowering="streams",
+                          **options)
   jaxstreams.config.update("jaxstreams_sequence_points", sequence_points)
   try:
     plan = jitted.plan(*args)
@@ -100,7 +104,8 @@ def report(name, target):
   return {
       "plan_calls": [[r.index, r.stream] for r in plan.regions if r.is_call],
       "regions": [{"plan_region": r.plan_region, "stream": r.stream,
-                   "main_work": len(r.main_work), "overlapping": list(r.overlapping),
+                   "main_work": len(r.main_work),
+                   "overlapping": list(r.overlapping),
                    "fragment": r.fragment} for r in schedule.regions],
       "synchronous": len(schedule.synchronous),
       "peak_in_flight": schedule.peak_in_flight,

@@ -114,7 +114,8 @@ GPU_TOLERANCE = 2e-2
 
 
 def _on_gpu(x) -> bool:
-  return isinstance(x, jax.Array) and any(d.platform == "gpu" for d in x.devices())
+  return (isinstance(x, jax.Array)
+          and any(d.platform == "gpu" for d in x.devices()))
 
 
 def assert_equal_results(actual, expected):
@@ -129,7 +130,8 @@ def assert_equal_results(actual, expected):
     a, e = np.asarray(a), np.asarray(e)
     assert a.dtype == e.dtype and a.shape == e.shape
     if gpu and jnp.issubdtype(a.dtype, jnp.inexact):
-      wide = np.complex128 if jnp.issubdtype(a.dtype, jnp.complexfloating) else np.float64
+      wide = (np.complex128 if jnp.issubdtype(a.dtype, jnp.complexfloating)
+              else np.float64)
       a, e = a.astype(wide), e.astype(wide)
       scale = float(np.max(np.abs(e[np.isfinite(e)]), initial=1.0))
       np.testing.assert_allclose(a, e, rtol=0, atol=GPU_TOLERANCE * scale)
@@ -147,7 +149,8 @@ def check_region_graph(plan):
   for region in plan.regions:
     for name in region.inputs:
       if not name.startswith(("a", "c")):   # not an argument or constant
-        assert made_by[name] < region.index, f"R{region.index} reads {name} early"
+        assert made_by[name] < region.index, (
+            f"R{region.index} reads {name} early")
         edges.add((made_by[name], region.index))
     for name in region.outputs:
       made_by[name] = region.index

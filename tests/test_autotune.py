@@ -63,7 +63,8 @@ def _decide(clock, memory=None):
 
 
 def test_the_fastest_way_is_kept_when_it_clearly_wins():
-  clock = FakeClock({"inline": 1e-3, "concurrent": 0.5e-3, "streams_concurrent": 0.8e-3})
+  clock = FakeClock({"inline": 1e-3, "concurrent": 0.5e-3,
+                     "streams_concurrent": 0.8e-3})
   decision = _decide(clock)
   assert decision.way == "concurrent"
   assert "2.00x of 'inline', won 5 of 5 rounds" in decision.reason
@@ -74,8 +75,10 @@ def test_the_fastest_way_is_kept_when_it_clearly_wins():
 
 
 def test_jax_jit_s_program_stays_unless_beaten_beyond_noise():
-  assert _decide(FakeClock({"inline": 1e-3, "concurrent": 0.99e-3})).way == "inline"
-  assert _decide(FakeClock({"inline": 1e-3, "concurrent": 1.2e-3})).way == "inline"
+  assert _decide(
+      FakeClock({"inline": 1e-3, "concurrent": 0.99e-3})).way == "inline"
+  assert _decide(
+      FakeClock({"inline": 1e-3, "concurrent": 1.2e-3})).way == "inline"
   # Faster in the median, but in one round of five only. Calls of 10 ms
   # make one call a round: the warm-up, then rounds 1 to 5.
   ms = lambda *values: [v * 1e-3 for v in values]
@@ -91,7 +94,8 @@ def test_a_way_that_needs_more_memory_must_gain_more():
   the memory added); the same gain with no more memory is enough."""
   assert timing.required_gain(1.5) == pytest.approx(0.13)
   assert timing.required_gain(2.0) == pytest.approx(0.23)
-  assert timing.required_gain(0.9) == timing.required_gain(None) == timing.MIN_GAIN
+  assert (timing.required_gain(0.9) == timing.required_gain(None)
+          == timing.MIN_GAIN)
   mb = 2**20
   clock = lambda: FakeClock({"inline": 1e-3, "concurrent": 0.9e-3})
   hungry = _decide(clock(), {"inline": 100 * mb, "concurrent": 150 * mb})
@@ -154,7 +158,7 @@ def _names():
   return [w.name for w in gpu.candidates()]
 
 
-def test_the_first_call_runs_jax_jit_s_program_and_compiles_the_others_beside_it(
+def test_the_first_call_runs_jax_jit_s_program_and_compiles_the_others_beside_it(  # noqa: E501
     on_a_gpu, monkeypatch, compiles):
   clock = _clock()
   monkeypatch.setattr(timing, "time_call", clock)
@@ -180,7 +184,8 @@ def test_the_calls_after_it_time_the_ways_and_switch_once(on_a_gpu, monkeypatch,
   f = jaxstreams.jit(tuned_towers(), streams=3)
   switches = []
   point_to = f._point_to
-  monkeypatch.setattr(f, "_point_to", lambda t: (switches.append(t), point_to(t)))
+  monkeypatch.setattr(f, "_point_to",
+                      lambda t: (switches.append(t), point_to(t)))
   args = towers_args()
   expected = jax.jit(two_towers)(*args)
   f(*args)
@@ -233,14 +238,16 @@ def test_the_cache_is_read_before_anything_is_compiled(on_a_gpu, monkeypatch,
   monkeypatch.setattr(timing, "load",
                       lambda key: (read_at.append(len(compiles)), load(key))[1])
   submitted = []
-  monkeypatch.setattr(compile_pool.POOL, "submit", lambda fn: submitted.append(fn))
+  monkeypatch.setattr(compile_pool.POOL, "submit",
+                      lambda fn: submitted.append(fn))
   again = jaxstreams.jit(tuned_towers(), streams=3)
   assert_equal_results(again(*args), expected)
   assert read_at == [0]
   assert compiles.count("tuned_towers") == 1 and not submitted
   assert clock.calls == {}
   assert again.func.top is again._jit(gpu.WAYS[fastest], top_level=True)
-  assert "chosen at an earlier run, kept on disk" in again.plan(*args).gpu_reason
+  assert ("chosen at an earlier run, kept on disk"
+          in again.plan(*args).gpu_reason)
 
 
 def test_the_choice_is_per_signature(on_a_gpu, monkeypatch):
@@ -276,7 +283,8 @@ def test_the_choice_is_per_signature(on_a_gpu, monkeypatch):
   assert f.plan(*large).gpu_lowering == "inline"
 
 
-def test_a_first_call_that_fails_leaves_nothing_half_done(on_a_gpu, monkeypatch):
+def test_a_first_call_that_fails_leaves_nothing_half_done(
+    on_a_gpu, monkeypatch):
   monkeypatch.setattr(timing, "time_call", _clock())
 
   def picky(x, w1, w2):
@@ -319,7 +327,8 @@ def test_concurrent_compiles_are_bounded():
   assert wait_until(lambda: not pool._threads)   # they end once idle
 
 
-def test_a_function_s_compiles_go_through_the_bounded_pool(on_a_gpu, monkeypatch):
+def test_a_function_s_compiles_go_through_the_bounded_pool(
+    on_a_gpu, monkeypatch):
   monkeypatch.setattr(timing, "time_call", _clock())
   pool = compile_pool.CompilePool(1)
   submitted = []
@@ -350,7 +359,8 @@ def test_only_the_candidates_are_compiled(on_a_gpu, monkeypatch, compiles):
   assert {t.way for t in _decision(f, args).trials} == {"inline", "concurrent"}
 
 
-def test_a_candidate_that_does_not_compile_never_fails_a_call(on_a_gpu, monkeypatch):
+def test_a_candidate_that_does_not_compile_never_fails_a_call(
+    on_a_gpu, monkeypatch):
   clock = _clock(_names()[-1])
   monkeypatch.setattr(timing, "time_call", clock)
 
@@ -364,7 +374,8 @@ def test_a_candidate_that_does_not_compile_never_fails_a_call(on_a_gpu, monkeypa
   f._chooser.wait_compiled(args, {})
   _call_until_decided(f, args, expected)
   decision = _decision(f, args)
-  assert decision.way == "inline" and "no other way could be timed" in decision.reason
+  assert (decision.way == "inline"
+          and "no other way could be timed" in decision.reason)
   skipped = {t.way: t.skipped for t in decision.trials}
   assert all(skipped[w] == "did not compile: RuntimeError: XLA refused"
              for w in _names() if w != "inline")
@@ -409,7 +420,8 @@ def test_timing_that_fails_never_fails_a_call(on_a_gpu, monkeypatch):
   _call_until_decided(f, args, expected)
   plan = f.plan(*args)
   assert plan.gpu_lowering == "inline"           # the way that already ran
-  assert "timing failed (inline: RuntimeError: the clock broke)" in plan.gpu_reason
+  assert ("timing failed (inline: RuntimeError: the clock broke)"
+          in plan.gpu_reason)
   assert not on_a_gpu.exists()                   # a failure is not kept
 
 
@@ -528,7 +540,8 @@ def test_donated_arguments_stay_safe(on_a_gpu, monkeypatch):
   assert _decision(f, (x, w1, w2)).way == "concurrent"
 
 
-def test_a_program_with_side_effects_is_not_timed(on_a_gpu, monkeypatch, compiles):
+def test_a_program_with_side_effects_is_not_timed(
+    on_a_gpu, monkeypatch, compiles):
   clock = _clock()
   monkeypatch.setattr(timing, "time_call", clock)
   seen = []
@@ -546,7 +559,7 @@ def test_a_program_with_side_effects_is_not_timed(on_a_gpu, monkeypatch, compile
   assert "side effects" in f.plan(*towers_args()).gpu_reason
 
 
-def test_a_program_with_side_effects_runs_jax_jit_s_where_its_default_would_not_fit(
+def test_a_program_with_side_effects_runs_jax_jit_s_where_its_default_would_not_fit(  # noqa: E501
     on_a_gpu, monkeypatch, compiles):
   """Not timed, so nothing else is compiled: the default's own program is,
   and where XLA says it needs more than is free, jax.jit's runs."""
@@ -566,7 +579,8 @@ def test_a_program_with_side_effects_runs_jax_jit_s_where_its_default_would_not_
   assert compiles.count("noisy_towers") == 2       # the default's, jax.jit's
 
 
-def test_nothing_is_timed_where_nothing_can_differ(on_a_gpu, monkeypatch, compiles):
+def test_nothing_is_timed_where_nothing_can_differ(
+    on_a_gpu, monkeypatch, compiles):
   clock = _clock()
   monkeypatch.setattr(timing, "time_call", clock)
   one_stream = jaxstreams.jit(lambda x: jnp.sin(x) * 2, streams=3)
@@ -594,15 +608,18 @@ def test_the_option_turns_it_off(on_a_gpu, monkeypatch, compiles):
   assert clock.calls == {} and not on_a_gpu.exists()
   assert compiles.count("tuned_towers") == 1
   plan = f.plan(*towers_args())
-  assert plan.gpu_lowering == "concurrent" and "jaxstreams_autotune is off" in plan.gpu_reason
+  assert (plan.gpu_lowering == "concurrent"
+          and "jaxstreams_autotune is off" in plan.gpu_reason)
 
 
-def test_ahead_of_time_gets_the_chosen_program_and_options(on_a_gpu, monkeypatch):
+def test_ahead_of_time_gets_the_chosen_program_and_options(
+    on_a_gpu, monkeypatch):
   monkeypatch.setattr(timing, "time_call", _clock("inline"))
   f = jaxstreams.jit(tuned_towers(), streams=3)
   args = towers_args()
   before = f.lower(*args)   # nothing timed yet: the top-level default
-  assert before._lowering._compiler_options_kvs == tuple(gpu.CONCURRENT_GRAPHS.items())
+  assert before._lowering._compiler_options_kvs == tuple(
+      gpu.CONCURRENT_GRAPHS.items())
   f(*args)
   f._chooser.wait_compiled(args, {})
   _call_until_decided(f, args, jax.jit(two_towers)(*args))

@@ -158,7 +158,8 @@ def test_benchmark_script_runs_and_saves(script, tmp_path):
                                            - ways["jax.jit"]["temp"])
   if script == "gpu_levers":
     for case in result["cases"]:
-      assert all("held_mb" in way["memory"] for name, way in case["ways"].items()
+      assert all("held_mb" in way["memory"]
+                 for name, way in case["ways"].items()
                  if not name.startswith("pytorch")), case["ways"]
   if part == "models":
     (case,) = result["cases"]

@@ -92,7 +92,8 @@ def run_cells(cells: list[str]) -> dict[str, dict]:
   results: dict[str, dict] = {}
   todo = list(cells)
   while todo:
-    proc = subprocess.run([sys.executable, str(HERE / "compile_matrix.py"), *todo],
+    proc = subprocess.run([sys.executable, str(HERE / "compile_matrix.py"),
+                           *todo],
                           env=env, capture_output=True, text=True, timeout=1800)
     started = None
     for line in proc.stdout.splitlines():

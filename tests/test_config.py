@@ -113,7 +113,8 @@ def test_a_function_reading_the_option_follows_every_change():
 
 
 def _run(code, *argv, env=None):
-  full_env = {k: v for k, v in os.environ.items() if not k.startswith("JAXSTREAMS_")}
+  full_env = {k: v for k, v in os.environ.items()
+              if not k.startswith("JAXSTREAMS_")}
   full_env.update(env or {})
   return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *argv],
                         capture_output=True, text=True, env=full_env,

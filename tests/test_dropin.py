@@ -43,7 +43,8 @@ def test_grad_of_checkpoint_with_an_off_main_region():
   c = jnp.linspace(0.1, 1.0, 4)
   ours = jaxstreams.jit(off_main_region, streams=2)
   theirs = jax.jit(off_main_region)
-  assert_equal_results(jax.grad(_loss_of(ours))(c), jax.grad(_loss_of(theirs))(c))
+  assert_equal_results(jax.grad(_loss_of(ours))(c),
+                       jax.grad(_loss_of(theirs))(c))
   assert_equal_results(jax.jit(jax.grad(_loss_of(ours)))(c),
                        jax.jit(jax.grad(_loss_of(theirs)))(c))
   # The regions are still annotated calls in the GPU program, the gradient's
@@ -76,7 +77,8 @@ def test_vmap_linearize_and_scan_over_planned_functions(spread):
   ours = jaxstreams.jit(off_main_region, streams=2, spread=spread)
   theirs = jax.jit(off_main_region)
   cs = jnp.stack([c, c * 2, c + 1])
-  assert_equal_results(jax.jit(jax.vmap(ours))(cs), jax.jit(jax.vmap(theirs))(cs))
+  assert_equal_results(jax.jit(jax.vmap(ours))(cs),
+                       jax.jit(jax.vmap(theirs))(cs))
   assert_equal_results(jax.jit(jax.vmap(jax.grad(_loss_of(ours))))(cs),
                        jax.jit(jax.vmap(jax.grad(_loss_of(theirs))))(cs))
 

@@ -27,7 +27,8 @@ def test_stream_id_out_of_range_from_the_option():
     with jaxstreams.stream(1):
       return jnp.sin(x)
 
-  with pytest.raises(jaxstreams.StreamIdError, match="jaxstreams_streams option"):
+  with pytest.raises(jaxstreams.StreamIdError,
+                     match="jaxstreams_streams option"):
     jaxstreams.jit(f)(jnp.ones(2))
 
 

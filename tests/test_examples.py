@@ -46,8 +46,10 @@ def test_streams_demo_shows_plan_gpu_graphs_and_equal_results():
     default = re.search(r"jaxstreams.jit, default +\d+ kernels, parallelism "
                         r"([\d.]+), (\d) of (\d) pairs", out)
     assert default, out
-    assert float(default.group(1)) >= 1.5 and default.group(2) == default.group(3) == "2"
-    assert re.search(r"^  jax.jit +\d+ kernels, parallelism 1.00", out, re.M), out
+    assert (float(default.group(1)) >= 1.5
+            and default.group(2) == default.group(3) == "2")
+    assert re.search(r"^  jax.jit +\d+ kernels, parallelism 1.00", out,
+                     re.M), out
   else:
     assert "lowered for CUDA: 4 region calls, on streams [1, 2]" in out, out
   assert "results equal jax.jit: bitwise" in out, out

@@ -43,7 +43,8 @@ def schedules():
   return _compile_in_child("gpu_compile_programs.py")
 
 
-PROGRAMS = ["two_towers", "two_tower_demo", "four_branches", "dlrm_towers", "one_chain"]
+PROGRAMS = ["two_towers", "two_tower_demo", "four_branches", "dlrm_towers",
+            "one_chain"]
 # The programs whose plans let regions run together.
 OVERLAPPING = ["two_towers", "two_tower_demo", "four_branches", "dlrm_towers"]
 
@@ -57,8 +58,8 @@ def test_every_off_main_region_is_async_on_its_stream(schedules, name):
   assert report["synchronous"] == 0
 
 
-@pytest.mark.parametrize("name", ["two_towers", "two_tower_demo", "four_branches",
-                                  "dlrm_towers"])
+@pytest.mark.parametrize("name", ["two_towers", "two_tower_demo",
+                                  "four_branches", "dlrm_towers"])
 def test_every_pair_the_plan_allows_is_found_in_the_schedule(schedules, name):
   pairs = schedules[name]["pairs"]
   assert pairs, "the plan has independent regions"
@@ -66,7 +67,8 @@ def test_every_pair_the_plan_allows_is_found_in_the_schedule(schedules, name):
 
 
 @pytest.mark.parametrize("name", OVERLAPPING)
-def test_regions_the_plan_lets_overlap_have_work_in_their_windows(schedules, name):
+def test_regions_the_plan_lets_overlap_have_work_in_their_windows(
+    schedules, name):
   regions = [r for r in schedules[name]["regions"] if not r["fragment"]]
   assert regions
   assert all(r["main_work"] or r["overlapping"] for r in regions), \
@@ -91,13 +93,15 @@ def test_every_pair_the_plan_allows_is_scheduled_together(schedules, name):
 
 
 @pytest.mark.parametrize("name", ["four_branches/limit4", "dlrm_towers/limit4"])
-def test_with_the_in_flight_limit_raised_every_pair_is_together(schedules, name):
+def test_with_the_in_flight_limit_raised_every_pair_is_together(
+    schedules, name):
   report = schedules[name]
   assert all(t for _, _, t in report["pairs"]), report["summary"]
   assert report["peak_in_flight"] == 3
 
 
-def test_without_sequence_points_old_xla_runs_the_regions_one_at_a_time(schedules):
+def test_without_sequence_points_old_xla_runs_the_regions_one_at_a_time(
+    schedules):
   """The mechanism, kept in view: with the option off, XLA before jax 0.12
   places each call-done right after its call-start, and the notes say why."""
   report = schedules["four_branches/unpinned"]
@@ -123,9 +127,11 @@ def test_independent_towers_overlap(schedules):
 def test_one_chain_has_nothing_in_its_windows(schedules):
   report = schedules["one_chain"]
   assert report["pairs"] == []
-  assert all(r["main_work"] == 0 and r["overlapping"] == [] for r in report["regions"])
+  assert all(r["main_work"] == 0 and r["overlapping"] == []
+             for r in report["regions"])
   assert report["peak_in_flight"] == 1
-  assert report["barriers"] == 0   # nothing to overlap: the program is left alone
+  assert report["barriers"] == 0   # nothing to overlap: the program is
+                                   # left alone
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +153,8 @@ def test_a_partitioned_step_compiles_for_eight_gpus_with_its_regions_in_place(
   assert "over 8 devices" in report["gpu_reason"]
 
 
-def test_shard_map_body_regions_are_async_calls_on_each_of_eight_gpus(eight_gpus):
+def test_shard_map_body_regions_are_async_calls_on_each_of_eight_gpus(
+    eight_gpus):
   report = eight_gpus["shard_map"]
   assert report["plan_streams"] == [0]
   assert list(report["body_streams"].values()) == [[0, 1, 2]]
@@ -159,7 +166,8 @@ def test_shard_map_body_regions_are_async_calls_on_each_of_eight_gpus(eight_gpus
           if c["opcode"].startswith("all-reduce")], report["summary"]
 
 
-def test_shard_map_towers_are_side_by_side_in_what_each_gpu_launches(eight_gpus):
+def test_shard_map_towers_are_side_by_side_in_what_each_gpu_launches(
+    eight_gpus):
   """The towers' backward regions, on streams 1 and 2, may run at the same
   time in what every device launches (XLA's CONCURRENT mode): here on their
   own streams outside the CUDA graphs, with an all-reduce in flight beside
@@ -216,7 +224,8 @@ def test_one_towers_gradient_all_reduce_runs_while_the_other_tower_computes(
     reason="jaxlib 0.12: every stream call's operands pass an optimization "
            "barrier (no constant may reach a call), and XLA's scheduler then "
            "runs the all-gathers before both towers (docs/xla.md)")
-def test_an_all_gather_is_in_flight_while_a_tower_runs_on_its_stream(eight_gpus):
+def test_an_all_gather_is_in_flight_while_a_tower_runs_on_its_stream(
+    eight_gpus):
   """Collectives beside compute: with each tower on a stream of its own, XLA
   runs one tower while the other tower's weights are still being gathered
   (on every jax version; under jax.jit's own program nothing overlaps)."""

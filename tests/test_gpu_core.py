@@ -68,7 +68,8 @@ def test_the_default_way_is_timed_in_the_first_calls_on_a_gpu(tmp_path):
   program while the other candidates compile, the calls after it time the
   ways and keep one; every result agrees with jax.jit."""
   jaxstreams.config.update("jaxstreams_autotune", True)
-  jaxstreams.config.update("jaxstreams_autotune_cache", str(tmp_path / "tune.json"))
+  jaxstreams.config.update("jaxstreams_autotune_cache",
+                           str(tmp_path / "tune.json"))
   try:
     args = random_inputs((64, 256), (256, 256), (256, 256))
     expected = jax.jit(two_towers)(*args)
@@ -80,9 +81,11 @@ def test_the_default_way_is_timed_in_the_first_calls_on_a_gpu(tmp_path):
       if f._chooser.choice_for(args, {}).decision is not None:
         break
     plan = f.plan(*args)
-    assert "chosen in this signature's calls" in plan.gpu_reason, plan.gpu_reason
+    assert "chosen in this signature's calls" in plan.gpu_reason, (
+        plan.gpu_reason)
     assert (tmp_path / "tune.json").exists()
-    assert_equal_results(jax.jit(lambda *a: f(*a))(*args), jax.jit(two_towers)(*args))
+    assert_equal_results(jax.jit(lambda *a: f(*a))(*args),
+                         jax.jit(two_towers)(*args))
   finally:
     jaxstreams.config.reset("jaxstreams_autotune")
     jaxstreams.config.reset("jaxstreams_autotune_cache")

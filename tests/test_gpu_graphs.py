@@ -74,7 +74,8 @@ def test_inside_another_jit():
   """No compiler option reaches a function traced inside another jit: from
   jax 0.12 its regions are stream calls, parallel branches of the outer
   program's graph; before, it is the program jax.jit builds."""
-  graphs, plan = _graphs("four_branches", wrap=lambda f: jax.jit(lambda *a: f(*a)))
+  graphs, plan = _graphs("four_branches",
+                         wrap=lambda f: jax.jit(lambda *a: f(*a)))
   if XLA_SCHEDULES_STREAM_CALLS:
     assert "inside another jit: 'streams'" in plan.gpu_reason
     assert graphs.parallelism > 1.2, graphs.summary()
@@ -109,7 +110,8 @@ def test_a_staged_producer_runs_beside_the_consumer():
   w = jax.numpy.ones((64, 64)) * 0.01
 
   def step(w, batch):
-    h = jaxstreams.stage(jax.numpy.tanh(jax.numpy.cumsum(jax.numpy.sin(batch), axis=1)))
+    h = jaxstreams.stage(
+        jax.numpy.tanh(jax.numpy.cumsum(jax.numpy.sin(batch), axis=1)))
     return jax.numpy.tanh(jax.numpy.tanh(h @ w) @ w).sum()
 
   data = [np.ones((128, 64), np.float32) * i for i in range(4)]

@@ -60,16 +60,20 @@ def test_each_way_builds_its_program_and_options(args, way):
   f = jaxstreams.jit(two_towers, streams=3, gpu_lowering=way)
   plan = f.plan(*args)
   assert plan.gpu_lowering == way and gpu.WAYS[way].summary in plan.gpu_reason
-  expected_calls = sum(r.is_call for r in plan.regions) if way.startswith("streams") else 0
+  expected_calls = (sum(r.is_call for r in plan.regions)
+                    if way.startswith("streams") else 0)
   assert _stream_calls(cuda_text(f, *args)) == expected_calls
   assert _stream_calls(cpu_text(f, *args)) == 0      # CPU: in place either way
-  assert (_options(f, *args).get(CONCURRENT) == "CONCURRENT") == way.endswith("concurrent")
+  assert ((_options(f, *args).get(CONCURRENT) == "CONCURRENT")
+          == way.endswith("concurrent"))
   assert_equal_results(f(*args), jax.jit(two_towers)(*args))
-  assert_equal_results(jax.jit(lambda *a: f(*a))(*args), jax.jit(two_towers)(*args))
+  assert_equal_results(jax.jit(lambda *a: f(*a))(*args),
+                       jax.jit(two_towers)(*args))
 
 
 def test_one_stream_is_jax_jits_program_whatever_the_way(args):
-  f = jaxstreams.jit(lambda x: jnp.sin(x) * 2, streams=3, gpu_lowering="concurrent")
+  f = jaxstreams.jit(lambda x: jnp.sin(x) * 2, streams=3,
+                     gpu_lowering="concurrent")
   plan = f.plan(args[0])
   assert plan.is_single_stream and plan.gpu_lowering == "inline"
 
@@ -99,9 +103,11 @@ def test_the_keyword_chooses_for_one_function(args):
   f = jaxstreams.jit(two_towers, streams=3, gpu_lowering="streams")
   assert _stream_calls(cuda_text(f, *args)) > 0
   assert f.plan(*args).gpu_lowering == "streams"
-  assert jaxstreams.plan(f, gpu_lowering="inline")(*args).gpu_lowering == "inline"
+  assert (jaxstreams.plan(f, gpu_lowering="inline")(*args).gpu_lowering
+          == "inline")
   assert jaxstreams.plan(f, streams=4)(*args).gpu_lowering == "streams"
-  with pytest.raises(ValueError, match=r"jaxstreams.jit: gpu_lowering must be one "
+  with pytest.raises(ValueError,
+                     match=r"jaxstreams.jit: gpu_lowering must be one "
                      r"of 'default', 'inline', 'concurrent', 'loops', "
                      r"'loops_concurrent', 'streams', 'streams_concurrent' or "
                      r"None .* got 'fast'"):
@@ -109,8 +115,9 @@ def test_the_keyword_chooses_for_one_function(args):
 
 
 def test_a_bad_value_names_the_choices():
-  with pytest.raises(ValueError, match=r"jaxstreams_gpu_lowering .* must be one "
-                     r"of default, inline, concurrent, loops, loops_concurrent, "
+  with pytest.raises(ValueError,
+                     match=r"jaxstreams_gpu_lowering .* must be one of "
+                     r"default, inline, concurrent, loops, loops_concurrent, "
                      r"streams, streams_concurrent, got 'fast'"):
     jaxstreams.config.update("jaxstreams_gpu_lowering", "fast")
 
@@ -118,14 +125,16 @@ def test_a_bad_value_names_the_choices():
 def test_the_option_takes_the_ways_lowering_defines():
   """The option's values (config, the bottom floor) are the ways
   ``jaxstreams.lower.gpu`` defines, in its order."""
-  assert jaxstreams.config.GPU_LOWERINGS == gpu.NAMES == (gpu.DEFAULT, *gpu.WAYS)
+  assert (jaxstreams.config.GPU_LOWERINGS == gpu.NAMES
+          == (gpu.DEFAULT, *gpu.WAYS))
 
 
 def test_profiling_lowers_stream_calls_under_the_default(args):
   f = jaxstreams.jit(two_towers, streams=3)
   with jaxstreams.profile() as prof:
     out = f(*args)
-  assert {i.track for i in prof.intervals} == {r.stream for r in f.plan(*args).regions}
+  assert ({i.track for i in prof.intervals}
+          == {r.stream for r in f.plan(*args).regions})
   # The markers change the program a little (as in test_profile).
   np.testing.assert_allclose(out, jax.jit(two_towers)(*args), rtol=1e-6)
 
@@ -175,5 +184,6 @@ def test_stream_calls_number_xla_streams_densely(args, stream_calls):
   f = jaxstreams.jit(spread, streams=10)
   assert {r.stream for r in f.plan(*args).regions} == {0, 5, 9}
   text = cuda_text(f, *args)
-  assert sorted(set(re.findall(r'_xla_stream_annotation = "(\d+)"', text))) == ["1", "2"]
+  assert sorted(set(re.findall(r'_xla_stream_annotation = "(\d+)"',
+                               text))) == ["1", "2"]
   assert_equal_results(f(*args), jax.jit(spread)(*args))

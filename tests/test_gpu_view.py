@@ -152,11 +152,11 @@ def nested_training_step():
 
 def test_each_loop_step_runs_each_body_as_one_stream_call(nested_training_step):
   """A body that is one region is one call per loop step (or in the step's
-  graph), forward and backward, on every jaxlib. XLA from 0.11 makes a call of its own of each
-  annotated instruction, and its translation gives the get-tuple-element
-  of each result of a call the call's attributes: a body of k results was
-  1 + k calls a step, each with its events (#48), unless the call returns
-  one tuple (``_compat.results_through_one_tuple``)."""
+  graph), forward and backward, on every jaxlib. XLA from 0.11 makes a call
+  of its own of each annotated instruction, and its translation gives the
+  get-tuple-element of each result of a call the call's attributes: a body
+  of k results was 1 + k calls a step, each with its events (#48), unless
+  the call returns one tuple (``_compat.results_through_one_tuple``)."""
   from jaxstreams.xla.launches import GraphLaunch, StreamCall
   graphs, plan = nested_training_step
   groups = {frozenset(g.regions) for g in plan.loops}

@@ -25,7 +25,8 @@ def test_three_decorator_forms_give_jax_jit_results():
   def decorated(x, w1, w2):
     return two_towers(x, w1, w2)
 
-  assert_equal_results(jaxstreams.jit(two_towers, streams=3)(x, w1, w2), expected)
+  assert_equal_results(jaxstreams.jit(two_towers, streams=3)(x, w1, w2),
+                       expected)
   assert_equal_results(decorated(x, w1, w2), expected)
   jaxstreams.config.update("jaxstreams_streams", 3)
   try:
@@ -143,7 +144,8 @@ def test_grad_vmap_and_jvp_applied_outside():
                        jax.jit(jax.grad(two_towers, argnums=(1, 2)))(x, w1, w2))
   xs = jnp.stack([x, x * 2])
   assert_equal_results(jax.jit(jax.vmap(f, (0, None, None)))(xs, w1, w2),
-                       jax.jit(jax.vmap(two_towers, (0, None, None)))(xs, w1, w2))
+                       jax.jit(jax.vmap(two_towers, (0, None, None)))(
+                           xs, w1, w2))
   tangents = (jnp.ones_like(x), jnp.zeros_like(w1), jnp.zeros_like(w2))
   assert_equal_results(
       jax.jit(lambda *a: jax.jvp(f, a, tangents))(x, w1, w2),
@@ -176,7 +178,8 @@ def test_closing_over_traced_values():
     return a + w
 
   assert_equal_results(jax.jit(jax.grad(outer))(w),
-                       jax.jit(jax.grad(lambda w: (jnp.sin(jnp.ones(3) * w) + w).sum()))(w))
+                       jax.jit(jax.grad(
+                           lambda w: (jnp.sin(jnp.ones(3) * w) + w).sum()))(w))
 
 
 def test_works_on_methods():

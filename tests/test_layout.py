@@ -166,7 +166,8 @@ def test_no_circle_of_imports():
 
 
 def _in_compat(module: str) -> bool:
-  return module == "jaxstreams._compat" or module.startswith("jaxstreams._compat.")
+  return (module == "jaxstreams._compat"
+          or module.startswith("jaxstreams._compat."))
 
 
 def test_compat_imports_nothing_of_jaxstreams():

@@ -81,7 +81,8 @@ def test_which_ways_are_stated():
   f = jaxstreams.jit(fn, streams=streams)
   plan = f.plan(*args)
   assert way_reports.ways_of(f, plan) == (
-      [(w, False) for w in gpu.candidates(plan)] + [(gpu.default_nested(), True)])
+      [(w, False) for w in gpu.candidates(plan)]
+      + [(gpu.default_nested(), True)])
   asked = jaxstreams.jit(fn, streams=streams, gpu_lowering="concurrent")
   assert [(w.name, n) for w, n in way_reports.ways_of(asked, plan)] == [
       ("inline", False), ("concurrent", False), ("inline", True)]
@@ -101,14 +102,16 @@ def test_a_function_s_own_target_argument_is_its_own():
 def test_the_table_reads_as_multiples_of_jax_jit_s_program():
   mb = 2**20
   report = memory.WaysMemory("pretend", (
-      memory.WayMemory("inline", footprint=memory.Footprint(40 * mb, 8 * mb, 2 * mb)),
-      memory.WayMemory("concurrent", footprint=memory.Footprint(60 * mb, 8 * mb, 2 * mb)),
+      memory.WayMemory("inline",
+                       footprint=memory.Footprint(40 * mb, 8 * mb, 2 * mb)),
+      memory.WayMemory("concurrent",
+                       footprint=memory.Footprint(60 * mb, 8 * mb, 2 * mb)),
       memory.WayMemory("streams", note="did not lower: LoweringError")))
   assert report.ratio("concurrent") == pytest.approx(70 / 50)
   assert report.ratio("streams") is None
   lines = report.lines()
-  assert lines[0] == ("device memory of each way (pretend; jax.jit's program is "
-                      "'inline'):")
+  assert lines[0] == ("device memory of each way (pretend; jax.jit's program "
+                      "is 'inline'):")
   assert lines[1].split() == ["way", "temporaries", "arguments", "outputs",
                               "for", "a", "call", "vs", "jax.jit",
                               "temporaries", "vs", "jax.jit"]

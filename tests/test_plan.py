@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 import jaxstreams
-from programs import (assert_equal_results, check_region_graph, cpu_text, cuda_text,
-                      random_inputs, training_params, training_step, two_towers)
+from programs import (assert_equal_results, check_region_graph, cpu_text,
+                      cuda_text, random_inputs, training_params, training_step,
+                      two_towers)
 
 # These read the GPU program's stream calls (or compare programs that have
 # them): jaxstreams.jit functions are made with the 'streams' lowering.
@@ -93,7 +94,8 @@ def test_implied_dependencies_are_dropped():
       a = jnp.sin(x)
     with jaxstreams.stream(2):
       b = jnp.cos(a)
-    return a + b     # main reads a directly, but also b which already waits on a
+    return a + b     # main reads a directly, but also b which already waits
+                     # on a
 
   plan = jaxstreams.plan(f, streams=3)(jnp.ones(3))
   pairs = {(d.producer_stream, d.consumer_stream) for d in plan.dependencies}
@@ -134,7 +136,8 @@ def test_lowering_emits_one_annotated_call_per_off_main_region():
       r"call @\S+\(.*?\{mhlo.frontend_attributes = \{(.*?)\}\}", text)
       if "_xla_stream_annotation" in c]
   found = sorted((int(re.search(r'jaxstreams_region = "(\d+)"', c).group(1)),
-                  int(re.search(r'_xla_stream_annotation = "(\d+)"', c).group(1)))
+                  int(re.search(r'_xla_stream_annotation = "(\d+)"',
+                                c).group(1)))
                  for c in calls)
   # Each call names the plan region it is (jaxstreams.xla_schedule reads it).
   assert found == sorted((r.index, r.stream) for r in plan.regions if r.is_call)

@@ -315,7 +315,8 @@ def test_close_from_another_thread_while_the_consumer_produces_inline():
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), "1", True])
 def test_close_timeout_must_be_a_positive_number(timeout):
   with jaxstreams.prefetch([np.zeros(2)]) as it:
-    with pytest.raises((TypeError, ValueError), match="Prefetcher.close: timeout"):
+    with pytest.raises((TypeError, ValueError),
+                       match="Prefetcher.close: timeout"):
       it.close(timeout=timeout)
 
 
@@ -345,7 +346,8 @@ def test_abandoned_iterator_stops_when_collected(way):
   assert len(jaxstreams_threads("jaxstreams-prefetch")) == before + started
   del it
   gc.collect()
-  assert wait_until(lambda: len(jaxstreams_threads("jaxstreams-prefetch")) == before, 10.0)
+  assert wait_until(
+      lambda: len(jaxstreams_threads("jaxstreams-prefetch")) == before, 10.0)
 
 
 def test_prefetcher_over_a_prefetcher_keeps_order_and_closes_both(way):
@@ -353,7 +355,8 @@ def test_prefetcher_over_a_prefetcher_keeps_order_and_closes_both(way):
   order, and closing the outer (even with its worker waiting on the inner)
   stops the inner's workers and runs the source's finally."""
   finished = threading.Event()
-  inner = jaxstreams.prefetch(_counting(finished), size=2, num_threads=2, mode=way)
+  inner = jaxstreams.prefetch(_counting(finished), size=2, num_threads=2,
+                              mode=way)
   outer = jaxstreams.prefetch(inner, size=3, mode=way)
   assert [int(next(outer)) for _ in range(6)] == list(range(6))
   assert outer.close(timeout=10) is True
@@ -407,7 +410,8 @@ def test_sharding_is_honoured():
     (dict(size=1.5), TypeError, "size must be an integer >= 1, got 1.5"),
     (dict(size=True), TypeError, "size must be an integer >= 1, got the bool"),
     (dict(num_threads=0), ValueError, "num_threads must be >= 1, got 0"),
-    (dict(timeout=-1), ValueError, "timeout must be > 0 seconds or None, got -1"),
+    (dict(timeout=-1), ValueError,
+     "timeout must be > 0 seconds or None, got -1"),
     (dict(timeout="1s"), TypeError, "timeout must be a number of seconds"),
     (dict(closed_exception_types=(int,)), TypeError,
      "closed_exception_types must hold exception classes"),
@@ -454,11 +458,12 @@ def test_single_exception_class_accepted():
     assert [int(x) for x in it] == [0, 2, 3]
 
 
-# The stage-area path -----------------------------------------------------------
+# The stage-area path ---------------------------------------------------------
 
 
 def _assert_destroyed(area):
-  with pytest.raises(rt.RuntimeOpError, match=rf"stage {area.id} was destroyed"):
+  with pytest.raises(rt.RuntimeOpError,
+                     match=rf"stage {area.id} was destroyed"):
     area.stats()
 
 
@@ -499,8 +504,10 @@ def test_both_paths_give_the_same_items_bitwise(num_threads):
   for path, out in outs.items():
     assert len(out) == len(items)
     for got, ref in zip(out, want):
-      assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
-      for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+      assert (jax.tree_util.tree_structure(got)
+              == jax.tree_util.tree_structure(ref))
+      for g, r in zip(jax.tree_util.tree_leaves(got),
+                      jax.tree_util.tree_leaves(ref)):
         assert isinstance(g, jax.Array), path
         assert _bits(g) == _bits(r), path
         assert g.weak_type == r.weak_type
@@ -591,7 +598,8 @@ def test_stage_area_items_that_do_not_fit_use_device_put_in_order():
       {"x": np.full((4, 2), 4, np.float32)},                    # structure
       {"x": np.full((4, 2), 5, np.float32), "n": 5},            # Python int
       {"x": jax.numpy.full((4, 2), 6.0), "n": np.int32(6)},     # on device
-      {"x": np.full((4, 2), 7, np.float64), "n": np.int64(7)},  # canonical: fits
+      {"x": np.full((4, 2), 7, np.float64), "n": np.int64(7)},  # canonical:
+                                                                # fits
       [np.float32(8)],                                         # another tree
       {"x": np.full((4, 2), 9, np.float32), "n": np.int32(9)},  # fits
   ]
@@ -603,8 +611,10 @@ def test_stage_area_items_that_do_not_fit_use_device_put_in_order():
       assert it.placed == {"stage_area": 4, "device_put": 6}
     for got, item in zip(out, items):
       ref = jax.device_put(item)
-      assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(ref)
-      for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+      assert (jax.tree_util.tree_structure(got)
+              == jax.tree_util.tree_structure(ref))
+      for g, r in zip(jax.tree_util.tree_leaves(got),
+                      jax.tree_util.tree_leaves(ref)):
         assert _bits(g) == _bits(r) and g.weak_type == r.weak_type
 
 
@@ -656,7 +666,8 @@ def test_stage_area_destroyed_at_the_end_on_close_and_on_collection():
   area = it.stage
   del it
   gc.collect()
-  assert wait_until(lambda: len(jaxstreams_threads("jaxstreams-prefetch")) == before, 10.0)
+  assert wait_until(
+      lambda: len(jaxstreams_threads("jaxstreams-prefetch")) == before, 10.0)
   assert wait_until(lambda: _raises_destroyed(area), 10.0)
 
 
@@ -706,7 +717,8 @@ def test_transfer_argument():
                      r"\['by_platform', .*got 'auto'"):
     jaxstreams.prefetch([1], transfer="auto")
   with pytest.raises(ValueError, match="transfer='stage_area' cannot be used "
-                                       "here: it places items on jax's default"):
+                                       "here: it places items on jax's "
+                                       "default"):
     jaxstreams.prefetch([1], sharding=jax.devices()[0], transfer="stage_area")
   # by_platform: the table's choice for this backend, device_put with a
   # sharding.

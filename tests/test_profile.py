@@ -23,14 +23,16 @@ def test_profile_records_every_region_on_its_stream(towers, tmp_path):
   path = tmp_path / "trace.json"
   with jaxstreams.profile(path) as prof:
     out = f(*args)
-    f(*args)              # never read: the block's exit waits for it all the same
+    f(*args)              # never read: the block's exit waits for it all the
+                          # same
   assert len(prof.intervals) == 2 * len(plan.regions)
   by_region = {}
   for interval in prof.intervals:
     assert interval.end_ns >= interval.start_ns
     by_region.setdefault(prof.region_name(interval.region), set()).add(
         interval.track)
-  assert by_region == {f"two_towers/R{r.index}": {r.stream} for r in plan.regions}
+  assert by_region == {f"two_towers/R{r.index}": {r.stream}
+                       for r in plan.regions}
   np.testing.assert_allclose(out, jax.jit(two_towers)(*args), rtol=1e-6)
 
   trace = json.loads(path.read_text())

@@ -60,7 +60,8 @@ SQUARE = (8, 8)
 UNARY = ("sin", "tanh", "exp_clip", "relu")
 BINARY = ("add", "mul", "sub")
 
-Tags = tuple[tuple[int, bool], ...]   # (stream id, include_grad), outermost first
+Tags = tuple[tuple[int, bool], ...]   # (stream id, include_grad), outermost
+                                      # first
 
 
 # ---------------------------------------------------------------------------
@@ -356,7 +357,8 @@ def build(program: Program):
 def to_source(program: Program) -> str:
   """The program as Python, for reading a failing example."""
   def tag_prefix(tags):
-    return "".join(f"with jaxstreams.stream({s}{'' if g else ', include_grad=False'}): "
+    return "".join("with jaxstreams.stream("
+                   f"{s}{'' if g else ', include_grad=False'}): "
                    for s, g in tags)
 
   def sub_source(chain, operand_shape):
@@ -385,19 +387,23 @@ def to_source(program: Program) -> str:
     elif op.kind == "matmul":
       expr = f"matmul({a[0]}, {a[1]})"
     elif op.kind == "reduce":
-      expr = f"broadcast_to({a[0]}.sum({op.param}, keepdims=True), {a[0]}.shape)"
+      expr = (f"broadcast_to({a[0]}.sum({op.param}, keepdims=True), "
+              f"{a[0]}.shape)")
     elif op.kind == "concat_slice":
       expr = (f"concatenate([{a[1]}, {a[0]}])"
               f"[{op.param}:{op.param}+{shapes[op.args[0]][0]}]")
     elif op.kind == "cond":
-      expr = (f"cond({a[1]}.sum() > 0, lambda x: {{{sub_source(op.bodies[0], shapes[op.args[0]])}}}, "
-              f"lambda x: {{{sub_source(op.bodies[1], shapes[op.args[0]])}}}, {a[0]})"
+      expr = (f"cond({a[1]}.sum() > 0, lambda x: "
+              f"{{{sub_source(op.bodies[0], shapes[op.args[0]])}}}, lambda x: "
+              f"{{{sub_source(op.bodies[1], shapes[op.args[0]])}}}, {a[0]})"
               f"  # w = {a[2]}")
     elif op.kind == "jit":
-      expr = (f"jax.jit(lambda x, w: {{{sub_source(op.bodies[0], shapes[op.args[0]])}}})"
+      expr = ("jax.jit(lambda x, w: "
+              f"{{{sub_source(op.bodies[0], shapes[op.args[0]])}}})"
               f"({a[0]}, {a[1]})")
     else:
-      expr = (f"scan(lambda x, _: {{{sub_source(op.bodies[0], shapes[op.args[0]])}}}, "
+      expr = ("scan(lambda x, _: "
+              f"{{{sub_source(op.bodies[0], shapes[op.args[0]])}}}, "
               f"{a[0]}, length={op.param})  # w = {a[1]}")
     lines.append(f"  {tag_prefix(op.tags)}v{n} = {expr}   # op{k}")
     shapes.append(shapes[op.args[0]])
@@ -442,13 +448,15 @@ def applicable_stream(entries) -> Optional[int]:
   return stream
 
 
-def expected_for_top_op(program: Program, entries) -> tuple[bool, Optional[int]]:
+def expected_for_top_op(program: Program,
+                        entries) -> tuple[bool, Optional[int]]:
   """From the generator: (is this equation one of a top-level operation's,
   the stream its blocks ask for) for an equation with name stack ``entries``.
 
   An equation of no operation was made by the function itself (the loss, the
-  gradient seed). Blocks outside the jax.grad call apply to all; an operation's own blocks
-  apply to its backward-pass equations only with include_grad=True."""
+  gradient seed). Blocks outside the jax.grad call apply to all; an
+  operation's own blocks apply to its backward-pass equations only with
+  include_grad=True."""
   ops = [int(m.group(1)) for kind, name in entries
          if kind == "scope" and (m := _TOP_OP.match(name))]
   nested = any(kind == "scope" and name.startswith("op") and
@@ -674,7 +682,8 @@ _sin_custom_vjp.defvjp(lambda x: (jnp.sin(x), x),
 
 
 @pytest.mark.parametrize("inner", [
-    jax.nn.relu, _sin_custom_vjp, jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)))],
+    jax.nn.relu, _sin_custom_vjp,
+    jax.checkpoint(lambda x: jnp.sin(jnp.sin(x)))],
     ids=["custom_jvp", "custom_vjp", "checkpoint"])
 def test_a_nograd_block_around_grad_holds_its_whole_backward_pass(inner):
   def f(x):

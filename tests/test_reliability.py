@@ -101,12 +101,14 @@ def test_empty_pytrees_no_arguments_and_zero_size_arrays():
       (lambda: jnp.ones(2), ()),
       (lambda x: None, (jnp.ones(2),)),
       (_tower, (jnp.ones((0, 3)),)),
-      (lambda x, y: (_tower(x) @ y, {"e": ()}), (jnp.ones((0, 3)), jnp.ones((3, 0)))),
+      (lambda x, y: (_tower(x) @ y, {"e": ()}),
+       (jnp.ones((0, 3)), jnp.ones((3, 0)))),
   ]
   for fun, args in cases:
     want = jax.jit(fun)(*args)
     got = jaxstreams.jit(fun, streams=3)(*args)
-    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert (jax.tree_util.tree_structure(got)
+            == jax.tree_util.tree_structure(want))
     assert_equal_results(got, want)
     plan = jaxstreams.plan(fun, streams=3)(*args)
     str(plan), plan.to_dot()
@@ -119,7 +121,8 @@ def test_empty_pytrees_no_arguments_and_zero_size_arrays():
     (lambda: jaxstreams.plan(3, streams=2), TypeError, "callable value, got 3"),
     (lambda: jaxstreams.plan(_tower, streams=0), ValueError,
      "streams must be >= 1.*got 0"),
-    (lambda: jaxstreams.plan(_tower, streams="2"), TypeError, "got '2' of type str"),
+    (lambda: jaxstreams.plan(_tower, streams="2"), TypeError,
+     "got '2' of type str"),
     (lambda: jaxstreams.plan(_tower, spread="yes"), TypeError, "got 'yes'"),
     (lambda: jaxstreams.plan(_tower, static_argnum=0), TypeError,
      "static_argnum.*keywords of jax.jit"),
@@ -136,18 +139,21 @@ def _bad_value(option):
 
 
 @pytest.mark.parametrize("name", sorted(config.options()))
-def test_every_option_rejects_a_wrong_type_in_code_and_environment(name, monkeypatch):
+def test_every_option_rejects_a_wrong_type_in_code_and_environment(
+    name, monkeypatch):
   option = config.options()[name]
   bad = _bad_value(option)
   before = config.read(name)
-  with pytest.raises(TypeError, match=rf"{name} \(from jaxstreams.config.update\) "
+  with pytest.raises(TypeError,
+                     match=rf"{name} \(from jaxstreams.config.update\) "
                      rf"must be of type {option.type.__name__}, got {bad!r}"):
     config.update(name, bad)
   assert config.read(name) == before                # nothing half-set
   if option.type is not str:                        # any text is a path
     monkeypatch.setenv(option.env_var, "maybe")
     config.reset()
-    with pytest.raises(ValueError, match=rf"{option.env_var}='maybe' is not an?"):
+    with pytest.raises(ValueError,
+                       match=rf"{option.env_var}='maybe' is not an?"):
       config.read(name)
 
 
@@ -178,7 +184,8 @@ def test_rules_file_that_is_a_directory_or_not_text(tmp_path):
     _plan_with_rules(binary)
   dangling = tmp_path / "link.txt"
   dangling.symlink_to(tmp_path / "gone.txt")
-  with pytest.raises(jaxstreams.RulesFileError, match=r"link.txt.*No such file"):
+  with pytest.raises(jaxstreams.RulesFileError,
+                     match=r"link.txt.*No such file"):
     _plan_with_rules(dangling)
 
 
@@ -201,7 +208,8 @@ def test_rules_files_empty_huge_stream_ids_and_fixed_after_an_error(tmp_path):
   assert {e.rule for e in _plan_with_rules(rules).equations} == {"main"}
   rules.write_text(f"{10**30}:sin\n")
   with pytest.raises(jaxstreams.RulesFileError,
-                     match=rf"rules.txt:1: stream {10**30} is outside \[0, 3\)"):
+                     match=rf"rules.txt:1: stream {10**30} is outside "
+                     r"\[0, 3\)"):
     _plan_with_rules(rules)
   # Fixing the file is seen at the next plan (the cache follows the file).
   time.sleep(0.01)
@@ -216,7 +224,8 @@ def test_colocate_with_a_pytree_is_an_error_naming_the_fix():
   def f(x):
     with jaxstreams.colocate_with({"a": x, "b": x * 2}):
       return x + 1
-  with pytest.raises(TypeError, match=r"one traced array, got a dict.*one leaf"):
+  with pytest.raises(TypeError,
+                     match=r"one traced array, got a dict.*one leaf"):
     jaxstreams.jit(f, streams=2)(jnp.ones(2))
 
   def g(x):
@@ -252,8 +261,10 @@ def test_prefetch_items_may_change_structure():
     out = list(it)
   assert len(out) == len(items)
   for got, want in zip(out, items):
-    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    assert (jax.tree_util.tree_structure(got)
+            == jax.tree_util.tree_structure(want))
+    for g, w in zip(jax.tree_util.tree_leaves(got),
+                    jax.tree_util.tree_leaves(want)):
       assert isinstance(g, jax.Array)
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
@@ -262,16 +273,19 @@ def test_prefetch_huge_and_infinite_arguments():
   with jaxstreams.prefetch(range(3), size=10**9, timeout=float("inf")) as it:
     assert [int(x) for x in it] == [0, 1, 2]
   assert it.timeout is None                     # inf means no bound
-  with pytest.raises(ValueError, match=r"num_threads must be <= 1024 .*got 1000000000"):
+  with pytest.raises(ValueError,
+                     match=r"num_threads must be <= 1024 .*got 1000000000"):
     jaxstreams.prefetch(range(3), num_threads=10**9)
-  with pytest.raises(ValueError, match="timeout must be > 0 seconds or None, got nan"):
+  with pytest.raises(ValueError,
+                     match="timeout must be > 0 seconds or None, got nan"):
     jaxstreams.prefetch(range(3), timeout=float("nan"))
   with jaxstreams.prefetch([], size=1) as it:
     assert list(it) == []
 
 
 def test_prefetch_item_that_is_not_an_array_fails_at_its_item():
-  it = jaxstreams.prefetch([np.int32(0), "text", np.int32(2)], size=3, timeout=TIMEOUT)
+  it = jaxstreams.prefetch([np.int32(0), "text", np.int32(2)], size=3,
+                           timeout=TIMEOUT)
   assert int(next(it)) == 0
   with pytest.raises(TypeError, match="'text'.*not a valid JAX type"):
     next(it)
@@ -284,7 +298,8 @@ def test_serve_non_finite_and_huge_arguments():
     with pytest.raises(ValueError, match=rf"max_batch_wait_ms must be a finite "
                        rf"number >= 0, got {wait}"):
       jaxstreams.serve(jnp.sin, max_batch_wait_ms=wait)
-  with pytest.raises(TypeError, match="block must be True, False or a timeout.*nan"):
+  with pytest.raises(TypeError,
+                     match="block must be True, False or a timeout.*nan"):
     jaxstreams.serve(jnp.sin, block=float("nan"))
   with jaxstreams.serve(lambda x: x + 1, groups=10**9, block=float("inf"),
                         queue_size=1) as server:
@@ -328,19 +343,22 @@ def test_profile_path_must_be_a_path():
 
 def test_stage_area_argument_errors():
   spec = jax.ShapeDtypeStruct((4,), jnp.float32)
-  with pytest.raises(TypeError, match="timeout_ms must be a number of ms >= 0 or "
-                     "None, got '5' of type str"):
+  with pytest.raises(TypeError, match="timeout_ms must be a number of ms >= 0 "
+                     "or None, got '5' of type str"):
     rt.StageArea(spec, timeout_ms="5")
-  with pytest.raises(ValueError, match="timeout_ms must be >= 0 ms or None, got nan"):
+  with pytest.raises(ValueError,
+                     match="timeout_ms must be >= 0 ms or None, got nan"):
     rt.StageArea(spec, timeout_ms=float("nan"))
-  with pytest.raises(ValueError, match="device must be a device ordinal.*got -1"):
+  with pytest.raises(ValueError,
+                     match="device must be a device ordinal.*got -1"):
     rt.StageArea(spec, device=-1)
   with rt.StageArea(spec, timeout_ms=float("inf")) as stage:
     assert stage.timeout_ms == -1                 # inf means no bound
   with pytest.raises(rt.RuntimeOpError, match="capacity \\* item bytes <="):
     rt.StageArea(spec, capacity=10**12)
   with rt.StageArea(spec, capacity=1) as stage:
-    with pytest.raises(ValueError, match=r"the item has structure .*'a'.*the stage "
+    with pytest.raises(ValueError,
+                       match=r"the item has structure .*'a'.*the stage "
                        r"holds items of structure PyTreeDef\(\*\)"):
       stage.put({"a": np.ones(4, np.float32)})
     with pytest.raises(TypeError, match="timeout_ms must be a number"):
@@ -386,7 +404,8 @@ def test_prefetch_error_at_item_k_with_many_workers(error):
     for item in it:
       got.append(int(item["i"]))
   assert got == list(range(k))                  # nothing lost or repeated
-  assert source.pulled == list(range(k + 1))    # nothing pulled past the failure
+  assert source.pulled == list(range(k + 1))    # nothing pulled past the
+                                                # failure
   assert not any(t.is_alive() for t in it.threads)
   assert source.closed.is_set()
   with pytest.raises(StopIteration):
@@ -397,8 +416,10 @@ def test_prefetch_hanging_source_times_out_then_is_abandoned():
   source = _Source(10, hang_at=3)
   it = jaxstreams.prefetch(iter(source), size=2, num_threads=2, timeout=0.05)
   assert [int(next(it)["i"]) for _ in range(3)] == [0, 1, 2]
-  for _ in range(2):                            # fires each time it is waited on
-    with pytest.raises(TimeoutError, match="item 3 of .*inside the iterable's __next__"):
+  # fires each time it is waited on
+  for _ in range(2):
+    with pytest.raises(TimeoutError,
+                       match="item 3 of .*inside the iterable's __next__"):
       next(it)
   # Abandoned halfway while a worker is inside the source: close() returns
   # once the source does, and nothing runs on.
@@ -472,7 +493,8 @@ def test_staged_producer_stage_failing_at_batch_k(mode):
     return i
 
   def step(params, batch):
-    i = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.int32), batch["i"])
+    i = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.int32),
+                          batch["i"])
     f = jaxstreams.stage((batch["x"] + i.astype(jnp.float32)) * 2.0)
     return batch["i"], jnp.sum(f) * params
 
@@ -615,13 +637,17 @@ def test_runtime_handler_errors_leave_the_same_program_usable():
   spec = jax.ShapeDtypeStruct((4,), jnp.float32)
   # A slot that does not exist: a stage id that was never created.
   missing = jax.jit(lambda: _ops.stage_get_p.bind(
-      stage=987654321, timeout_ms=10, out_avals=(((4,), np.dtype(np.float32)),)))
-  with pytest.raises(HANDLER_ERRORS, match=r"NOT_FOUND: jaxstreams: jaxstreams_stage_get: "
+      stage=987654321, timeout_ms=10,
+      out_avals=(((4,), np.dtype(np.float32)),)))
+  with pytest.raises(HANDLER_ERRORS,
+                     match=r"NOT_FOUND: jaxstreams: jaxstreams_stage_get: "
                      r"no stage with id 987654321"):
     jax.block_until_ready(missing())
   # A bad attribute: a runtime stream the pool does not have.
-  bad = jax.jit(lambda x: _ops.marker_p.bind(x, region=1, phase=0, track=0, stream=77))
-  with pytest.raises(HANDLER_ERRORS, match=r"jaxstreams_marker: runtime stream 77 is out "
+  bad = jax.jit(lambda x: _ops.marker_p.bind(x, region=1, phase=0, track=0,
+                                             stream=77))
+  with pytest.raises(HANDLER_ERRORS,
+                     match=r"jaxstreams_marker: runtime stream 77 is out "
                      r"of range \[0, \d+\)"):
     jax.block_until_ready(bad(jnp.ones(2)))
   # An empty slot: the get times out; the same compiled step works once an
@@ -629,13 +655,15 @@ def test_runtime_handler_errors_leave_the_same_program_usable():
   with rt.StageArea(spec, capacity=1, timeout_ms=20) as stage:
     step = jax.jit(lambda: stage.get() * 2.0)
     for i in range(3):
-      with pytest.raises(HANDLER_ERRORS, match=rf"no item was put into stage {stage.id}"):
+      with pytest.raises(HANDLER_ERRORS,
+                         match=rf"no item was put into stage {stage.id}"):
         jax.block_until_ready(step())
       stage.put(np.full((4,), i, np.float32))
       np.testing.assert_array_equal(step(), np.full((4,), 2.0 * i))
   np.testing.assert_array_equal(rt.identity(np.arange(5)), np.arange(5))
   np.testing.assert_array_equal(
-      jax.jit(lambda x: rt.marker(x, region=2, stream=0))(jnp.ones(2)), np.ones(2))
+      jax.jit(lambda x: rt.marker(x, region=2, stream=0))(jnp.ones(2)),
+      np.ones(2))
 
 
 # ===========================================================================
@@ -657,7 +685,8 @@ def test_sixteen_threads_different_shapes_traced_once_each(streams):
 
   fn = jaxstreams.jit(f, streams=streams)
   if streams is None:
-    config.update("jaxstreams_streams", 3)      # after decoration: a new jax.jit
+    config.update("jaxstreams_streams", 3)      # after decoration: a new
+                                                # jax.jit
   reference = jax.jit(f)
   w = jax.random.normal(jax.random.PRNGKey(0), (6, 6), jnp.float32)
   inputs = [jax.random.normal(jax.random.PRNGKey(n), (n + 1, 6), jnp.float32)
@@ -725,7 +754,7 @@ def test_long_staged_training_loop_keeps_memory_flat_and_results_exact():
     for i in range(LONG_STEPS):
       w, loss = runner(w)
       pending.append(loss)
-      if (i + 1) % 250 == 0:       # to the host in chunks: no device arrays pile up
+      if (i + 1) % 250 == 0:  # to the host in chunks: no device arrays pile up
         got_losses[i + 1 - len(pending):i + 1] = jax.device_get(pending)
         pending = []
       if i + 1 in (1_000, LONG_STEPS):

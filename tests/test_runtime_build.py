@@ -22,7 +22,8 @@ def _bits(a):
   return a.dtype, a.shape, a.tobytes()
 
 
-DTYPES = [np.float32, np.int8, np.uint16, np.bool_, jnp.bfloat16, np.complex64, np.int32]
+DTYPES = [np.float32, np.int8, np.uint16, np.bool_, jnp.bfloat16, np.complex64,
+          np.int32]
 SHAPES = [(), (0,), (7,), (3, 4, 5)]
 
 
@@ -62,7 +63,8 @@ def test_lowering_names_the_custom_call_target():
   assert "stablehlo.custom_call @jaxstreams_identity" in text
 
 
-@pytest.mark.skipif("cuda" not in rt.available_platforms(), reason="CUDA library not built")
+@pytest.mark.skipif("cuda" not in rt.available_platforms(),
+                    reason="CUDA library not built")
 def test_lowering_for_cuda_when_the_cuda_library_is_built():
   x = jnp.ones((4,), jnp.float32)
   lowered = jax.jit(rt.identity).trace(x).lower(lowering_platforms=("cuda",))
@@ -70,9 +72,10 @@ def test_lowering_for_cuda_when_the_cuda_library_is_built():
 
 
 def _run(script, lib_dir):
-  env = dict(os.environ, JAXSTREAMS_FFI_LIB_DIR=str(lib_dir), JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
-                        capture_output=True, text=True, timeout=120)
+  env = dict(os.environ, JAXSTREAMS_FFI_LIB_DIR=str(lib_dir),
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)],
+                        env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
 

@@ -50,7 +50,8 @@ def _run(f, *args):
 
 def _span_ns(region):
   """Duration between the BEGIN and END markers of `region`."""
-  ivs = [iv for iv in timeline.intervals(timeline.read().markers) if iv.region == region]
+  ivs = [iv for iv in timeline.intervals(timeline.read().markers)
+         if iv.region == region]
   assert len(ivs) == 1, ivs
   return ivs[0].duration_ns
 
@@ -58,7 +59,8 @@ def _span_ns(region):
 def test_pool_is_created_once_with_fixed_sizes(pool):
   assert rt.init() is pool
   assert rt.init(streams=pool.streams, events=pool.events) is pool
-  with pytest.raises(ValueError, match="already exist with 4 streams and 1024 events"):
+  with pytest.raises(ValueError,
+                     match="already exist with 4 streams and 1024 events"):
     rt.init(streams=pool.streams + 1)
   with pytest.raises(ValueError, match="streams must be an int >= 1"):
     rt.init(streams=0)
@@ -181,7 +183,8 @@ def test_stage_reuses_its_slots_in_order_and_never_grows():
     _assert_item(step(), 18)
     _assert_item(step(), 19)
     stats = stage.stats()
-    assert (stats.puts, stats.gets, stats.queued, stats.free_slots) == (20, 20, 0, 3)
+    assert ((stats.puts, stats.gets, stats.queued, stats.free_slots)
+            == (20, 20, 0, 3))
     assert stats.allocations == allocations
     assert set(slots) == {0, 1, 2}
 
@@ -204,7 +207,8 @@ def test_stage_capacity_is_a_hard_limit():
     stage.put(_item(0))
     stage.put(_item(1))
     t = time.perf_counter()
-    with pytest.raises(rt.StageTimeoutError, match=r"stage \d+ is full: all 2 slots"):
+    with pytest.raises(rt.StageTimeoutError,
+                       match=r"stage \d+ is full: all 2 slots"):
       stage.put(_item(2), timeout_ms=50)
     assert time.perf_counter() - t >= 0.04
     assert (stage.stats().queued, stage.stats().free_slots) == (2, 0)
@@ -222,7 +226,8 @@ def test_closed_stage_drains_then_fails_and_the_process_lives_on():
     stage.put(_item(5))
   _assert_item(step(), 4)
   with pytest.raises(HANDLER_ERRORS,
-                     match=rf"OUT_OF_RANGE: jaxstreams: jaxstreams_stage_get: stage {stage.id} "
+                     match=r"OUT_OF_RANGE: jaxstreams: jaxstreams_stage_get: "
+                           rf"stage {stage.id} "
                            r"is closed and has no more items"):
     jax.block_until_ready(step())
   stage.destroy()
@@ -239,7 +244,8 @@ def test_handler_errors_are_exceptions_with_the_handlers_message():
   x = jnp.ones(3)
   cases = [
       (lambda: _ops.record_p.bind(x, event=10**6, stream=-1),
-       r"INVALID_ARGUMENT: jaxstreams: jaxstreams_record: event 1000000 is out of range \[0, 1024\)"),
+       r"INVALID_ARGUMENT: jaxstreams: jaxstreams_record: event 1000000 is "
+       r"out of range \[0, 1024\)"),
       (lambda: _ops.wait_p.bind(x, event=0, stream=9),
        r"jaxstreams_wait: runtime stream 9 is out of range \[0, 4\)"),
       (lambda: _ops.delay_p.bind(x, microseconds=-5, stream=-1),
@@ -251,23 +257,28 @@ def test_handler_errors_are_exceptions_with_the_handlers_message():
 
   with rt.StageArea(_spec(), capacity=1, timeout_ms=50) as stage:
     with pytest.raises(HANDLER_ERRORS,
-                       match=rf"DEADLINE_EXCEEDED: .*no item was put into stage {stage.id} "
-                             r"within 50 ms"):
+                       match=r"DEADLINE_EXCEEDED: .*no item was put into "
+                             rf"stage {stage.id} within 50 ms"):
       jax.block_until_ready(jax.jit(lambda: stage.get())())
-    wrong = lambda: _ops.stage_get_p.bind(stage=stage.id, timeout_ms=50,
-                                          out_avals=(((3,), np.dtype(np.float32)),))
+    wrong = lambda: _ops.stage_get_p.bind(
+        stage=stage.id, timeout_ms=50,
+        out_avals=(((3,), np.dtype(np.float32)),))
     with pytest.raises(HANDLER_ERRORS,
-                       match=rf"stage {stage.id} holds items of 268 bytes but the program "
-                             r"asks for 12 bytes"):
+                       match=rf"stage {stage.id} holds items of 268 bytes but "
+                             r"the program asks for 12 bytes"):
       jax.block_until_ready(jax.jit(wrong)())
-    with pytest.raises(ValueError, match=r"item leaf 1 is int32\[3\], the stage holds float32\[64\]"):
+    with pytest.raises(ValueError,
+                       match=r"item leaf 1 is int32\[3\], the stage holds "
+                             r"float32\[64\]"):
       stage.put({"ids": np.zeros(3, np.int32), "x": np.zeros(3, np.int32)})
 
 
 def _running_ffi_api_version():
   """XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR of the running jaxlib."""
-  header = (pathlib.Path(jax.ffi.include_dir()) / "xla/ffi/api/c_api.h").read_text()
-  major, minor = (int(re.search(rf"#define XLA_FFI_API_{part} (\d+)", header).group(1))
+  header = (pathlib.Path(jax.ffi.include_dir())
+            / "xla/ffi/api/c_api.h").read_text()
+  major, minor = (int(re.search(rf"#define XLA_FFI_API_{part} (\d+)",
+                                header).group(1))
                   for part in ("MAJOR", "MINOR"))
   return major * 1000 + minor
 
@@ -280,9 +291,11 @@ def test_library_reports_the_ffi_api_version_it_was_built_against():
 
 
 @pytest.mark.skipif(pathlib.Path("/proc/sys/vm/overcommit_memory").exists()
-                    and pathlib.Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "1",
-                    reason="with overcommit_memory=1 a huge allocation succeeds and is "
-                           "touched page by page instead of failing")
+                    and (pathlib.Path("/proc/sys/vm/overcommit_memory")
+                         .read_text().strip() == "1"),
+                    reason="with overcommit_memory=1 a huge allocation "
+                           "succeeds and is touched page by page instead of "
+                           "failing")
 def test_a_stage_too_large_for_memory_is_an_error_and_the_runtime_lives_on():
   # 2**37 float32 = 512 GiB per slot, 1 TiB in all: within the runtime's size
   # limit, so the allocation itself fails (std::bad_alloc inside the library).
@@ -314,7 +327,8 @@ def test_timeline_shows_two_overlapping_cpu_workers(tmp_path, event):
 
   def program(x):
     for region, stream in ((1, 1), (2, 2)):
-      x = rt.marker(x, region=region, phase=rt.BEGIN, track=stream, stream=stream)
+      x = rt.marker(x, region=region, phase=rt.BEGIN, track=stream,
+                    stream=stream)
       x = rt.delay(x, microseconds=100_000, stream=stream)
       x = rt.marker(x, region=region, phase=rt.END, track=stream, stream=stream)
     x = rt.record(x, event=event, stream=1)
@@ -335,21 +349,24 @@ def test_timeline_shows_two_overlapping_cpu_workers(tmp_path, event):
   assert a.overlaps(b)   # the two 100 ms regions ran side by side
 
   path = tmp_path / "timeline.json"
-  timeline.write_chrome_trace(path, tl, region_names={1: "tower_a", 2: "tower_b"})
+  timeline.write_chrome_trace(path, tl,
+                              region_names={1: "tower_a", 2: "tower_b"})
   trace = json.loads(path.read_text())
   spans = {ev["name"]: ev for ev in trace["traceEvents"] if ev["ph"] == "X"}
   assert set(spans) == {"tower_a", "tower_b"}
   assert {spans["tower_a"]["tid"], spans["tower_b"]["tid"]} == {1, 2}
   ta, tb = spans["tower_a"], spans["tower_b"]
   assert ta["ts"] < tb["ts"] + tb["dur"] and tb["ts"] < ta["ts"] + ta["dur"]
-  rows = {ev["args"]["name"] for ev in trace["traceEvents"] if ev.get("name") == "thread_name"}
+  rows = {ev["args"]["name"] for ev in trace["traceEvents"]
+          if ev.get("name") == "thread_name"}
   assert rows == {"stream 1", "stream 2"}
 
 
 def test_marker_log_is_bounded():
   timeline.reset(capacity=2)
   x = jnp.zeros(1)
-  _run(lambda v: rt.marker(rt.marker(rt.marker(v, region=1), region=2), region=3), x)
+  _run(lambda v: rt.marker(rt.marker(rt.marker(v, region=1), region=2),
+                           region=3), x)
   tl = timeline.read()
   assert [m.region for m in tl.markers] == [1, 2]
   assert tl.dropped == 1
@@ -361,5 +378,6 @@ def test_shutdown_joins_workers_and_init_starts_again(event):
   rt.init()
   e = rt.allocate_event()
   x = rt.record(jnp.ones(2), event=e, stream=3)
-  np.testing.assert_array_equal(_run(lambda v: rt.wait(v, event=e), x), np.ones(2))
+  np.testing.assert_array_equal(_run(lambda v: rt.wait(v, event=e), x),
+                                np.ones(2))
   rt.release_event(e)

@@ -44,7 +44,8 @@ def test_identity_on_the_gpu():
   x = jnp.arange(1000, dtype=jnp.float32)
   assert jax.jit(rt.identity)(x).devices() == x.devices()
   np.testing.assert_array_equal(jax.jit(rt.identity)(x), x)
-  assert "custom_call @jaxstreams_identity" in jax.jit(rt.identity).lower(x).as_text()
+  assert ("custom_call @jaxstreams_identity"
+          in jax.jit(rt.identity).lower(x).as_text())
 
 
 def test_reader_on_another_stream_waits_for_a_slow_kernel():
@@ -77,10 +78,12 @@ def test_stage_slow_copy_stream_and_a_reader_on_xlas_stream():
   consumer on XLA's stream waits for the slot's ready event and sees the new
   data every time, with slots reused."""
   spec = jax.ShapeDtypeStruct((1 << 16,), jnp.float32)
-  with rt.StageArea(spec, capacity=2, platform="cuda", timeout_ms=10_000) as stage:
+  with rt.StageArea(spec, capacity=2, platform="cuda",
+                    timeout_ms=10_000) as stage:
     step = jax.jit(lambda: stage.get() * 2.0)
     for i in range(6):
-      item = np.full((1 << 16,), i, np.float32) + np.arange(1 << 16, dtype=np.float32)
+      item = (np.full((1 << 16,), i, np.float32)
+              + np.arange(1 << 16, dtype=np.float32))
       stage.put(item, delay_us=20_000)
       np.testing.assert_array_equal(jax.block_until_ready(step()), item * 2.0)
     stats = stage.stats()
@@ -90,7 +93,8 @@ def test_stage_slow_copy_stream_and_a_reader_on_xlas_stream():
 def test_timeline_shows_two_overlapping_gpu_streams(tmp_path):
   def program(x):
     for stream in (1, 2):
-      x = rt.marker(x, region=stream, phase=rt.BEGIN, track=stream, stream=stream)
+      x = rt.marker(x, region=stream, phase=rt.BEGIN, track=stream,
+                    stream=stream)
       x = rt.delay(x, microseconds=100_000, stream=stream)
       x = rt.marker(x, region=stream, phase=rt.END, track=stream, stream=stream)
     return x
@@ -110,9 +114,12 @@ def test_timeline_shows_two_overlapping_gpu_streams(tmp_path):
 def test_errors_on_the_gpu_are_exceptions():
   x = jnp.ones(3)
   from jaxstreams.runtime import _ops
-  with pytest.raises(jax.errors.JaxRuntimeError, match=r"event 1000000 is out of range"):
-    jax.block_until_ready(jax.jit(lambda v: _ops.record_p.bind(v, event=10**6, stream=-1))(x))
-  cpu_stage = rt.StageArea(jax.ShapeDtypeStruct((3,), jnp.float32), platform="cpu")
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match=r"event 1000000 is out of range"):
+    jax.block_until_ready(jax.jit(
+        lambda v: _ops.record_p.bind(v, event=10**6, stream=-1))(x))
+  cpu_stage = rt.StageArea(jax.ShapeDtypeStruct((3,), jnp.float32),
+                           platform="cpu")
   # NOT_FOUND may reach Python as JaxRuntimeError or a builtin; the message
   # is what matters.
   with pytest.raises(Exception, match="belongs to a CPU stage"):
@@ -138,19 +145,24 @@ def test_compute_sanitizer_reports_no_errors(tmp_path):
       import jaxstreams.runtime as rt
       rt.init()
       e = rt.allocate_event()
-      f = jax.jit(lambda x: rt.wait(rt.record(rt.delay(x, microseconds=1000, stream=1),
+      f = jax.jit(lambda x: rt.wait(rt.record(rt.delay(x, microseconds=1000,
+                                                       stream=1),
                                               event=e, stream=1), event=e))
       np.testing.assert_array_equal(f(jnp.ones(8)), np.ones(8))
-      with rt.StageArea(jax.ShapeDtypeStruct((256,), jnp.float32), platform="cuda") as s:
+      with rt.StageArea(jax.ShapeDtypeStruct((256,), jnp.float32),
+                        platform="cuda") as s:
         for i in range(3):
           s.put(np.full(256, i, np.float32))
-          np.testing.assert_array_equal(jax.jit(lambda: s.get())(), np.full(256, i))
+          np.testing.assert_array_equal(jax.jit(lambda: s.get())(),
+                                        np.full(256, i))
       rt.timeline.reset(16)
-      jax.block_until_ready(jax.jit(lambda x: rt.marker(x, region=1))(jnp.ones(2)))
+      jax.block_until_ready(
+          jax.jit(lambda x: rt.marker(x, region=1))(jnp.ones(2)))
       print(len(rt.timeline.read().markers), "markers")
       """)
   proc = subprocess.run(
-      [tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c", script],
+      [tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
+       "-c", script],
       capture_output=True, text=True, timeout=900,
       env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
   out = proc.stdout + proc.stderr

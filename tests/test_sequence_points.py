@@ -54,8 +54,8 @@ def _barriers(text):
 def test_only_regions_with_work_beside_them_are_pinned():
   x, w1, w2 = random_inputs((8, 16), (16, 16), (16, 16))
   towers = _partitioned(two_towers, x, w1, w2, streams=3)
-  assert overlappable_calls(towers) == {r for r, s in enumerate(towers.graph.streams)
-                                        if s != 0}
+  assert overlappable_calls(towers) == {
+      r for r, s in enumerate(towers.graph.streams) if s != 0}
   chain = _partitioned(one_chain, x, w1, streams=2)
   assert overlappable_calls(chain) == frozenset()
 

@@ -99,7 +99,8 @@ def results(futures):
 
 def test_results_bitwise_equal_to_jax_jit_with_pytrees_kwargs_scalars():
   def f(tree, scale, *, shift):
-    return {"a": jnp.sin(tree["x"]) * scale + shift, "b": [tree["y"].sum(), None]}
+    return {"a": jnp.sin(tree["x"]) * scale + shift,
+            "b": [tree["y"].sum(), None]}
 
   tree = {"x": jnp.arange(6.0).reshape(2, 3), "y": np.ones(4, np.int32)}
   expected = jax.jit(f)(tree, 0.5, shift=2)
@@ -519,7 +520,8 @@ def test_native_direct_call_is_built_with_the_runtime():
   dirs = _loader.search_dirs()
   if not any((d / "libjaxstreams_cpu.so").is_file() for d in dirs):
     pytest.skip(f"no native runtime build in {dirs}")
-  if not (pathlib.Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+  if not (pathlib.Path(sysconfig.get_paths()["include"])
+          / "Python.h").is_file():
     pytest.skip("this Python has no Python.h: a build here cannot make the "
                 "module, and serve runs its Python implementation")
   native = _native_direct_call()
@@ -593,7 +595,8 @@ def test_direct_call_counts_and_admits(kind):
 
 
 @pytest.mark.cpu_backend
-def test_by_platform_on_cpu_runs_each_request_in_its_callers_thread(direct_call):
+def test_by_platform_on_cpu_runs_each_request_in_its_callers_thread(
+    direct_call):
   traced_in = []
 
   def f(x):
@@ -705,7 +708,8 @@ def test_direct_mode_counts_exactly_under_many_threads(direct_call):
   assert stats.direct == 640
 
 
-def test_direct_mode_waits_for_room_and_never_runs_more_than_queue_size(direct_call):
+def test_direct_mode_waits_for_room_and_never_runs_more_than_queue_size(
+    direct_call):
   lock = threading.Lock()
   now, most = [0], [0]
 

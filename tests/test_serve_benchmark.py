@@ -120,7 +120,7 @@ def test_torch_baseline_runs_each_client_on_a_stream_of_its_own(
       np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
   made = [(thread, s) for event, thread, s in torch.events if event == "made"]
   assert len(made) == 4 and len({thread for thread, _ in made}) == 4
-  stream_of = {thread: s for thread, s in made}
+  stream_of = dict(made)
   for event, thread, s in torch.events:
     assert s is stream_of[thread], (event, thread)   # only its own stream
   assert sum(e == "entered" for e, _, _ in torch.events) == 12

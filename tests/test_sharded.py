@@ -53,7 +53,8 @@ def test_eight_cpu_devices_in_one_process():
   out = run_example("sharded_training.py", "--devices=8", STEPS,
                     env={"JAX_PLATFORMS": "cpu"})
   assert "1 process(es), 8 cpu devices, batch sharded" in out, out
-  assert re.search(r"^plan: \d+ regions on streams \[0, 1, 2\]$", out, re.M), out
+  assert re.search(r"^plan: \d+ regions on streams \[0, 1, 2\]$", out,
+                   re.M), out
   _loss_line(out)
   assert "results equal jax.jit: bitwise" in out, out
 
@@ -78,7 +79,8 @@ def test_two_processes_under_jax_distributed():
     for proc in procs:
       # jax.distributed catches SIGTERM: a stuck process is killed.
       out, err = proc.communicate(timeout=180)
-      assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err[-4000:]}"
+      assert proc.returncode == 0, (
+          f"exit {proc.returncode}\n{out}\n{err[-4000:]}")
       outputs.append(out)
   finally:
     for proc in procs:
@@ -89,7 +91,8 @@ def test_two_processes_under_jax_distributed():
   assert "2 process(es), 8 cpu devices, batch sharded" in lead, lead
   _loss_line(lead)
   assert "results equal jax.jit: bitwise" in lead, lead
-  assert "results equal" not in outputs[1]   # only process 0 reports; both check
+  assert "results equal" not in outputs[1]   # only process 0 reports; both
+                                             # check
 
 
 def _towers_body(x, w):

@@ -114,7 +114,8 @@ def test_shardings_on_a_mesh_key_serve_and_staged_apart():
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=2").strip())
-  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SHARDED_PROGRAM)],
+  proc = subprocess.run([sys.executable, "-c",
+                         textwrap.dedent(SHARDED_PROGRAM)],
                         capture_output=True, text=True, env=env, timeout=300)
   assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
       proc.stdout[-2000:] + proc.stderr[-4000:])

@@ -220,7 +220,8 @@ def test_training_step_with_grad(mode):
     def loss(p):
       return jnp.mean((jnp.tanh(f @ p["w"]) @ p["v"] - batch["y"]) ** 2)
     value, grads = jax.value_and_grad(loss)(params)
-    return value, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    return value, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params,
+                                         grads)
 
   params, want = _params(), []
   for b in data:
@@ -301,7 +302,8 @@ def test_no_stage_call_without_smart_is_an_error():
   def step(params, batch):
     return jnp.sum(batch["x"]) * params["v"][0]
 
-  with pytest.raises(ValueError, match="calls no jaxstreams.stage().*smart=True"):
+  with pytest.raises(ValueError,
+                     match="calls no jaxstreams.stage().*smart=True"):
     jaxstreams.staged(step, data=_batches(2))(_params())
 
 
@@ -382,7 +384,8 @@ def test_abandoned_runner_stops_its_workers(mode, workers):
   assert len(jaxstreams_threads("jaxstreams-prefetch")) == workers
   del runner
   gc.collect()
-  assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [], 10.0)
+  assert wait_until(lambda: jaxstreams_threads("jaxstreams-prefetch") == [],
+                    10.0)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -420,7 +423,8 @@ def test_argument_errors(kwargs, error, match):
 def test_bad_step_and_data():
   with pytest.raises(TypeError, match="step must be callable"):
     jaxstreams.staged(3, data=[])
-  with pytest.raises(TypeError, match="data must be an iterable of batches, got 5"):
+  with pytest.raises(TypeError,
+                     match="data must be an iterable of batches, got 5"):
     jaxstreams.staged(step1, data=5)
   with pytest.raises(ValueError, match="data_argnums=5 does not name"):
     jaxstreams.staged(step1, data=_batches(2), data_argnums=5)(_params())
@@ -482,7 +486,8 @@ def test_fused_runs_seed_004_pipeline(step, k, capacity):
       letter, batch = name[0], int(name[1:])
       assert seen.get(batch, -1) == ord(letter) - ord("A") - 1, schedule
       seen[batch] = ord(letter) - ord("A")
-  consumed = [int(n[1:]) for p in schedule for n in p.split() if n[0] == consumer]
+  consumed = [int(n[1:]) for p in schedule for n in p.split()
+              if n[0] == consumer]
   assert consumed == list(range(len(data)))
 
 
@@ -568,7 +573,8 @@ def test_fused_producer_stream_beside_a_jaxstreams_jit_step(stream_calls):
   by_stream, main = _stream_calls(text)
   assert set(by_stream) == {1, 2, 3}, text
   assert "stablehlo.xor" in by_stream[3] and "stablehlo.xor" not in main
-  assert "stablehlo.tanh" in by_stream[1] and "stablehlo.tanh" not in by_stream[3]
+  assert ("stablehlo.tanh" in by_stream[1]
+          and "stablehlo.tanh" not in by_stream[3])
   assert "stablehlo.cosine" in by_stream[2]
 
 

@@ -156,7 +156,8 @@ def test_constants_feeding_stage_calls(smart):
 # Donation.
 
 def two_stage(params, batch):
-  f = jaxstreams.stage(batch["x"] * 2.0 + 1.0)     # read by stage 1 and consumer
+  f = jaxstreams.stage(batch["x"] * 2.0 + 1.0)     # read by stage 1 and
+                                                   # consumer
   g = jaxstreams.stage(jnp.sin(f))                 # read by the consumer
   return jnp.sum((g + f) @ params["w"]), f * 0.5   # one output like f and g
 
@@ -173,8 +174,8 @@ def _staged_values(runner):
 def test_fused_donates_staged_values_never_the_batch():
   params, data = _params(), _batches(6)
   want = [jax.jit(two_stage)(params, b) for b in data]
-  # Once the reader holds every batch, each call's program is the steady pipeline's
-  # (no catch-up for a batch not read yet): the schedule is known.
+  # Once the reader holds every batch, each call's program is the steady
+  # pipeline's (no catch-up for a batch not read yet): the schedule is known.
   source, finished = _ready_source(data)
   got, donated = [], 0
   with jaxstreams.staged(two_stage, data=source, capacity=len(data) + 1,
@@ -216,7 +217,8 @@ def test_plain_mode_donates_nothing():
 
 def _ready_source(data):
   """``data``'s items, and a flag set once the reader has pulled (so placed
-  and stored) all of them: waiting for it makes every program the steady pipeline's."""
+  and stored) all of them: waiting for it makes every program the steady
+  pipeline's."""
   finished = [False]
 
   def source():

@@ -18,7 +18,8 @@ from jaxstreams.xla.work import Work, instruction_work
 
 H100 = Device.of("h100", targets.BUILTIN_TARGETS["h100"])
 # Round numbers, so that each expected time can be written down.
-COSTS = LaunchCosts(call=10e-6, argument=0.0, result=0.0, graph=5e-6, graph_node=0.0,
+COSTS = LaunchCosts(call=10e-6, argument=0.0, result=0.0, graph=5e-6,
+                    graph_node=0.0,
                     graph_library=0.0, kernel=4e-6, library=8e-6,
                     stream_call=2e-6, loop_step=1e-6, host_wait=3e-6,
                     kernel_time=2e-6, graph_latency=0.0, graph_issue=0.0,
@@ -70,7 +71,7 @@ ENTRY %main (x: bf16[8,256], w: bf16[40,256,256], s: f32[64,128], r: f32[1,128],
   %cublas-gemm = (f32[64,16]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
   ROOT %tanh_fusion = f32[32,32]{1,0} fusion(%t), kind=kLoop, calls=%fused_tanh
 }
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 
 def test_work_is_read_off_the_shapes_of_each_launch():
@@ -87,10 +88,12 @@ def test_work_is_read_off_the_shapes_of_each_launch():
   conv = work["cudnn-conv"]
   assert conv.flops == 2 * 8 * 17 * 17 * 32 * 3 * 3 * 64
   assert conv.precision == "tf32"
-  assert conv.bytes == (8 * 17 * 17 * 64 + 3 * 3 * 64 * 32 + 8 * 17 * 17 * 32) * 4
+  assert conv.bytes == (8 * 17 * 17 * 64 + 3 * 3 * 64 * 32
+                        + 8 * 17 * 17 * 32) * 4
   # A cuBLAS GEMM: its result without its scratch space.
   assert work["cublas-gemm"] == Work(2 * 64 * 16 * 128,
-                                     (64 * 128 + 128 * 16 + 64 * 16) * 4, "tf32")
+                                     (64 * 128 + 128 * 16 + 64 * 16) * 4,
+                                     "tf32")
   assert work["tanh_fusion"] == Work(0, 2 * 32 * 32 * 4, None)
 
 
@@ -130,7 +133,8 @@ def test_a_chain_in_a_graph_runs_one_kernel_after_another():
   # call + graph launch + 10 kernels of 2 us, against 5 side by side.
   assert one.step == pytest.approx((10 + 5 + 20) * US)
   assert two.step == pytest.approx((10 + 5 + 10) * US)
-  assert (one.device, two.device) == (pytest.approx(20 * US), pytest.approx(10 * US))
+  assert (one.device, two.device) == (pytest.approx(20 * US),
+                                      pytest.approx(10 * US))
   assert one.bound == "device" and two.bound == "host"
 
 
@@ -195,7 +199,8 @@ def test_a_loop_whose_bodies_run_on_two_streams_overlaps_them():
   work = {f"k{s}_{n}": Work(1e12, 0, "bf16") for s in (1, 2) for n in range(2)}
   each = 2 * US + 1e12 / H100.flops["bf16"]
   first = StreamCall("call-start", 0, 1, tuple(_kernels(2, stream=1)), window=1)
-  second = StreamCall("call-start.1", 1, 2, tuple(_kernels(2, stream=2)), window=0)
+  second = StreamCall("call-start.1", 1, 2, tuple(_kernels(2, stream=2)),
+                      window=0)
   side_by_side = Loop("while", 10, False, (), (first, second), 0)
   one_by_one = Loop("while", 10, False, (),
                     (dataclasses.replace(first, window=0), second), 0)
@@ -223,7 +228,8 @@ def test_a_program_round_trips_through_plain_data():
        Loop("while", 4, False, (), tuple(_kernels(1)), 0)), (graph,),
       {"k0": Work(1.0, 2.0, "bf16")}, 7, 2)
   import json
-  assert GpuProgram.from_json(json.loads(json.dumps(program.to_json()))) == program
+  assert GpuProgram.from_json(
+      json.loads(json.dumps(program.to_json()))) == program
 
 
 def test_an_xla_view_reports_its_estimate():
@@ -274,13 +280,15 @@ def test_the_structural_way_stands_within_the_held_out_error(monkeypatch):
                                "concurrent": _fake(120e-6)}, "concurrent",
                               "h100")
   assert way == "concurrent", why
-  assert "inline 100 us (host-bound, 1.20x 'concurrent''s speed, 0.97-1.45x" in why
+  assert ("inline 100 us (host-bound, 1.20x 'concurrent''s speed, 0.97-1.45x"
+          in why)
   # 1.4x as fast: beyond it (1.4 * 0.85 / 1.05 = 1.13).
   way, why = estimated.choose({"inline": _fake(100e-6),
                                "concurrent": _fake(140e-6)}, "concurrent",
                               "h100")
   assert way == "inline", why
-  assert "took 'inline': estimated 1.40x the structural way's speed, 1.13-" in why
+  assert ("took 'inline': estimated 1.40x the structural way's speed, 1.13-"
+          in why)
   assert "beyond the estimate's held-out error" in why
   # An estimate of CONCURRENT that was off by +50% held out does not decide,
   # however large the loss it predicts.
@@ -383,7 +391,8 @@ def test_without_a_gpu_the_default_follows_the_estimate(estimate_for_h100,
   f = jaxstreams.jit(fn, streams=3)
   plan = f.plan(*args)
   assert plan.gpu_lowering != "inline", plan.gpu_reason
-  assert "estimated for h100" in plan.gpu_reason and "not timed" in plan.gpu_reason
+  assert ("estimated for h100" in plan.gpu_reason
+          and "not timed" in plan.gpu_reason)
   f.plan(*args)
   f.lower(*args)
   assert len(asked) == 1 and asked[0][1] == "h100"   # once per signature
@@ -401,14 +410,17 @@ def test_an_estimate_that_fails_leaves_the_structural_default(estimate_for_h100,
   fn, args = _branches()
   plan = jaxstreams.jit(fn, streams=3).plan(*args)
   assert plan.gpu_lowering == "concurrent"
-  assert "the estimate for h100 failed: RuntimeError: no CUDA plugin" in plan.gpu_reason
+  assert ("the estimate for h100 failed: RuntimeError: no CUDA plugin"
+          in plan.gpu_reason)
 
 
 def test_the_option_names_a_target():
   import jaxstreams
   # config holds the built-in targets' names itself (it sits below xla).
-  assert jaxstreams.config.ESTIMATE_TARGETS == tuple(sorted(targets.BUILTIN_TARGETS))
-  assert jaxstreams.config.options()["jaxstreams_estimate_target"].default == "auto"
+  assert jaxstreams.config.ESTIMATE_TARGETS == tuple(
+      sorted(targets.BUILTIN_TARGETS))
+  assert jaxstreams.config.options()[
+      "jaxstreams_estimate_target"].default == "auto"
   with pytest.raises(ValueError, match="'auto', 'none', one of h100, h200, "
                      "or the path"):
     jaxstreams.config.update("jaxstreams_estimate_target", "h1000")
@@ -548,7 +560,8 @@ def test_a_kept_decision_s_key_covers_what_the_estimate_reads(monkeypatch,
   assert len({before, one, estimated.estimate_version()}) == 3
 
 
-def test_the_estimated_choice_compiles_the_ways_for_the_target(estimate_for_h100):
+def test_the_estimated_choice_compiles_the_ways_for_the_target(
+    estimate_for_h100):
   require_gpu_target("estimating step times for an H100")
   import jaxstreams
   fn, args = _branches()
@@ -598,7 +611,8 @@ def test_with_defaults_for_an_h100_the_structural_way_stands(name, way, rule):
     plan = jaxstreams.jit(fn, streams=streams).plan(
         *targets.gpu_target("h100").abstract(*args))
   assert plan.gpu_lowering == way, plan.gpu_reason
-  assert "estimated for h100 (the target the arguments are on" in plan.gpu_reason
+  assert ("estimated for h100 (the target the arguments are on"
+          in plan.gpu_reason)
   assert f"kept the structural way {way!r}" in plan.gpu_reason
   assert rule in plan.gpu_reason
 

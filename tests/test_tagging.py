@@ -65,7 +65,8 @@ def test_include_grad_false_leaves_the_backward_pass_untagged():
   assert forward and backward
   assert {e.stream for e in forward} == {1}
   assert {e.stream for e in backward} == {0}
-  assert_equal_results(jaxstreams.jit(step, streams=2)(w, x), jax.jit(step)(w, x))
+  assert_equal_results(jaxstreams.jit(step, streams=2)(w, x),
+                       jax.jit(step)(w, x))
 
 
 def test_grad_inside_a_block_is_placed_on_it():
@@ -117,7 +118,8 @@ def test_control_flow_runs_whole_on_its_stream(kind):
   assert_equal_results(jaxstreams.jit(f, streams=2)(x), jax.jit(f)(x))
   if kind == "while_loop":
     return  # jax has no reverse mode for while_loop
-  assert_equal_results(jaxstreams.jit(jax.grad(lambda x: f(x).sum()), streams=2)(x),
+  assert_equal_results(jaxstreams.jit(jax.grad(lambda x: f(x).sum()),
+                                      streams=2)(x),
                        jax.jit(jax.grad(lambda x: f(x).sum()))(x))
 
 

@@ -173,7 +173,8 @@ def test_jaxlib_ffi_api_version_is_read_from_its_headers():
   assert version is not None
   if jaxlib.__version__ not in KNOWN_JAXLIB_FFI_API:
     pytest.skip(f"no recorded FFI API version for jaxlib {jaxlib.__version__}")
-  assert _loader.ffi_api_text(version) == KNOWN_JAXLIB_FFI_API[jaxlib.__version__]
+  assert (_loader.ffi_api_text(version)
+          == KNOWN_JAXLIB_FFI_API[jaxlib.__version__])
 
 
 def test_loaded_library_is_one_the_running_jaxlib_accepts():
@@ -212,9 +213,11 @@ def test_library_newer_than_jaxlib_is_refused_naming_both_versions(tmp_path):
   from jaxstreams.runtime import _loader
   running = _loader.jaxlib_ffi_api_version()
   for newer in (running + 1, (running // 1000 + 1) * 1000):
-    message = _loader._load_platform("cpu", [_fake_cpu_library(tmp_path, newer)])
+    message = _loader._load_platform("cpu",
+                                     [_fake_cpu_library(tmp_path, newer)])
     assert isinstance(message, str)
-    assert f"compiled against XLA FFI API {_loader.ffi_api_text(newer)}" in message
+    assert (f"compiled against XLA FFI API {_loader.ffi_api_text(newer)}"
+            in message)
     assert f"jaxlib {jaxlib.__version__} has XLA FFI API " \
            f"{_loader.ffi_api_text(running)}" in message
     assert "pip install --force-reinstall --no-deps ." in message
@@ -225,7 +228,8 @@ def test_library_as_old_as_or_older_than_jaxlib_passes_the_check(tmp_path):
   from jaxstreams.runtime import _loader
   running = _loader.jaxlib_ffi_api_version()
   for version in [running] + ([running - 1] if running % 1000 else []):
-    message = _loader._load_platform("cpu", [_fake_cpu_library(tmp_path, version)])
+    message = _loader._load_platform("cpu",
+                                     [_fake_cpu_library(tmp_path, version)])
     # Accepted by the FFI API check, so refused by the next one: no handlers.
     assert "does not export the handler" in message, message
     assert "XLA FFI API" not in message
@@ -245,7 +249,8 @@ def test_jax_keeps_working_when_the_library_is_too_new(tmp_path):
           y = jnp.sin(x) * 2.0
         return y + x
       x = jnp.arange(8.0)
-      np.testing.assert_array_equal(jaxstreams.jit(f, streams=2)(x), jax.jit(f)(x))
+      np.testing.assert_array_equal(jaxstreams.jit(f, streams=2)(x),
+                                    jax.jit(f)(x))
       try:
         rt.identity(1.0)
       except rt.RuntimeLibraryError as e:
@@ -253,7 +258,8 @@ def test_jax_keeps_working_when_the_library_is_too_new(tmp_path):
       else:
         raise SystemExit("no error")
       """)
-  env = dict(os.environ, JAXSTREAMS_FFI_LIB_DIR=str(lib_dir), JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAXSTREAMS_FFI_LIB_DIR=str(lib_dir),
+             JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", script], env=env,
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout + proc.stderr

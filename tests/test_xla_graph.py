@@ -20,10 +20,11 @@ def _log(mode, commands, nodes, thunks, count=None, named=""):
   for name, resources in commands:
     res = ", ".join(f"token@0x{t}({a})" for t, a in resources)
     lines.append(f"{_PREFIX}command_executor.cc:116] {name} grid: [1, 1, 1] "
-                 f"threads: [32, 1, 1]  shared_memory: 0 bytes resources=[{res}]")
+                 f"threads: [32, 1, 1]  shared_memory: 0 bytes "
+                 f"resources=[{res}]")
   count = len(commands) if count is None else count
-  lines.append(f"{_PREFIX}command_executor.cc:275] Execution graph: ExecutionGraph: "
-               f"{count} nodes, #source_nodes=1 #sink_nodes=1, "
+  lines.append(f"{_PREFIX}command_executor.cc:275] Execution graph: "
+               f"ExecutionGraph: {count} nodes, #source_nodes=1 #sink_nodes=1, "
                f"is_sequential={'true' if mode == 'LHS' else 'false'}")
   for n, ins in enumerate(nodes):
     if isinstance(ins, str):
@@ -32,8 +33,9 @@ def _log(mode, commands, nodes, thunks, count=None, named=""):
     edges = ", ".join(f"NodeEdge {{kind: execution, id: {i}}}" for i in ins)
     lines.append(f"node {n} (priority=0): in=[{edges}] out=[]")
   lines.append("")
-  lines.append(f"{_PREFIX}command_buffer_conversion_pass.cc:531] Creating command "
-               f"buffer thunk{named} with the following thunks: {', '.join(thunks)}")
+  lines.append(f"{_PREFIX}command_buffer_conversion_pass.cc:531] Creating "
+               f"command buffer thunk{named} with the following thunks: "
+               f"{', '.join(thunks)}")
   return "\n".join(lines) + "\n"
 
 
@@ -48,7 +50,7 @@ SEQUENCE = """\
     005: kCustomKernel [prev=001 (4) | sink] fusion_c grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
     006: kAsyncDone    [source | sink] async_id=1
     007: kAsyncDone    [source | sink] async_id=3
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 METADATA = "".join(
     f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n'
@@ -56,8 +58,8 @@ METADATA = "".join(
     for i, name in [(1, "call-start"), (2, "fusion.a"), (3, "call-start.1"),
                     (4, "fusion.b"), (5, "fusion.c")])
 
-_ATTRS = ('frontend_attributes={{_xla_stream_annotation="{s}",inlineable="false",'
-          'jaxstreams_region="{r}"}}')
+_ATTRS = ('frontend_attributes={{_xla_stream_annotation="{s}",'
+          'inlineable="false",jaxstreams_region="{r}"}}')
 HLO = f"""HloModule jit_f, is_scheduled=true
 
 %region_a (p0: f32[4]) -> f32[4] {{
@@ -78,7 +80,7 @@ ENTRY %main (x: f32[4]) -> f32[4] {{
   %call-done.1 = f32[4]{{0}} call-done(%call-start.1), {_ATTRS.format(s=2, r=1)}
   ROOT %fusion.c = f32[4]{{0}} fusion(%call-done, %call-done.1), kind=kLoop, calls=%fused_c, metadata={{op_name="jit(f)/jaxstreams_region_2/add"}}
 }}
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 # Where each value lives: the two regions' results side by side in one
 # temporary allocation, the result in the output allocation.
@@ -108,7 +110,8 @@ def test_a_chain_as_jaxlib_0_10_and_0_11_draw_it():
   log = _log("LHS", chain, [[], [0], [1]], THUNKS)
   graphs = read_graphs(log, SEQUENCE, METADATA, HLO)
   (graph,) = graphs.graphs
-  assert [(k.name, k.instruction, k.region, k.stream) for k in graph.kernels] == [
+  assert [(k.name, k.instruction, k.region, k.stream)
+          for k in graph.kernels] == [
       ("fusion_a", "fusion.a", 0, 1), ("fusion_b", "fusion.b", 1, 2),
       ("fusion_c", "fusion.c", 2, 0)]
   assert graph.sequential and graph.mode == "LHS"
@@ -182,15 +185,17 @@ def test_a_region_xla_left_out_of_every_graph():
         No thunks.
     005: kCustomKernel [prev=001 (4) | sink] fusion_c grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
 006: kAsyncDone     [source | sink] async_id=1
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
   log = _log("LHS", COMMANDS[1:], [[], [0]], ["call-start.1", "fusion.c"])
   graphs = read_graphs(log, sequence, METADATA, HLO)
   (outside,) = graphs.outside
-  assert (outside.instruction, outside.region, outside.stream) == ("call-start", 0, 1)
+  assert (outside.instruction, outside.region, outside.stream) == (
+      "call-start", 0, 1)
   assert outside.kernels == ("kCustomCall", "fusion_a")
   assert "kCustomCall" in outside.reason
   assert graphs.graphs[0].regions == (1, 2)
-  assert (0, 1) in graphs.parallel_regions() and (0, 2) in graphs.parallel_regions()
+  assert ((0, 1) in graphs.parallel_regions()
+          and (0, 2) in graphs.parallel_regions())
   assert "outside any graph: R0 on stream 1" in graphs.summary()
 
 
@@ -208,7 +213,8 @@ def test_compare_checks_the_plans_pairs():
   calls = [r.index for r in plan.regions if r.is_call]
   assert len(calls) == 2
   log = _log("Concurrent", COMMANDS, [[], [], [0, 1]], THUNKS)
-  hlo = HLO.replace('jaxstreams_region="0"', f'jaxstreams_region="{calls[0]}"') \
+  hlo = HLO.replace('jaxstreams_region="0"',
+                    f'jaxstreams_region="{calls[0]}"') \
            .replace('jaxstreams_region="1"', f'jaxstreams_region="{calls[1]}"')
   graphs = read_graphs(log, SEQUENCE, METADATA, hlo, plan=plan)
   assert graphs.compare() == ((calls[0], calls[1], True),)
@@ -264,7 +270,7 @@ condition:
     011: kAsyncDone    [source       | sink        ] async_id=6
     008: kCustomKernel [source       | sink        ] loop_add_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
 009: kCustomKernel [prev=002 (1) | sink] fusion_c grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 LOOP_METADATA = "".join(
     f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "{name}"\n'
@@ -282,7 +288,7 @@ ENTRY %main.2 (y: f32[4]) -> f32[4] {{
   %while.5 = f32[4]{{0}} while(%y), condition=%cond, body=%body, backend_config={trip_config}
   ROOT %fusion.c = f32[4]{{0}} fusion(%while.5), kind=kLoop, calls=%fused_c, metadata={{op_name="jit(f)/jaxstreams_region_2/add"}}
 }}
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 
 def test_a_loop_of_known_trip_count_runs_its_stream_calls_side_by_side():
@@ -292,9 +298,11 @@ def test_a_loop_of_known_trip_count_runs_its_stream_calls_side_by_side():
   graphs = read_graphs("", LOOP_SEQUENCE, LOOP_METADATA, hlo)
   assert graphs.graphs == ()
   (loop,) = graphs.loops
-  assert (loop.instruction, loop.trip_count, loop.host_waits) == ("while.5", 6, False)
+  assert (loop.instruction, loop.trip_count, loop.host_waits) == (
+      "while.5", 6, False)
   starts = [l for l in loop.body if type(l).__name__ == "StreamCall"]
-  assert [(s.region, s.stream, s.window) for s in starts] == [(0, 1, 1), (1, 2, 0)]
+  assert ([(s.region, s.stream, s.window) for s in starts]
+          == [(0, 1, 1), (1, 2, 0)])
   assert graphs.parallel_regions() == ((0, 1),)
   summary = graphs.summary()
   assert summary.startswith("no CUDA graph: every launch is made one by one")
@@ -335,7 +343,7 @@ COND_SEQUENCE = """\
       true_branch:
         003: kCustomKernel [source | sink] fusion_c grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
     005: kCustomKernel [prev=004 (1) | sink] fusion_c grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 bytes
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 
 def test_a_conditional_in_a_graph_and_its_branch_graphs():
@@ -344,10 +352,12 @@ def test_a_conditional_in_a_graph_and_its_branch_graphs():
          + _log("LHS", [("fusion_a", [("1", "write")]), ("", [("4", "write")]),
                         ("fusion_c", [("3", "write")])], [[], [0], [1]],
                 ["fusion.a", "cond", "fusion.c"]).replace(
-                    "] \x20grid: [1, 1, 1] threads: [32, 1, 1]  shared_memory: 0 "
+                    "] \x20grid: [1, 1, 1] threads: [32, 1, 1]  "
+                    "shared_memory: 0 "
                     "bytes resources=[token@0x4(write)]", "] "))
-  metadata = METADATA + ('thunk_metadata {\n  thunk_info {\n    profile_annotation: '
-                         '"cond"\n    thunk_id: 4\n  }\n  thunk_kind: "k"\n}\n')
+  metadata = METADATA + ('thunk_metadata {\n  thunk_info {\n'
+                         '    profile_annotation: "cond"\n    thunk_id: 4\n'
+                         '  }\n  thunk_kind: "k"\n}\n')
   graphs = read_graphs(log, COND_SEQUENCE, metadata, HLO)
   assert [len(g.kernels) for g in graphs.graphs] == [1, 1, 3]
   (cond,) = graphs.conditionals

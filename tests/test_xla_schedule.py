@@ -1,4 +1,5 @@
-"""xla_schedule reads the async regions of scheduled HLO text (handwritten here)."""
+"""xla_schedule reads the async regions of scheduled HLO text (handwritten
+here)."""
 
 import json
 
@@ -14,7 +15,8 @@ from programs import random_inputs, two_towers
 pytestmark = pytest.mark.usefixtures("stream_calls")
 
 # A region call as XLA prints it: its stream, and the plan region it is.
-_ATTRS = 'frontend_attributes={{_xla_stream_annotation="{s}",inlineable="false",jaxstreams_region="{r}"}}'
+_ATTRS = ('frontend_attributes={{_xla_stream_annotation="{s}",'
+          'inlineable="false",jaxstreams_region="{r}"}}')
 
 # Two regions on streams 1 and 2; region 2 starts inside region 1's window,
 # and a main-stream fusion runs inside both.
@@ -50,7 +52,7 @@ ENTRY %main.1 (x: f32[8]) -> f32[8] {{
   %sync = f32[8]{{0}} call(%cos), to_apply=%region_b, {_ATTRS.format(s=3, r=2)}
   ROOT %add = f32[8]{{0}} fusion(%call-done.2, %call-done.1, %sync), kind=kLoop, calls=%fused_add
 }}
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 # One chain: the region's result feeds the main stream, nothing in between.
 ONE_CHAIN = f"""HloModule jit_g, is_scheduled=true
@@ -66,7 +68,7 @@ ENTRY %main (x: f32[8]) -> f32[8] {{
   %call-done = f32[8]{{0}} call-done(%call-start), {_ATTRS.format(s=1, r=0)}
   ROOT %y = f32[8]{{0}} fusion(%call-done), kind=kLoop, calls=%fused_cos
 }}
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 
 def test_regions_windows_and_overlap():
@@ -113,9 +115,11 @@ def test_comparison_with_the_plan():
   assert (pair.first, pair.second, pair.scheduled_together) == (0, 1, True)
   # Region b moved after region a's done: the two no longer overlap.
   lines = TWO_REGIONS.splitlines(keepends=True)
-  b_lines = [line for line in lines if "%call-start.1 =" in line or "%call-done.1 =" in line]
+  b_lines = [line for line in lines
+             if "%call-start.1 =" in line or "%call-done.1 =" in line]
   rest = [line for line in lines if line not in b_lines]
-  after_a = next(i for i, line in enumerate(rest) if "%call-done = " in line) + 1
+  after_a = next(i for i, line in enumerate(rest)
+                 if "%call-done = " in line) + 1
   serial = "".join(rest[:after_a] + b_lines + rest[after_a:])
   serial_schedule = xla_schedule(serial, plan=plan)
   (pair,) = serial_schedule.compare(plan)
@@ -140,7 +144,7 @@ ENTRY %main (x: f32[8]) -> f32[8] {{
   %call-done.1 = f32[8]{{0}} call-done(%call-start.1), {_ATTRS.format(s=1, r=second)}
   ROOT %y = f32[8]{{0}} fusion(%call-done, %call-done.1), kind=kLoop, calls=%fused_add
 }}
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 
 def _two_regions_on_stream_1(x, w):
@@ -170,10 +174,13 @@ def test_notes_say_what_xla_serialized():
   assert xla_schedule(TWO_REGIONS, plan=plan).notes == ()
   assert xla_schedule(TWO_REGIONS).notes == ()   # no plan, nothing to compare
   lines = TWO_REGIONS.splitlines(keepends=True)
-  b_lines = [line for line in lines if "%call-start.1 =" in line or "%call-done.1 =" in line]
+  b_lines = [line for line in lines
+             if "%call-start.1 =" in line or "%call-done.1 =" in line]
   rest = [line for line in lines if line not in b_lines]
-  after_a = next(i for i, line in enumerate(rest) if "%call-done = " in line) + 1
-  serial = xla_schedule("".join(rest[:after_a] + b_lines + rest[after_a:]), plan=plan)
+  after_a = next(i for i, line in enumerate(rest)
+                 if "%call-done = " in line) + 1
+  serial = xla_schedule("".join(rest[:after_a] + b_lines + rest[after_a:]),
+                        plan=plan)
   assert serial.notes[0] == ("R0 and R1 may run together; XLA scheduled them "
                              "one after the other")
   assert f"note: {serial.notes[0]}" in str(serial)
@@ -181,11 +188,16 @@ def test_notes_say_what_xla_serialized():
 
 @pytest.mark.parametrize("text, message", [
     ("", "expected HLO text"),
-    ("HloModule m\n%f (x: f32[]) -> f32[] {\n  ROOT %x = f32[] parameter(0)\n}\n", "no ENTRY"),
-    ("HloModule m\nENTRY %main () -> f32[] {\n  this is not hlo\n}\n", "line 3: not an HLO instruction"),
-    ("HloModule m\nENTRY %main () -> f32[] {\n  ROOT %x = f32[] parameter(0)\n", "not closed"),
-    ("HloModule m\nENTRY %main () -> f32[] {\n  %s = (f32[]) call-start(%x), to_apply=%f, "
-     'frontend_attributes={_xla_stream_annotation="1"}\n}\n', "no matching done"),
+    ("HloModule m\n%f (x: f32[]) -> f32[] {\n"
+     "  ROOT %x = f32[] parameter(0)\n}\n", "no ENTRY"),
+    ("HloModule m\nENTRY %main () -> f32[] {\n  this is not hlo\n}\n",
+     "line 3: not an HLO instruction"),
+    ("HloModule m\nENTRY %main () -> f32[] {\n"
+     "  ROOT %x = f32[] parameter(0)\n", "not closed"),
+    ("HloModule m\nENTRY %main () -> f32[] {\n"
+     "  %s = (f32[]) call-start(%x), to_apply=%f, "
+     'frontend_attributes={_xla_stream_annotation="1"}\n}\n',
+     "no matching done"),
 ])
 def test_malformed_text_is_a_clear_error(text, message):
   with pytest.raises(HloParseError, match=message):
@@ -193,7 +205,8 @@ def test_malformed_text_is_a_clear_error(text, message):
 
 
 def test_unknown_target_names_the_choices():
-  with pytest.raises(ValueError, match=r"unknown GPU target 'a100'.*\['h100', 'h200'\]"):
+  with pytest.raises(ValueError,
+                     match=r"unknown GPU target 'a100'.*\['h100', 'h200'\]"):
     jaxstreams.gpu_target("a100")
 
 
@@ -219,7 +232,7 @@ ENTRY %main.2 (x: f32[8]) -> f32[8] {{
   %call-done = f32[8]{{0}} call-done(%call-start), {_ATTRS.format(s=1, r=0)}
   ROOT %all-reduce = f32[8]{{0}} all-reduce(%call-done), replica_groups={{}}, to_apply=%sum
 }}
-"""
+"""  # noqa: E501 (quoted as XLA writes it)
 
 
 def test_each_collective_names_the_regions_in_flight_beside_it():
@@ -230,4 +243,5 @@ def test_each_collective_names_the_regions_in_flight_beside_it():
               ("all-reduce", "all-reduce", ())]
   # The second reduces the region's result: it waits for the region.
   assert [c.waits_for for c in schedule.collectives] == [(), (0,)]
-  assert schedule.summary().endswith("2 collective(s), 1 with a region in flight")
+  assert schedule.summary().endswith(
+      "2 collective(s), 1 with a region in flight")

@@ -28,7 +28,8 @@ import jaxstreams
 
 CONCURRENT_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 GPU_ONLY = "n/a: needs a GPU backend"
-_ANNOTATED_CALL = re.compile(r'= (?:func\.)?call @\S+.*?_xla_stream_annotation = "(\d+)"')
+_ANNOTATED_CALL = re.compile(
+    r'= (?:func\.)?call @\S+.*?_xla_stream_annotation = "(\d+)"')
 
 
 # Where the suite reads XLA's schedule of a candidate. On a GPU: from the
@@ -96,7 +97,8 @@ class Candidate:
   run: Callable[[], Any] | None = None
   status: str = "ok"
   compiled: Any = None                     # a jax Compiled, for memory stats
-  annotated_calls: dict[str, int] | None = None   # stream -> calls (CUDA lowering)
+  # stream -> calls (CUDA lowering)
+  annotated_calls: dict[str, int] | None = None
   call_starts: int | None = None           # call-start ops, compiled on GPU
   scheduled: dict | str | None = None      # XLA's schedule of its regions
   cleanup: Callable[[], None] | None = None
@@ -169,7 +171,8 @@ def compiled_candidate(name: str, jitted, args, *, compiler_options=None,
   scheduled = (scheduled_overlap(jitted, args, compiled)
                if count_annotations and schedules_here() else None)
   return Candidate(name=name, run=lambda: compiled(*args), compiled=compiled,
-                   annotated_calls=counts, call_starts=starts, scheduled=scheduled)
+                   annotated_calls=counts, call_starts=starts,
+                   scheduled=scheduled)
 
 
 def scheduled_overlap(jitted, args, compiled) -> dict | str:

@@ -81,7 +81,8 @@ def _layer(heads):
     b, t, w = x.shape
     q, k, v = jnp.split(_norm(x, p["ln1"]) @ p["qkv"], 3, axis=-1)
     split = lambda a: a.reshape(b, t, heads, w // heads)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) * (w // heads) ** -0.5
+    scores = (jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k))
+              * (w // heads) ** -0.5)
     attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1),
                       split(v)).reshape(b, t, w)
     x = x + attn @ p["out"]

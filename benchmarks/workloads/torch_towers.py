@@ -3,13 +3,13 @@
 The dual encoder, the GRU bank and the ODE ensemble of this package, and
 the flax.linen dual encoder (``linen_dual_encoder``: its parameters read
 from flax's tree, its training step with ``torch.optim.AdamW`` set as the
-JAX step's optax ``adamw``), on the same weights and inputs, written the way a PyTorch user runs towers side by
-side: each tower under ``torch.cuda.stream`` of a stream of its own, the
-default stream waiting for all of them before the towers' results meet
-(autograd runs each backward op on its forward op's stream). With
-``streams=False`` everything runs on the default stream. Eager PyTorch, no
-CUDA graphs: the kernels are launched one by one, as jaxstreams' loop bodies
-are.
+JAX step's optax ``adamw``), on the same weights and inputs, written the way a
+PyTorch user runs towers side by side: each tower under ``torch.cuda.stream`` of
+a stream of its own, the default stream waiting for all of them before the
+towers' results meet (autograd runs each backward op on its forward op's
+stream). With ``streams=False`` everything runs on the default stream. Eager
+PyTorch, no CUDA graphs: the kernels are launched one by one, as jaxstreams'
+loop bodies are.
 
 ``build(name, size, args, device, streams)`` returns a function of no
 arguments that runs one step and returns a tensor to synchronize on.
@@ -106,7 +106,8 @@ def _transformer_tower(torch, params, h, heads):
     scores = split(q) @ split(k).transpose(-1, -2) * (w // heads) ** -0.5
     attn = (scores.softmax(-1) @ split(v)).transpose(1, 2).reshape(b, t, w)
     h = h + attn @ layers["out"][i]
-    up = _norm(torch, h, (layers["ln2"][0][i], layers["ln2"][1][i])) @ layers["up"][i]
+    up = (_norm(torch, h, (layers["ln2"][0][i], layers["ln2"][1][i]))
+          @ layers["up"][i])
     h = h + torch.nn.functional.gelu(up, approximate="tanh") @ layers["down"][i]
   e = h.mean(1)
   return e / e.norm(dim=-1, keepdim=True)

@@ -48,7 +48,8 @@ def _version_tuple(text: str) -> tuple[int, ...]:
 
 
 def jaxlib_version() -> tuple[int, ...]:
-  """The installed jaxlib's (major, minor): what XLA can compile depends on it."""
+  """The installed jaxlib's (major, minor): what XLA can compile depends on
+  it."""
   return _version_tuple(jaxlib.__version__)
 
 
@@ -98,7 +99,8 @@ DERIVATIVE_WRAPPERS = frozenset({CHECKPOINT_PRIMITIVE, "custom_jvp_call",
 # Name stacks and source locations.
 
 def name_stack_entries(eqn) -> tuple[tuple[str, str], ...]:
-  """The equation's name stack, outermost first, as ("scope"|"transform", name)."""
+  """The equation's name stack, outermost first, as ("scope"|"transform",
+  name)."""
   entries = []
   for entry in eqn.source_info.name_stack.stack:
     kind = "transform" if type(entry).__name__ == "Transform" else "scope"
@@ -259,7 +261,8 @@ def bind_shard_map(eqn, body: Callable[..., Sequence[Any]],
       in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]),
       axis_names=set(params["newly_manual_axes"]),
       check_vma=params["check_vma"])
-  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  name_stack = (source_info_util.current_name_stack()
+                + eqn.source_info.name_stack)
   with source_info_util.user_context(eqn.source_info.traceback,
                                      name_stack=name_stack):
     return list(mapped(*args))

@@ -26,9 +26,9 @@ def _find_xla_metadata_call() -> Callable[..., Any]:
     if fn is not None:
       return fn
   raise ImportError(
-      f"jaxstreams needs jax's xla_metadata_call (jax.experimental.xla_metadata "
-      f"or jax.experimental.scheduling_groups); jax {jax.__version__} has neither. "
-      "Install jax>=0.10.")
+      "jaxstreams needs jax's xla_metadata_call "
+      "(jax.experimental.xla_metadata or jax.experimental.scheduling_groups); "
+      f"jax {jax.__version__} has neither. Install jax>=0.10.")
 
 
 # ``xla_metadata_call(fn, **attributes)``: ``fn`` as one call op with these

@@ -115,7 +115,8 @@ def equation_cost(eqn) -> Cost:
   if name == "dot_general":
     (lhs_contract, _), _ = eqn.params["dimension_numbers"]
     lhs_shape = ins[0].shape
-    contracted = math.prod(lhs_shape[d] for d in lhs_contract) if lhs_contract else 1
+    contracted = (math.prod(lhs_shape[d] for d in lhs_contract) if lhs_contract
+                  else 1)
     return Cost(2.0 * out_elems * contracted, moved, 1.0)
   if name == "conv_general_dilated":
     rhs_shape = ins[1].shape

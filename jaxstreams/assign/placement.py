@@ -59,7 +59,8 @@ class StreamIdError(ValueError):
   """A ``stream()`` id outside ``[0, streams)``."""
 
 
-def _check_range(stream_id: int, streams: int, streams_source: str, eqn) -> None:
+def _check_range(stream_id: int, streams: int, streams_source: str,
+                 eqn) -> None:
   if stream_id >= streams:
     raise StreamIdError(
         f"jaxstreams.stream({stream_id}) at {_compat.source_location(eqn)} is "
@@ -70,7 +71,8 @@ def _check_range(stream_id: int, streams: int, streams_source: str, eqn) -> None
 
 def _inner_stream_tags(eqn, outer_stack, streams, streams_source,
                        found: dict[int, Any]) -> None:
-  """Collect stream tags from the bodies of ``eqn`` (any depth) into ``found``."""
+  """Collect stream tags from the bodies of ``eqn`` (any depth) into
+  ``found``."""
   for sub in sub_jaxprs(eqn):
     for inner in sub.eqns:
       stack = outer_stack + _compat.name_stack_entries(inner)
@@ -91,7 +93,8 @@ def _has_collective(eqn) -> bool:
 
 
 def equation_name(eqn) -> str:
-  """Name stack and primitive: what the plan shows and the rules file matches."""
+  """Name stack and primitive: what the plan shows and the rules file
+  matches."""
   stack = _compat.name_stack_str(eqn)
   return f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
 

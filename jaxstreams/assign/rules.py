@@ -20,7 +20,8 @@ class RulesFileError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class StreamRules:
   path: str
-  rules: tuple[tuple[int, int, tuple[re.Pattern, ...]], ...]  # (line, stream, regexes)
+  # (line, stream, regexes)
+  rules: tuple[tuple[int, int, tuple[re.Pattern, ...]], ...]
 
   def match(self, name: str) -> tuple[int, int] | None:
     """(stream, line) of the first rule matching ``name``, or None."""

@@ -354,7 +354,8 @@ class Chooser:
       overflow = None if running else _overflow(owner, way, args, kwargs)
       if overflow:
         way, why = inline, f"{why}; {overflow}"
-      entry = self._signatures[key] = SignatureChoice(way, ways, None, None, started)
+      entry = self._signatures[key] = SignatureChoice(way, ways, None, None,
+                                                      started)
       entry.decision = timing.Decision(way.name, why)
       return way
     lowered = traced.lower()

@@ -212,8 +212,8 @@ def choose(estimates: dict, default: str, where: str,
                      f"{beyond_reach(way) or beyond_reach(default)})")
     return text + (f", {found[0]:.2f}x {default!r}'s speed, "
                    f"{found[1]:.2f}-{found[2]:.2f}x within the held-out error)")
-  listed = "; ".join(figure(w) for w in sorted(estimates,
-                                                key=lambda w: estimates[w].step))
+  listed = "; ".join(figure(w) for w in sorted(
+      estimates, key=lambda w: estimates[w].step))
   from jaxstreams.xla import fitted_costs
   low, high = fitted_costs.STEP_HELD_OUT
   how = (f"estimated for {where}, not timed (a step's figure, held out, "

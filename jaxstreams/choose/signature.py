@@ -71,7 +71,8 @@ class SignatureChoice:
     for way in ways:
       try:
         lowered = (lowered_inline if way.name == "inline" else
-                   owner._jit(way, top_level=True).trace(*args, **kwargs).lower())
+                   owner._jit(way, top_level=True)
+                   .trace(*args, **kwargs).lower())
       except Exception as error:  # noqa: BLE001 - a way that cannot lower
         self.failed[way.name] = f"did not lower: {type(error).__name__}"
         continue
@@ -202,7 +203,8 @@ class SignatureChoice:
 
   def _trials(self, medians: dict[str, float]) -> tuple[timing.Trial, ...]:
     return tuple(timing.Trial(w.name, medians.get(w.name),
-                              self.memory.get(w.name), self.failed.get(w.name, ""))
+                              self.memory.get(w.name),
+                              self.failed.get(w.name, ""))
                  for w in self.ways)
 
   def _keep_running(self, chooser, why: str) -> None:
@@ -210,7 +212,8 @@ class SignatureChoice:
         self.running.name, f"kept {self.running.name!r}: {why}",
         self._trials({})), store_it=False)
 
-  def _finish(self, chooser, decision: timing.Decision, store_it: bool = True) -> None:
+  def _finish(self, chooser, decision: timing.Decision,
+              store_it: bool = True) -> None:
     if not decision.cached:
       extra = sum(self.compile_seconds.values())
       decision = dataclasses.replace(decision, timing=(

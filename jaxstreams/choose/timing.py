@@ -108,7 +108,8 @@ class Rounds:
 
   def __init__(self, warmup: dict[str, float], rounds: int = ROUNDS):
     ways = list(warmup)
-    self.calls = {w: max(1, min(MAX_CALLS, math.ceil(ROUND_SECONDS / max(t, 1e-9))))
+    self.calls = {w: max(1, min(MAX_CALLS,
+                                math.ceil(ROUND_SECONDS / max(t, 1e-9))))
                   for w, t in warmup.items()}
     self.count = rounds
     self._schedule = [(r, w) for r in range(rounds)
@@ -120,7 +121,8 @@ class Rounds:
 
   def next(self) -> str | None:
     """The way the next timed call runs; None once every round is done."""
-    return self._schedule[self.done][1] if self.done < len(self._schedule) else None
+    return (self._schedule[self.done][1] if self.done < len(self._schedule)
+            else None)
 
   def record(self, way: str, seconds: float) -> None:
     r, expected = self._schedule[self.done]
@@ -185,7 +187,8 @@ def _memory_text(ratio: float | None) -> str:
 
 
 def time_interleaved(runs: dict[str, Callable[[], Any]], *, baseline: str,
-                     timer: Callable[[str, Callable[[], Any]], float] | None = None,
+                     timer: (Callable[[str, Callable[[], Any]], float]
+                             | None) = None,
                      rounds: int = ROUNDS) -> Decision:
   """Time the ways ``runs`` (way -> one call) here and now, a warm-up call
   each then interleaved ``Rounds``, and decide by the rule (``decide``).
@@ -196,8 +199,9 @@ def time_interleaved(runs: dict[str, Callable[[], Any]], *, baseline: str,
   timed = Rounds(warmup, rounds)
   while (way := timed.next()) is not None:
     timed.record(way, clock(way, runs[way]))
-  return decide(timed.per_round(), baseline=baseline, trials=lambda medians: tuple(
-      Trial(w, medians.get(w), None) for w in runs))
+  return decide(timed.per_round(), baseline=baseline,
+                trials=lambda medians: tuple(
+                    Trial(w, medians.get(w), None) for w in runs))
 
 
 # ---------------------------------------------------------------------------
@@ -256,7 +260,8 @@ def store(key: str, decision: Decision) -> None:
       except (OSError, ValueError):
         entries = {}
       entries[key] = {"way": decision.way, "reason": decision.reason,
-                      "trials": [dataclasses.asdict(t) for t in decision.trials],
+                      "trials": [dataclasses.asdict(t)
+                                 for t in decision.trials],
                       "timing": decision.timing}
       fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-")
       with os.fdopen(fd, "w") as f:

@@ -77,8 +77,9 @@ def region_function(plan: PartitionedProgram, index: int):
   return jcore.jaxpr_as_fun(plan.decisions.regions[index])
 
 
-def emit(plan: PartitionedProgram, args: Sequence[Any], *, profile: bool = False,
-         gpu_lowering: str = "inline", strict: bool = False) -> list[Any]:
+def emit(plan: PartitionedProgram, args: Sequence[Any], *,
+         profile: bool = False, gpu_lowering: str = "inline",
+         strict: bool = False) -> list[Any]:
   """Evaluate ``plan``'s program on flat ``args`` (the traced function's
   flattened dynamic arguments), emitting the regions as planned: in place
   (``gpu_lowering="inline"``), with independent loops run as one

@@ -13,7 +13,8 @@ way                  program                        compiler options (top level)
 ``loops_concurrent`` the same                       CONCURRENT graphs
 ``streams``          each off-main region a call    none (jax >= 0.12: XLA's
                      on its CUDA stream, loops as    limit of regions in flight
-                     in ``loops``                    raised to the plan's streams)
+                     in ``loops``                    raised to the plan's
+                                                     streams)
 ``streams_concurrent`` stream calls                 CONCURRENT graphs
 ==================== ============================== ============================
 

@@ -101,7 +101,8 @@ class _Member:
     carried = self.num_carry
 
     def run(*values):
-      fixed, carry = list(values[:consts]), list(values[consts:consts + carried])
+      fixed, carry = (list(values[:consts]),
+                      list(values[consts:consts + carried]))
       slices = values[consts + carried:]
       made: list = [None] * layers
       for j in (reversed(range(layers)) if reverse else range(layers)):
@@ -153,13 +154,13 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
   returns each member's results by variable. ``read`` gives the value of a
   variable; each member's work is in its region's name scope.
 
-  Scans of different lengths run as the group's phases
-  (``group.phases``, from ``partition.loops.layout``): in each, one loop whose step runs every
-  member's share of layers, its body called that many times over; a member
-  alone in a phase runs its layers as a loop of its own, in place. Each
-  step reads a member's layers from its whole stacked operands and writes
-  their results into its whole stacked results (``_scan_phase``): nothing
-  is cut out or put together around the loops.
+  Scans of different lengths run as the group's phases (``group.phases``, from
+  ``partition.loops.layout``): in each, one loop whose step runs every member's
+  share of layers, its body called that many times over; a member alone in a
+  phase runs its layers as a loop of its own, in place. Each step reads a
+  member's layers from its whole stacked operands and writes their results into
+  its whole stacked results (``_scan_phase``): nothing is cut out or put
+  together around the loops.
 
   ``out_of_graphs``: keep each body's stream call out of XLA's CUDA graphs,
   where XLA's default graph builder would chain the bodies one after the
@@ -229,7 +230,8 @@ def emit_group(plan: PartitionedProgram, group: LoopPlan,
     """Run ``phase`` (members by position in it); returns (carry, stacked
     results) per member (``_scan_phase``: ``xs`` and ``ys``)."""
     group = [members[i] for i in phase.members]
-    calls, packs = zip(*(body_call(m, k) for m, k in zip(group, phase.per_step)))
+    calls, packs = zip(*(body_call(m, k)
+                         for m, k in zip(group, phase.per_step)))
     unrolls = {min(m.unroll, phase.steps) for m in group}
     unroll = (unrolls.pop() if len(unrolls) == 1
               and set(phase.per_step) == {1} else 1)

@@ -200,7 +200,8 @@ class WaysMemory:
               "vs jax.jit", "temporaries vs jax.jit"]
     if any(x.seconds is not None for x in self.ways):
       header.append("GPU step est.")
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    widths = [max(len(h), *(len(r[i]) for r in rows))
+              for i, h in enumerate(header)]
     fmt = lambda cells: "  " + "  ".join(
         c.ljust(n) for c, n in zip(cells, widths)).rstrip()
     lines = [f"device memory of each way ({self.source}; jax.jit's program "

@@ -183,7 +183,8 @@ class Sequencer:
     self.order = self._main_orders()
     # Steps: one per call, one per main-stream equation, in emission order.
     self.last_use: dict[Any, int] = {}
-    self.fused_reads: list[list] = []   # per step: what a fusible equation reads
+    # per step: what a fusible equation reads
+    self.fused_reads: list[list] = []
     step = 0
     for index, stream in enumerate(graph.streams):
       if not emitted(plan, index):
@@ -209,7 +210,8 @@ class Sequencer:
                     if plan.costs[i].kernels == 0 and not eqns[i].effects
                     for v in eqns[i].outvars}
     self.step = 0
-    self.pending: list[Any] = []    # inputs of pinned calls since the last barrier
+    # inputs of pinned calls since the last barrier
+    self.pending: list[Any] = []
     self.flying: set[Any] = set()   # results no main-stream equation read yet
     self.buffers: dict[Any, Any] = {}   # key -> the packed buffer, as of now
 
@@ -232,7 +234,8 @@ class Sequencer:
       else:
         waiting, needs = set(), []
         for i in members:
-          if any(not isinstance(v, jcore.Literal) and (v in flying or v in waiting)
+          if any(not isinstance(v, jcore.Literal)
+                 and (v in flying or v in waiting)
                  for v in eqns[i].invars):
             waiting.update(eqns[i].outvars)
             needs.append(i)

@@ -29,7 +29,8 @@ class Packing:
     self.slots = {}
     offset = 0
     for var in outputs:
-      size = int(np.prod(var.aval.shape, dtype=np.int64)) * self._width(var.aval.dtype)
+      size = (int(np.prod(var.aval.shape, dtype=np.int64))
+              * self._width(var.aval.dtype))
       self.slots[var] = (offset, size)
       offset += size
 
@@ -91,7 +92,8 @@ class Packing:
       return piece.reshape(aval.shape)
     if self._how(dtype, self.carrier) == "bitcast":
       width = self._width(dtype)
-      piece = piece.reshape(*aval.shape, width) if width > 1 else piece.reshape(aval.shape)
+      piece = (piece.reshape(*aval.shape, width) if width > 1
+               else piece.reshape(aval.shape))
       value = jax.lax.bitcast_convert_type(piece, dtype)
     else:
       value = piece.reshape(aval.shape).astype(dtype)

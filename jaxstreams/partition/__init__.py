@@ -13,6 +13,7 @@ from jaxstreams.partition.plan import (Dependency, LoopGroup, PlannedEquation,
 from jaxstreams.partition.regions import RegionGraph, partition
 from jaxstreams.partition.schedule import Schedule, estimate
 
-__all__ = ["Dependency", "LoopGroup", "Part", "PartitionedProgram", "PlannedEquation",
-           "Region", "RegionGraph", "Schedule", "StreamPlan", "cut",
-           "estimate", "part_function", "part_jaxpr", "partition", "report"]
+__all__ = ["Dependency", "LoopGroup", "Part", "PartitionedProgram",
+           "PlannedEquation", "Region", "RegionGraph", "Schedule", "StreamPlan",
+           "cut", "estimate", "part_function", "part_jaxpr", "partition",
+           "report"]

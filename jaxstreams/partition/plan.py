@@ -214,11 +214,12 @@ class StreamPlan:
             "dependencies>")
 
   def __str__(self) -> str:
+    dependencies = _count(len(self.dependencies), "cross-stream dependency",
+                          "cross-stream dependencies")
     lines = [
         f"StreamPlan for {self.function_name}: streams={self.streams}, "
         f"{_count(len(self.equations), 'equation')}, "
-        f"{_count(len(self.regions), 'region')}, "
-        f"{_count(len(self.dependencies), 'cross-stream dependency', 'cross-stream dependencies')}",
+        f"{_count(len(self.regions), 'region')}, {dependencies}",
     ]
     if self.summary:
       lines.append(f"  {self.summary}")
@@ -240,7 +241,8 @@ class StreamPlan:
           str(sum(e.stream == s for e in self.equations)),
           f"{sum(e.flops for e in self.equations if e.stream == s) / 1e9:.3f}",
           f"{sum(e.bytes for e in self.equations if e.stream == s) / 1e6:.3f}",
-          f"{sum(e.seconds for e in self.equations if e.stream == s) * 1e6:.1f}"]
+          "{:.1f}".format(sum(e.seconds for e in self.equations
+                              if e.stream == s) * 1e6)]
          for s in self.streams_used])
     lines.append(
         f"  planner's makespan: {self.schedule.makespan * 1e6:.1f} us "
@@ -294,11 +296,12 @@ class StreamPlan:
     if self.notes:
       lines += ["", "notes:"] + [f"  - {n}" for n in self.notes]
     for index, body in self.bodies.items():
-      lines += ["", f"the body of #{index} ({self.equations[index].primitive}), "
-                "on every device:"]
+      lines += ["", f"the body of #{index} "
+                f"({self.equations[index].primitive}), on every device:"]
       body = dataclasses.replace(body, gpu_lowering=self.gpu_lowering,
                                  gpu_reason="")   # it runs as its caller does
-      lines += ["  " + line if line else line for line in str(body).splitlines()]
+      lines += ["  " + line if line else line
+                for line in str(body).splitlines()]
     return "\n".join(lines)
 
   def to_perfetto(self, path: str | os.PathLike | None = None) -> dict:
@@ -328,7 +331,8 @@ class StreamPlan:
     cross = {(d.producer, d.consumer) for d in self.dependencies}
     for a, b in self.edges:
       style = ' [color=red, penwidth=2]' if (a, b) in cross else ""
-      if self.regions[a].stream != self.regions[b].stream and (a, b) not in cross:
+      if (self.regions[a].stream != self.regions[b].stream
+          and (a, b) not in cross):
         style = ' [color=gray, style=dashed]'
       out.append(f"  R{a} -> R{b}{style};")
     out.append("}")
@@ -381,7 +385,8 @@ def _dot_escape(text: str) -> str:
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
   widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
             for i, h in enumerate(header)]
-  fmt = lambda cells: "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+  fmt = lambda cells: "  " + "  ".join(
+      c.ljust(w) for c, w in zip(cells, widths)).rstrip()
   return [fmt(header)] + [fmt(r) for r in rows]
 
 

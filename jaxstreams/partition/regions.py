@@ -220,7 +220,8 @@ def _describe(program, region_of, streams, members) -> RegionGraph:
 
 
 def transitive_reduction(count: int, edges) -> set[tuple[int, int]]:
-  """The edges of a DAG (nodes topologically numbered) that no longer path implies."""
+  """The edges of a DAG (nodes topologically numbered) that no longer path
+  implies."""
   succ: list[set[int]] = [set() for _ in range(count)]
   for a, b in edges:
     succ[a].add(b)

@@ -87,7 +87,8 @@ def estimate(graph: RegionGraph, seconds: Sequence[float],
             begin, why = ready, graph.region_of[i]
       launch = device.region_launch_s if stream != 0 else 0.0
       start[region] = begin
-      end[region] = begin + launch + sum(seconds[i] for i in graph.members[region])
+      end[region] = (begin + launch
+                     + sum(seconds[i] for i in graph.members[region]))
       for i in graph.members[region]:
         eqn_end[i] = end[region]
     cause[region] = why

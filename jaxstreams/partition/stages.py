@@ -79,8 +79,8 @@ class StagedPlan:
       for eqn in spec.equations:
         level = "-" if eqn.level is None else eqn.level
         kind = "const" if eqn.constant else ""
-        lines.append(f"    [{eqn.index:3d}] {eqn.primitive:<24} level {level:<2} "
-                     f"{kind:<6}{eqn.source}")
+        lines.append(f"    [{eqn.index:3d}] {eqn.primitive:<24} "
+                     f"level {level:<2} {kind:<6}{eqn.source}")
     return "\n".join(lines)
 
 
@@ -218,9 +218,9 @@ def _levels(jaxpr, data_invars, other_invars, names, data_name):
            for sub in sub_jaxprs(eqn)):
       raise ValueError(
           f"{FUNC}: jaxstreams.stage() is called inside a nested "
-          f"'{eqn.primitive.name}' ({_compat.source_location(eqn)}); call it at "
-          f"the top level of the step (pass the undecorated function, or a "
-          f"jaxstreams.jit one, to staged)")
+          f"'{eqn.primitive.name}' ({_compat.source_location(eqn)}); call it "
+          f"at the top level of the step (pass the undecorated function, or "
+          f"a jaxstreams.jit one, to staged)")
     reads = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
     lv: int | None = 0
     why = None

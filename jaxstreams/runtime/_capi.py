@@ -117,7 +117,8 @@ class CApi:
       raise _STATUS_ERRORS.get(status, RuntimeOpError)(message)
 
   def ffi_api_version(self) -> int:
-    """XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR of the headers built with."""
+    """XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR of the headers built
+    with."""
     return self._fns["FfiApiVersion"]()
 
   # Pools -------------------------------------------------------------------

@@ -5,7 +5,8 @@ The libraries are plain C-ABI shared objects (they do not link against
 Python), so one build works with every Python version; they are registered
 with ``jax.ffi.register_ffi_target`` from ``jax.ffi.pycapsule`` pointers. The
 one extension module built with them (serve's direct-mode request) is found
-in the same directories (`search_dirs`) and loaded by jaxstreams/serving/_direct.py.
+in the same directories (`search_dirs`) and loaded by
+jaxstreams/serving/_direct.py.
 
 Nothing here runs at import: `load` runs on the first use of something that
 needs a library (`require`, called by the runtime functions and by the
@@ -121,16 +122,18 @@ def _how_to_build(platform: str) -> str:
 
 def _how_to_rebuild() -> str:
   return (
-    "Rebuild jaxstreams for the installed jaxlib: `pip install --force-reinstall "
-    "--no-deps .` in the jaxstreams source tree (it compiles against FFI headers "
-    "that every supported jaxlib accepts), or for a development build "
+    "Rebuild jaxstreams for the installed jaxlib: `pip install "
+    "--force-reinstall --no-deps .` in the jaxstreams source tree (it "
+    "compiles against FFI headers that every supported jaxlib accepts), or "
+    "for a development build "
     f"`cmake -S ffi -B build/ffi -G Ninja -DPython_EXECUTABLE={sys.executable} "
     f"&& cmake --build build/ffi` and {ENV_LIB_DIR}=build/ffi/lib."
   )
 
 
 def ffi_api_text(version: int) -> str:
-  """``major * 1000 + minor`` (as ``<prefix>FfiApiVersion`` returns it) as "0.4"."""
+  """``major * 1000 + minor`` (as ``<prefix>FfiApiVersion`` returns it) as
+  "0.4"."""
   return f"{version // 1000}.{version % 1000}"
 
 
@@ -229,8 +232,9 @@ def _load_platform(platform: str, dirs: list[Path]) -> LoadedLibrary | str:
   for name in CAPI_FUNCTIONS:
     if not hasattr(lib, prefix + name):
       return (
-        f"jaxstreams: {path} does not export the C API function {prefix}{name}; "
-        f"the library is from another build. {_how_to_build(platform)}"
+        f"jaxstreams: {path} does not export the C API function "
+        f"{prefix}{name}; the library is from another build. "
+        f"{_how_to_build(platform)}"
       )
   ffi_problem = _check_ffi_api(path, lib, prefix)
   if ffi_problem is not None:
@@ -274,7 +278,8 @@ def available_platforms() -> tuple[str, ...]:
 
 
 def require(platform: str) -> LoadedLibrary:
-  """The loaded library for `platform`, or RuntimeLibraryError saying why not."""
+  """The loaded library for `platform`, or RuntimeLibraryError saying why
+  not."""
   load()
   if platform not in _PLATFORMS:
     raise RuntimeLibraryError(

@@ -43,7 +43,8 @@ def new_region_id(name: str) -> int:
 
 
 def wrap_region(fn, region_id: int, stream: int):
-  """``fn`` with a BEGIN marker on its inputs and an END marker on its outputs."""
+  """``fn`` with a BEGIN marker on its inputs and an END marker on its
+  outputs."""
   from jaxstreams.runtime import BEGIN, END, marker  # the native library
 
   def mark(values, phase):

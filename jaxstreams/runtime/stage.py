@@ -136,8 +136,8 @@ class StageArea:
       a = np.asarray(leaf, order="C")
       if a.shape != shape or a.dtype != dtype:
         raise ValueError(
-          f"jaxstreams stage {self.id}: item leaf {i} is {a.dtype}{list(a.shape)}, "
-          f"the stage holds {dtype}{list(shape)}"
+          f"jaxstreams stage {self.id}: item leaf {i} is "
+          f"{a.dtype}{list(a.shape)}, the stage holds {dtype}{list(shape)}"
         )
       arrays.append(a)
     timeout = (
@@ -201,6 +201,6 @@ class StageArea:
 
   def __repr__(self) -> str:
     return (
-      f"StageArea(id={self.id}, platform={self.platform!r}, capacity={self.capacity}, "
-      f"item_bytes={self.item_bytes})"
+      f"StageArea(id={self.id}, platform={self.platform!r}, "
+      f"capacity={self.capacity}, item_bytes={self.item_bytes})"
     )

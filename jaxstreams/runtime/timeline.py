@@ -67,7 +67,8 @@ def reset(capacity: int = DEFAULT_CAPACITY) -> None:
   before the step to profile, with no step running."""
   if capacity < 0:
     raise ValueError(
-      f"jaxstreams.runtime.timeline.reset: capacity must be >= 0, got {capacity}"
+      "jaxstreams.runtime.timeline.reset: capacity must be >= 0, got "
+      f"{capacity}"
     )
   for platform, device in _devices():
     _capi.capi(platform).timeline_reset(device, capacity)

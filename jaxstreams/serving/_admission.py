@@ -62,7 +62,8 @@ class Admission:
     if self.closing:
       raise ServerClosedError(
           f"{self.name} is closed: it finishes the requests it had admitted "
-          "and takes no new ones. Make a new server with jaxstreams.serve(...).")
+          "and takes no new ones. Make a new server with "
+          "jaxstreams.serve(...).")
 
   def admit_slowly(self, endpoint) -> None:
     """The locked way of admission (module docstring); on return the

@@ -54,7 +54,8 @@ _ARRAY_TYPE = _compat.ARRAY_TYPE
 
 MAX_IN_FLIGHT = 2       # executions dispatched and not yet finished
 
-QUEUED, LEAD, DISPATCHED, CANCELLED = "queued", "lead", "dispatched", "cancelled"
+QUEUED, LEAD, DISPATCHED, CANCELLED = ("queued", "lead", "dispatched",
+                                       "cancelled")
 HELPER = "dispatch helper"      # the role's holder when it is the helper thread
 
 

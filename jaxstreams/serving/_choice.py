@@ -8,8 +8,8 @@ pay where one execution runs several requests at once and threads calling
 every execution of a device on its one compute stream, so programs from
 several threads run one after another (``benchmarks/serve.py --trace``
 checks that on a GPU), while a batch's requests are parallel branches of
-one program's CUDA graph. It costs the hand-offs between callers and a batch program per
-combination of requests.
+one program's CUDA graph. It costs the hand-offs between callers and a batch
+program per combination of requests.
 
 ``mode="by_platform"`` (the default) decides so:
 

@@ -42,7 +42,8 @@ from jax.interpreters import mlir
 
 from jaxstreams import config
 from jaxstreams._jit import jit as _streams_jit
-from jaxstreams._signature import signature as _leaf_signatures, traced_signature
+from jaxstreams._signature import (signature as _leaf_signatures,
+                                   traced_signature)
 from jaxstreams._trace import trace
 from jaxstreams.partition.cut import part_jaxpr
 from jaxstreams.tag import stream as _stream

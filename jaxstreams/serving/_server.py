@@ -432,7 +432,8 @@ class _MultiServer(Server):
 
 @functools.cache
 def _endpoint_type(direct_call: type, server: bool) -> type:
-  bases = (Server, _Endpoint, direct_call) if server else (_Endpoint, direct_call)
+  bases = ((Server, _Endpoint, direct_call) if server
+           else (_Endpoint, direct_call))
   return type("_Server" if server else "_ModelEndpoint", bases,
               {"__module__": __name__})
 

@@ -142,7 +142,8 @@ class FusedRun:
     self.admitting = False        # new batches enter (from resume() on)
     self.held = None              # a batch read elsewhere, admitted first
     self.warm = False             # the warm-up call is over
-    self.schedule: collections.deque[tuple] = collections.deque(maxlen=_SCHEDULE)
+    self.schedule: collections.deque[tuple] = collections.deque(
+        maxlen=_SCHEDULE)
     self.programs = 0
     self.read_s = 0.0
     self.wait_s = 0.0

@@ -397,5 +397,3 @@ class Pipeline:
         return
       self.released = True
     self.transfer.release()
-
-

@@ -154,7 +154,8 @@ class Prefetcher:
     blocked inside the iterable's ``__next__`` delivers nothing and then
     closes what the iterator owns. A prefetcher given as the iterable is
     closed with it, within the same timeout. Idempotent."""
-    timeout = _checks.timeout(timeout, name="timeout", context="Prefetcher.close")
+    timeout = _checks.timeout(timeout, name="timeout",
+                              context="Prefetcher.close")
     self._closed = True
     self._finalizer.detach()
     return self._pipeline.stop(join=True, timeout=timeout)

@@ -147,7 +147,8 @@ def _unwrap(step: Callable) -> tuple[Callable, str, Callable[[], int],
   """The function to trace, a name, the streams the step's own plan uses,
   and the plain step for a split (the step jitted whole)."""
   spec = spec_of(step)
-  name = getattr(step, "__qualname__", None) or getattr(step, "__name__", repr(step))
+  name = (getattr(step, "__qualname__", None)
+          or getattr(step, "__name__", repr(step)))
   if spec is not None:
     fun = spec.array_function(FUNC)
     return fun, name, spec.streams_now, lambda split: step

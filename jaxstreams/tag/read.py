@@ -3,12 +3,12 @@
 ``effective_tag`` decides which ``stream()`` / ``colocate_with()`` block an
 equation belongs to from its name stack; ``any_equation`` is the one walk
 into equations' sub-jaxprs (``sub_jaxprs`` finds them, for every stage),
-for tags here and for ``stage()`` markers and callbacks in staging. ``expose_tags`` rewrites a traced program so that
-every tag is visible at its top level: nested ``jax.jit`` calls whose bodies
-hold tags are inlined (XLA inlines them anyway, so the result is the same
-program), and the colocate anchors are taken out and returned separately.
-The result, an ``ExposedProgram``, carries the def-use index the later
-stages read.
+for tags here and for ``stage()`` markers and callbacks in staging.
+``expose_tags`` rewrites a traced program so that every tag is visible at its
+top level: nested ``jax.jit`` calls whose bodies hold tags are inlined (XLA
+inlines them anyway, so the result is the same program), and the colocate
+anchors are taken out and returned separately. The result, an
+``ExposedProgram``, carries the def-use index the later stages read.
 
 Scans that could run as one loop (``partition.loops``) must be at the top
 level too. Where the program holds two or more, the wrappers users write
@@ -148,7 +148,8 @@ def primitives(eqns) -> frozenset[str]:
 
 
 def has_tags(jaxpr) -> bool:
-  """Whether any equation in ``jaxpr`` (closed or not; at any depth) is tagged."""
+  """Whether any equation in ``jaxpr`` (closed or not; at any depth) is
+  tagged."""
   return any_equation(jaxpr.eqns, _is_tagged)
 
 
@@ -229,7 +230,8 @@ _SCAN = "scan"
 
 @functools.cache
 def _barrier_primitive():
-  return jax.make_jaxpr(jax.lax.optimization_barrier)(1.0).jaxpr.eqns[0].primitive
+  return (jax.make_jaxpr(jax.lax.optimization_barrier)(1.0)
+          .jaxpr.eqns[0].primitive)
 
 
 def _wrapped(eqn, derivatives: bool):

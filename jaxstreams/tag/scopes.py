@@ -137,7 +137,8 @@ class colocate_with:
           "jaxstreams.colocate_with(x): x must be a value traced inside a "
           "jaxstreams.jit function (a jax tracer), got "
           f"{type(x).__module__}.{type(x).__name__}. Use it on an intermediate "
-          "result of the traced function, not on a constant or a concrete array.")
+          "result of the traced function, not on a constant or a concrete "
+          "array.")
     with _tokens_lock:
       self.token = next(_tokens)
     colocate_anchor_p.bind(x, token=self.token)

@@ -150,7 +150,8 @@ class CompileChild:
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
 
   @classmethod
-  def request(cls, request: dict, env: dict, timeout: float) -> tuple[dict, str]:
+  def request(cls, request: dict, env: dict,
+              timeout: float) -> tuple[dict, str]:
     """The child's answer to ``request`` and XLA's log of it."""
     with cls._lock:
       child = cls._current

@@ -191,7 +191,8 @@ class XlaGraphs:
     for g in self.graphs:
       lines += ["", f"graph {g.index}: node  region  stream  waits for  kernel"]
       for k in g.kernels:
-        lines.append(f"  {k.node:>4}  {_label(k.region, '-'):>6}  {k.stream:>6}  "
+        lines.append(f"  {k.node:>4}  {_label(k.region, '-'):>6}  "
+                     f"{k.stream:>6}  "
                      f"{','.join(map(str, k.inputs)) or '-':>9}  {k.name}"
                      + (f" ({k.instruction})" if k.instruction else ""))
     return "\n".join(lines)
@@ -205,17 +206,19 @@ class XlaGraphs:
            '  node [shape=box, style=filled, fontname="monospace"];']
     for g in self.graphs:
       out.append(f"  subgraph cluster_g{g.index} {{")
-      out.append(f'    label="graph {g.index}: parallelism {g.parallelism:.2f}";')
+      out.append(f'    label="graph {g.index}: parallelism '
+                 f'{g.parallelism:.2f}";')
       for k in g.kernels:
         colour = ("#dddddd" if k.region is None
                   else palette[k.region % len(palette)])
-        out.append(f'    g{g.index}n{k.node} [label="{_label(k.region, "main")}\\n'
-                   f'{k.name}", fillcolor="{colour}"];')
+        out.append(f'    g{g.index}n{k.node} [label="{_label(k.region, "main")}'
+                   f'\\n{k.name}", fillcolor="{colour}"];')
       for a, b in g.edges:
         out.append(f"    g{g.index}n{a} -> g{g.index}n{b};")
       out.append("  }")
     for o in self.outside:
-      out.append(f'  "{o.instruction}" [label="{_label(o.region, o.instruction)} '
+      out.append(f'  "{o.instruction}" '
+                 f'[label="{_label(o.region, o.instruction)} '
                  f'outside graphs\\nstream {o.stream}", shape=octagon];')
     out.append("}")
     return "\n".join(out)
@@ -261,9 +264,10 @@ def read_graphs(log: str, sequence: str | None, metadata: str | None,
 def _footprint(memory: dict | None) -> Footprint | None:
   if not memory:
     return None
-  return Footprint(memory["temp_size_in_bytes"], memory["argument_size_in_bytes"],
-                   memory["output_size_in_bytes"], memory["alias_size_in_bytes"],
-                   memory.get("generated_code_size_in_bytes", 0))
+  return Footprint(
+      memory["temp_size_in_bytes"], memory["argument_size_in_bytes"],
+      memory["output_size_in_bytes"], memory["alias_size_in_bytes"],
+      memory.get("generated_code_size_in_bytes", 0))
 
 
 def _calls_in_sequence(launches):
@@ -289,7 +293,7 @@ def _outside(call: StreamCall, window=()) -> OutsideGraph:
   ``window`` holds that XLA does not put in a graph (a call, and every call
   in flight with it, go into one graph or none), or else a span of fewer
   top-level commands than XLA's minimum graph size."""
-  launches = [l for l in _flatten(call.launches)]
+  launches = list(_flatten(call.launches))
   kinds = sorted({l.thunk for l in launches if isinstance(l, KernelLaunch)}
                  - {"kCustomKernel", "kKernel"})
   kinds += sorted({type(l).__name__.lower() for l in launches
@@ -387,7 +391,8 @@ def _order_lines(launches, depth: int, lines: list[str]) -> None:
       g = launch.graph
       lines.append(f"{pad}[{launch.stream}] graph {g.index} ({g.mode}): "
                    f"{len(g.kernels)} kernels, parallelism {g.parallelism:.2f}"
-                   + (f", regions {_regions_text(g.regions)}" if g.regions else ""))
+                   + (f", regions {_regions_text(g.regions)}" if g.regions
+                      else ""))
       _order_lines(launch.nested, depth + 1, lines)
     elif isinstance(launch, StreamCall):
       what = (f"stream call {_label(launch.region, launch.instruction)}"
@@ -512,7 +517,8 @@ def capture_all(lowered: dict[str, Any], *, target: Any = "h100",
   name, config_text = target_text(target)
   programs, devices = [], 1
   for one in lowered.values():
-    options = {**_compat.lowered_compiler_options(one), **(compiler_options or {})}
+    options = {**_compat.lowered_compiler_options(one),
+               **(compiler_options or {})}
     text = one.as_text(debug_info=True)
     partitions = re.search(r"mhlo\.num_partitions = (\d+)", text)
     devices = max(devices, int(partitions.group(1)) if partitions else 1)
@@ -552,7 +558,8 @@ def _compile_in_child(programs: list[dict], name: str, config_text: str,
       os.path.abspath(__file__))))
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=LOG_MODULES,
              PYTHONPATH=os.pathsep.join(
-                 [package_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+                 [package_root]
+                 + [p for p in [os.environ.get("PYTHONPATH")] if p]))
   if not local:
     env["JAX_PLATFORMS"] = "cpu"
   try:

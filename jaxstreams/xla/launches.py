@@ -39,7 +39,8 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 # What a thunk that is not a kernel launches, by XLA's thunk kind.
 _KINDS = {
-    "kKernel": "kernel", "kCustomKernel": "kernel", "kTriangularSolve": "kernel",
+    "kKernel": "kernel", "kCustomKernel": "kernel",
+    "kTriangularSolve": "kernel",
     "kCopy": "copy", "kDeviceToDevice": "copy", "kDynamicSliceFusion": "copy",
     "kMemset32bitValue": "memset", "kMemzero": "memset",
     "kGemm": "cuBLAS", "kCublasLtMatmul": "cuBLAS",
@@ -98,7 +99,8 @@ class CudaGraph:
 
   @property
   def regions(self) -> tuple[int, ...]:
-    return tuple(sorted({k.region for k in self.kernels if k.region is not None}))
+    return tuple(sorted({k.region for k in self.kernels
+                         if k.region is not None}))
 
   def parallel_regions(self) -> tuple[tuple[int, int], ...]:
     """Pairs of plan regions in this graph that can run side by side: some
@@ -325,7 +327,8 @@ def read_program(log: str, sequence: str | None, metadata: str | None,
   try:
     entry, computations = _computations(hlo)
   except HloParseError as error:
-    raise GraphLogError(f"the compiled HLO could not be read: {error}") from None
+    raise GraphLogError(
+        f"the compiled HLO could not be read: {error}") from None
   builder = _Builder(computations, BufferUses(buffers, computations)
                      if buffers else None)
   roots = parse_thunk_dump(sequence, metadata) if sequence else []
@@ -410,8 +413,8 @@ class _Builder:
           region = self.region_of(instruction)
       placed.append((_command_name(text), instruction, region, stream))
     inputs = graph_edges(entry, [p[1] for p in placed], self.buffers_of)
-    kernels = tuple(Kernel(node, name, instruction, region, stream, inputs[node],
-                           launch_of(entry.commands[node][0]))
+    kernels = tuple(Kernel(node, name, instruction, region, stream,
+                           inputs[node], launch_of(entry.commands[node][0]))
                     for node, (name, instruction, region, stream)
                     in enumerate(placed))
     return CudaGraph(index, entry.name, entry.mode, kernels, entry.sequential)
@@ -550,5 +553,3 @@ def _reachability(kernels: Sequence[Kernel]) -> dict[int, int]:
       mask |= reach[i] | (1 << i)
     reach[kernel.node] = mask
   return reach
-
-

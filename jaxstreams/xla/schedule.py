@@ -66,7 +66,8 @@ class AsyncRegion:
   plan_region: int | None     # the StreamPlan region it came from, where known
   main_work: tuple[str, ...]  # main-stream kernels scheduled inside the window
   overlapping: tuple[int, ...]  # other regions in flight at the same time
-  fragment: bool = False      # a one-op wrapper XLA split off (e.g. a tuple element)
+  # a one-op wrapper XLA split off (e.g. a tuple element)
+  fragment: bool = False
 
   @property
   def overlaps(self) -> bool:
@@ -90,10 +91,12 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class PairCheck:
-  """Two regions the plan lets run together, and whether XLA scheduled them so."""
+  """Two regions the plan lets run together, and whether XLA scheduled them
+  so."""
   first: int       # plan region indices; -1 stands for main-stream work
   second: int
-  scheduled_together: bool | None   # None: a region was not found in the schedule
+  # None: a region was not found in the schedule
+  scheduled_together: bool | None
 
 
 class XlaSchedule:
@@ -133,8 +136,8 @@ class XlaSchedule:
                    "(option jaxstreams_sequence_points)")
     elif self.peak_in_flight == 2:
       notes.append("XLA keeps at most xla_gpu_experimental_parallel_async_"
-                   "compute_limit regions in flight (2 unless raised: pass it in "
-                   "compiler_options of the outermost jit)")
+                   "compute_limit regions in flight (2 unless raised: pass it "
+                   "in compiler_options of the outermost jit)")
     return tuple(notes)
 
   @property
@@ -162,9 +165,9 @@ class XlaSchedule:
   def summary(self) -> str:
     regions = self.main_regions
     text = (f"{len(regions)} async region(s) on stream(s) "
-            f"{sorted({r.stream for r in regions})}, {len(self.overlapped)} with work "
-            f"inside their window, peak {self.peak_in_flight} in flight, "
-            f"{len(self.synchronous)} left synchronous, "
+            f"{sorted({r.stream for r in regions})}, {len(self.overlapped)} "
+            f"with work inside their window, peak {self.peak_in_flight} in "
+            f"flight, {len(self.synchronous)} left synchronous, "
             f"{len(self.regions) - len(regions)} split-off fragment(s)")
     if self.collectives:
       beside = sum(bool(c.regions_in_flight) for c in self.collectives)
@@ -189,10 +192,13 @@ class XlaSchedule:
         region = dones[position]
         open_regions.discard(region.index)
         cells[1 + streams.index(region.stream)] = f"{_label(region)} done"
-      elif instruction.opcode not in _NO_KERNEL and instruction.opcode != "call":
+      elif (instruction.opcode not in _NO_KERNEL
+            and instruction.opcode != "call"):
         cells[0] = instruction.name
-      elif instruction.opcode == "call" and instruction.frontend_attribute(STREAM_ANNOTATION):
-        cells[0] = f"{instruction.name} (sync, stream {instruction.frontend_attribute(STREAM_ANNOTATION)})"
+      elif (instruction.opcode == "call"
+            and instruction.frontend_attribute(STREAM_ANNOTATION)):
+        cells[0] = (f"{instruction.name} (sync, stream "
+                    f"{instruction.frontend_attribute(STREAM_ANNOTATION)})")
       else:
         continue
       for region in self.regions:
@@ -201,8 +207,10 @@ class XlaSchedule:
           cells[column] = "|"
       rows.append([str(position)] + cells)
     header = ["pos"] + columns
-    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+    widths = [max(len(row[i]) for row in rows + [header])
+              for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width)
+                       for cell, width in zip(row, widths)).rstrip()
              for row in [header] + rows]
     notes = [f"note: {note}" for note in self.notes]
     return "\n".join([self.summary()] + lines + notes)
@@ -233,7 +241,8 @@ class XlaSchedule:
     and main-stream work it does not depend on), whether XLA scheduled them
     together. Plan regions map to XLA regions as ``xla_schedule`` matched
     them (by the ``jaxstreams_region`` attribute)."""
-    by_plan = {r.plan_region: r for r in self.main_regions if r.plan_region is not None}
+    by_plan = {r.plan_region: r for r in self.main_regions
+               if r.plan_region is not None}
     reach = _reachability(plan)
     calls = [r for r in plan.regions if r.is_call]
     mains = [r for r in plan.regions if not r.is_call]
@@ -242,10 +251,11 @@ class XlaSchedule:
       if any(m.index not in reach[a.index] and a.index not in reach[m.index]
              for m in mains):
         found = by_plan.get(a.index)
-        checks.append(PairCheck(a.index, -1,
-                                None if found is None else bool(found.main_work)))
+        checks.append(PairCheck(
+            a.index, -1, None if found is None else bool(found.main_work)))
       for b in calls[i + 1:]:
-        if a.stream == b.stream or b.index in reach[a.index] or a.index in reach[b.index]:
+        if (a.stream == b.stream or b.index in reach[a.index]
+            or a.index in reach[b.index]):
           continue
         x, y = by_plan.get(a.index), by_plan.get(b.index)
         together = None if x is None or y is None else y.index in x.overlapping
@@ -337,7 +347,8 @@ def _computations(text: str) -> tuple[str, dict[str, list[Instruction]]]:
       computations[current] = []
       if header.group(1):
         entry = current
-    elif stripped == "}" or stripped.startswith("},"):  # '}, execution_thread=...'
+    elif stripped == "}" or stripped.startswith("},"):
+      # '}, execution_thread=...'
       current = None
     else:
       try:
@@ -364,7 +375,8 @@ def _match_plan(windows, plan) -> dict[int, int]:
       continue
     stream = int(ins.frontend_attribute(STREAM_ANNOTATION))
     named = ins.frontend_attribute(REGION_ATTRIBUTE)
-    if named is not None and named.isdigit() and calls.get(int(named)) == stream:
+    if (named is not None and named.isdigit()
+        and calls.get(int(named)) == stream):
       matched[k] = int(named)
     else:
       rest.append((k, stream))
@@ -386,7 +398,8 @@ def xla_schedule(compiled: Any, plan=None) -> XlaSchedule:
   the attribute is missing, e.g. in hand-written ``compute_on`` programs)."""
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   if not isinstance(text, str) or not text.strip():
-    raise HloParseError(f"expected HLO text or a compiled executable, got {type(compiled).__name__}")
+    raise HloParseError("expected HLO text or a compiled executable, got "
+                        f"{type(compiled).__name__}")
   entry, computations = _computations(text)
   instructions = computations[entry]
   starts = [(i, ins) for i, ins in enumerate(instructions)
@@ -397,7 +410,8 @@ def xla_schedule(compiled: Any, plan=None) -> XlaSchedule:
   windows = []
   for start, ins in starts:
     if ins.name not in done_of:
-      raise HloParseError(f"{ins.opcode} {ins.name} has no matching done in the entry computation")
+      raise HloParseError(f"{ins.opcode} {ins.name} has no matching done in "
+                          "the entry computation")
     done = done_of[ins.name]
     body = computations.get(ins.called or "", [])
     fragment = bool(body) and all(b.opcode in _NO_KERNEL for b in body)
@@ -409,13 +423,16 @@ def xla_schedule(compiled: Any, plan=None) -> XlaSchedule:
                       if instructions[p].opcode not in _NO_KERNEL)
     # Fragments launch no kernel: being in flight beside one is no overlap.
     overlapping = tuple(j for j, (_, s, d, other_fragment) in enumerate(windows)
-                        if j != k and not other_fragment and s < done and start < d)
+                        if j != k and not other_fragment and s < done
+                        and start < d)
     regions.append(AsyncRegion(
-        index=k, name=ins.name, stream=int(ins.frontend_attribute(STREAM_ANNOTATION)),
+        index=k, name=ins.name,
+        stream=int(ins.frontend_attribute(STREAM_ANNOTATION)),
         start=start, done=done, plan_region=plan_index.get(k),
         main_work=main_work, overlapping=overlapping, fragment=fragment))
   synchronous = [ins for ins in instructions
-                 if ins.opcode == "call" and ins.frontend_attribute(STREAM_ANNOTATION) is not None]
+                 if ins.opcode == "call"
+                 and ins.frontend_attribute(STREAM_ANNOTATION) is not None]
   return XlaSchedule(instructions, regions, synchronous, plan,
                      _collectives(instructions, computations, regions))
 
@@ -435,7 +452,8 @@ def _collectives(instructions, computations, regions) -> list[Collective]:
     if base in _COLLECTIVES:
       return True
     return ins.opcode == "async-start" and any(
-        b.opcode in _COLLECTIVES for b in computations.get(ins.called or "", []))
+        b.opcode in _COLLECTIVES
+        for b in computations.get(ins.called or "", []))
 
   done_of = {ins.operands[0]: i for i, ins in enumerate(instructions)
              if ins.opcode.endswith("-done") and ins.operands}
@@ -453,7 +471,8 @@ def _collectives(instructions, computations, regions) -> list[Collective]:
     upstream[ins.name] = mask
     if not is_collective(ins):
       continue
-    done = done_of.get(ins.name, position) if ins.opcode.endswith("-start") else position
+    done = (done_of.get(ins.name, position) if ins.opcode.endswith("-start")
+            else position)
     in_flight = tuple(r.index for r in regions if not r.fragment
                       and r.start < done and position < r.done)
     waits = tuple(r.index for r in regions if mask >> r.index & 1)

@@ -50,8 +50,10 @@ from jaxstreams.xla.work import Work
 # SXM: 989 TFLOPS bf16 = 132 SMs x 1.83 GHz x 4096) and the B200's
 # datasheet (148 SMs, 2.25 PFLOPS bf16 dense: 8192).
 _PER_SM_PER_CLOCK = {
-    8: {"fp8": 2048, "int8": 4096, "bf16": 2048, "tf32": 1024, "f32": 128, "f64": 64},
-    9: {"fp8": 8192, "int8": 8192, "bf16": 4096, "tf32": 2048, "f32": 256, "f64": 128},
+    8: {"fp8": 2048, "int8": 4096, "bf16": 2048, "tf32": 1024, "f32": 128,
+        "f64": 64},
+    9: {"fp8": 8192, "int8": 8192, "bf16": 4096, "tf32": 2048, "f32": 256,
+        "f64": 128},
     10: {"fp8": 16384, "int8": 16384, "bf16": 8192, "tf32": 4096, "f32": 256,
          "f64": 128},
 }
@@ -115,12 +117,12 @@ class LaunchCosts:
   ``graph`` per CUDA graph launched and ``graph_node`` per kernel in it
   (XLA updates a graph's commands where buffers moved), ``graph_library``
   per cuBLAS or cuDNN call in it (XLA records such a command by running
-  the library under stream capture, again where its buffers moved), ``kernel`` per
-  kernel (or copy) launched one by one, ``library`` per cuBLAS or cuDNN
-  call launched one by one, ``stream_call`` per stream call (an event
-  recorded and waited for at its start and its done), ``loop_step`` per
-  step of a loop outside the graphs, ``host_wait`` per time the host
-  waits for a value of the device (a loop's predicate, a branch index).
+  the library under stream capture, again where its buffers moved), ``kernel``
+  per kernel (or copy) launched one by one, ``library`` per cuBLAS or cuDNN call
+  launched one by one, ``stream_call`` per stream call (an event recorded and
+  waited for at its start and its done), ``loop_step`` per step of a loop
+  outside the graphs, ``host_wait`` per time the host waits for a value of the
+  device (a loop's predicate, a branch index).
   Device: ``kernel_time`` the least a kernel takes, ``graph_latency`` from
   a graph's kernel to one that waits for it, ``graph_issue`` from one
   kernel's start to the next of the same graph, ``stream_latency`` from a
@@ -171,7 +173,8 @@ class StepEstimate:
   def __str__(self) -> str:
     text = (f"GPU step estimate {self.step * 1e6:.0f} us on {self.target}, "
             f"{self.bound}-bound (host: the call and its launches "
-            f"{self.host * 1e6:.0f} us; device path {self.device * 1e6:.0f} us)")
+            f"{self.host * 1e6:.0f} us; device path "
+            f"{self.device * 1e6:.0f} us)")
     return text + "".join(f"; {n}" for n in self.notes)
 
 
@@ -205,7 +208,8 @@ class _Play:
     if work is None:
       return time
     efficiency = self.costs.efficiency * self.device.reach(launch)
-    compute = (work.flops / (self.device.flops.get(work.precision, 0) * efficiency)
+    compute = (work.flops
+               / (self.device.flops.get(work.precision, 0) * efficiency)
                if work.flops and self.device.flops.get(work.precision) else 0.0)
     memory = work.bytes / (self.device.bandwidth * efficiency)
     return time + max(compute, memory)
@@ -292,7 +296,8 @@ class _Play:
 
   def copy(self) -> "_Play":
     other = _Play(self.costs, self.device, self.work)
-    other.host, other.spent, other.ready = self.host, self.spent, dict(self.ready)
+    other.host, other.spent, other.ready = (self.host, self.spent,
+                                            dict(self.ready))
     return other
 
   def graph_time(self, launch: GraphLaunch) -> float:
@@ -309,7 +314,8 @@ class _Play:
       durations[k.node] = (self.nested_time(inner, launch.stream)
                            if inner is not None else
                            self.duration(k.instruction, k.launch))
-      shares[k.node] = 1.0 if inner is not None else self.device.occupies(k.launch)
+      shares[k.node] = (1.0 if inner is not None
+                        else self.device.occupies(k.launch))
     waiting = {k.node: len(k.inputs) for k in graph.kernels}
     users: dict[int, list[int]] = {}
     for k in graph.kernels:

@@ -10,7 +10,8 @@ would run.
 
 Needs, at exactly jaxlib's version, the CUDA plugin (no driver, no GPU)::
 
-    pip install "jax-cuda13-plugin==$V" "jax-cuda13-pjrt==$V"   # V = jaxlib.__version__
+    # V = jaxlib.__version__
+    pip install "jax-cuda13-plugin==$V" "jax-cuda13-pjrt==$V"
 
 and ``ptxas`` / ``libdevice`` from a CUDA toolkit (``/usr/local/cuda``) or the
 ``nvidia-cuda-nvcc`` wheel. Set ``JAX_PLATFORMS=cpu`` on a machine without a
@@ -91,7 +92,8 @@ class GpuTargetError(RuntimeError):
 
 
 def install_command() -> str:
-  """The pip command that installs the CUDA plugin at the running jaxlib's version."""
+  """The pip command that installs the CUDA plugin at the running jaxlib's
+  version."""
   version = jaxlib.__version__
   return "pip install " + " ".join(f'"{p}=={version}"' for p in PLUGIN_PACKAGES)
 
@@ -103,19 +105,22 @@ def _check_plugin() -> None:
       found = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
       raise GpuTargetError(
-          f"compiling for a GPU target needs the CUDA PJRT plugin; {package} is "
-          f"not installed. Install it at jaxlib's version: {install_command()}"
+          "compiling for a GPU target needs the CUDA PJRT plugin; "
+          f"{package} is not installed. Install it at jaxlib's version: "
+          f"{install_command()}"
       ) from None
     if found != wanted:
       raise GpuTargetError(
           f"{package} {found} does not match jaxlib {wanted}; XLA refuses a "
-          f"plugin of another version. Install the matching one: {install_command()}")
+          f"plugin of another version. Install the matching one: "
+          f"{install_command()}")
 
 
 def _check_ptxas() -> None:
   if shutil.which("ptxas"):
     return
-  for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+  for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+               "/usr/local/cuda"):
     if root and (pathlib.Path(root) / "bin" / "ptxas").exists():
       return
   try:
@@ -130,7 +135,8 @@ def _check_ptxas() -> None:
     pass
   raise GpuTargetError(
       "XLA:GPU needs ptxas and libdevice to compile: install a CUDA toolkit "
-      "(ptxas on PATH, or CUDA_HOME pointing at it) or `pip install nvidia-cuda-nvcc`.")
+      "(ptxas on PATH, or CUDA_HOME pointing at it) or "
+      "`pip install nvidia-cuda-nvcc`.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +170,8 @@ class GpuTarget:
         raise TypeError(
             f"GpuTarget.abstract takes arrays or ShapeDtypeStructs (or pytrees "
             f"of them); got {type(leaf).__name__}: {leaf!r}")
-      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.sharding)
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                  sharding=self.sharding)
     return tuple(jax.tree_util.tree_map(to_struct, args))
 
 
@@ -174,7 +181,8 @@ def gpu_target(name: str, devices: int = 1) -> GpuTarget:
   GpuTargetError naming what to install when the CUDA plugin or ptxas is
   missing."""
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-    raise ValueError(f"gpu_target: devices must be a positive int, got {devices!r}")
+    raise ValueError(f"gpu_target: devices must be a positive int, got "
+                     f"{devices!r}")
   return target_from_config(*target_config(name), devices=devices)
 
 
@@ -188,8 +196,8 @@ def target_config(name: str) -> tuple[str, str]:
   if path.is_file():
     return path.name, path.read_text()
   raise ValueError(
-      f"unknown GPU target {name!r}: give one of {sorted(BUILTIN_TARGETS)} or the "
-      "path of a GpuTargetConfigProto text file")
+      f"unknown GPU target {name!r}: give one of {sorted(BUILTIN_TARGETS)} "
+      "or the path of a GpuTargetConfigProto text file")
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,7 +221,8 @@ def target_from_config(name: str, config_text: str,
               "starts (the CUDA plugin otherwise fails to start and leaves no "
               "CUDA compiler).")
     raise GpuTargetError(
-        f"XLA could not make a CUDA topology for target {name!r}: {error}.{hint}") from error
+        f"XLA could not make a CUDA topology for target {name!r}: "
+        f"{error}.{hint}") from error
   mesh = topologies.make_mesh(topology, (devices,), ("x",))
   made = GpuTarget(name, config_text, topology, mesh)
   _MADE.append(made)

@@ -55,7 +55,8 @@ def state_ways(fn, plan, args, kwargs, target: Any = "h100",
           lowering_platforms=("cuda",))
     except Exception as error:  # noqa: BLE001 - a way that cannot lower
       notes[key] = f"did not lower: {type(error).__name__}: {error}"[:300]
-  views = xla_graphs_of(lowered, target=target, plans={k: plan for k in lowered},
+  views = xla_graphs_of(lowered, target=target,
+                        plans={k: plan for k in lowered},
                         timeout=timeout) if lowered else {}
   stated = []
   for way, nested in ways_of(fn, plan):

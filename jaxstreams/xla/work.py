@@ -69,7 +69,8 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def size_in_bytes(shape: str) -> float:
-  return sum(math.prod(dims) * _BYTES.get(dtype, 1) for dtype, dims in arrays(shape))
+  return sum(math.prod(dims) * _BYTES.get(dtype, 1)
+             for dtype, dims in arrays(shape))
 
 
 def _elements(shape: str) -> int:
@@ -123,8 +124,9 @@ class _Shapes:
 def _dot_flops(ins: Instruction, shapes: _Shapes) -> tuple[float, str]:
   lhs = shapes.shape(ins.operands[0]) if ins.operands else ""
   dims = _dims(lhs)
-  contracted = math.prod(dims[d] for d in _ints(ins.attributes, "lhs_contracting_dims")
-                         if d < len(dims))
+  contracted = math.prod(
+      dims[d] for d in _ints(ins.attributes, "lhs_contracting_dims")
+      if d < len(dims))
   return (2.0 * _elements(ins.shape) * contracted,
           _precision(_dtype(lhs), ins.attributes))
 
@@ -149,7 +151,8 @@ def _conv_flops(ins: Instruction, shapes: _Shapes) -> tuple[float, str]:
 def _gemm_flops(ins: Instruction, shapes: _Shapes) -> tuple[float, str]:
   lhs = shapes.shape(ins.operands[0]) if ins.operands else ""
   dims = _dims(lhs)
-  config = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
+  config = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]',
+                     ins.attributes)
   contracting = ([int(x) for x in json.loads("[" + config.group(1) + "]")]
                  if config else [len(dims) - 1] if dims else [])
   contracted = math.prod(dims[d] for d in contracting if d < len(dims))
@@ -158,7 +161,8 @@ def _gemm_flops(ins: Instruction, shapes: _Shapes) -> tuple[float, str]:
   return 2.0 * elements * contracted, _precision(_dtype(lhs), ins.attributes)
 
 
-def _flops(ins: Instruction, shapes: _Shapes, depth: int = 0) -> tuple[float, str | None]:
+def _flops(ins: Instruction, shapes: _Shapes,
+           depth: int = 0) -> tuple[float, str | None]:
   """Tensor-core flops of ``ins`` (the dots and convolutions of a fusion
   or a called computation summed), and their number format."""
   if ins.opcode == "dot":
@@ -288,7 +292,8 @@ def _bytes_written(ins: Instruction, shapes: _Shapes, flops: float) -> float:
 def _update(ins: Instruction) -> str:
   """What an in-place update writes: a dynamic-update-slice's second
   operand, a scatter's last."""
-  return ins.operands[1] if ins.opcode == "dynamic-update-slice" else ins.operands[-1]
+  return (ins.operands[1] if ins.opcode == "dynamic-update-slice"
+          else ins.operands[-1])
 
 
 def _first(shape: str) -> str:

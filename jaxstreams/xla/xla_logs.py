@@ -25,10 +25,12 @@ import re
 from typing import Any, Sequence
 
 _MODE = re.compile(r"CreateCommandOperations with synchronization mode: (\w+)")
-_COMMAND = re.compile(r"command_executor\.cc:\d+\] (.*?)(?:\s+resources=\[(.*?)(\])?)?\s*$")
+_COMMAND = re.compile(r"command_executor\.cc:\d+\] (.*?)"
+                      r"(?:\s+resources=\[(.*?)(\])?)?\s*$")
 _GRAPH = re.compile(r"Execution graph: ExecutionGraph: (\d+) nodes, .*?"
                     r"is_sequential=(true|false)")
-_NODE = re.compile(r"^node (\d+) \(priority=-?\d+\): in=\[(.*?)\] out=\[(.*?)\]\s*$")
+_NODE = re.compile(r"^node (\d+) \(priority=-?\d+\): in=\[(.*?)\] "
+                   r"out=\[(.*?)\]\s*$")
 _EDGE_ID = re.compile(r"id: (\d+)")
 _CREATED = re.compile(r"Creating command buffer thunk(?: (\S+))? with the "
                       r"following thunks: (.*)$")
@@ -124,8 +126,8 @@ def parse_log(text: str) -> list[LoggedGraph]:
   return graphs
 
 
-_COMMAND_TYPES = re.compile(r"Module (\S+) CommandBufferConfig: enabled_commands: "
-                            r"\[([A-Z_, ]*)\]")
+_COMMAND_TYPES = re.compile(r"Module (\S+) CommandBufferConfig: "
+                            r"enabled_commands: \[([A-Z_, ]*)\]")
 
 
 def command_types(text: str) -> tuple[str, ...] | None:
@@ -279,7 +281,8 @@ def graph_edges(entry: LoggedGraph, instructions: Sequence[str | None],
     upstream.append(mask)
     direct.append(sorted(found))
     for allocation, offset, size, write in uses[node]:
-      by_allocation.setdefault(allocation, []).append((node, offset, size, write))
+      by_allocation.setdefault(allocation, []).append(
+          (node, offset, size, write))
     for token, access in resources[node]:
       by_resource.setdefault(token, []).append((node, access == "write"))
   logged_up: list[int] = []
@@ -299,7 +302,8 @@ def graph_edges(entry: LoggedGraph, instructions: Sequence[str | None],
 
 
 def _join(first: str, index: str | None) -> str:
-  """Tuple index ``first`` followed by ``index`` (``{a,b}``), as XLA writes it."""
+  """Tuple index ``first`` followed by ``index`` (``{a,b}``), as XLA writes
+  it."""
   rest = index[1:-1] if index and index != "{}" else ""
   return "{" + first + ("," + rest if rest else "") + "}"
 
@@ -377,7 +381,8 @@ class BufferUses:
       first, _, rest = index[1:-1].partition(",")
       return self._resolve(ins.operands[int(first)], "{" + rest + "}" if rest
                            else None, depth + 1)
-    if ins is not None and ins.opcode == "parameter" and name not in self.slices:
+    if (ins is not None and ins.opcode == "parameter"
+        and name not in self.slices):
       caller = self.callers.get(self.computation_of.get(name))
       number = int(ins.operand_text.strip() or -1)
       if caller is None or not 0 <= number < len(caller.operands):
@@ -388,5 +393,3 @@ class BufferUses:
     if not found:
       raise GraphLogError(f"could not find the buffer of {name!r}{index or ''}")
     return found
-
-
