@@ -52,6 +52,7 @@ def decide(plan: PartitionedProgram) -> Decisions:
   holds = lambda i: primitives([eqns[k] for k in graph.members[i]])
   calls = any(stream != 0 for stream in graph.streams)
   waits = collective_waits(plan) if calls else {}
+  keys = combiner_keys(waits)
   return Decisions(
       in_place=regions_in_place(graph.streams, holds, ()),
       loops=tuple(_loop_plan(program, graph, group) for group in graph.loops),
@@ -59,19 +60,32 @@ def decide(plan: PartitionedProgram) -> Decisions:
           part_jaxpr(graph.inputs[r], graph.outputs[r],
                      [eqns[i] for i in graph.members[r]])
           for r in range(len(graph.streams))),
-      equations=({i: equation_jaxpr(eqns[i])
-                  for r, stream in enumerate(graph.streams) if stream == 0
-                  for i in graph.members[r]}
-                 if calls or plan.bodies else {}),
+      equations={i: equation_jaxpr(eqns[i])
+                 for i in _bound_one_by_one(plan, calls, keys)},
       xla_streams=tuple(0 if stream == 0 else xla_stream(graph.streams, stream)
                         for stream in graph.streams),
       bodies_out_of_graphs={"cpu", "cuda"} <= set(
           _loader.available_platforms()) if graph.loops else False,
       unread=frozenset(r for r in range(len(graph.streams))
                        if not emitted(plan, r)),
-      combiner_keys=combiner_keys(waits),
+      combiner_keys=keys,
       collective_packings=(packed_for_collectives(plan, waits)
                            if _compat.XLA_SCHEDULES_STREAM_CALLS else {}))
+
+
+def _bound_one_by_one(plan: PartitionedProgram, calls: bool,
+                      keys: dict[int, str]) -> list[int]:
+  """The main-stream equations emission may bind one by one: every one
+  where the sequence points may order them (stream calls, on the XLA that
+  does not schedule them itself), else those of the main-stream regions
+  holding a keyed collective or a planned ``shard_map`` body."""
+  graph = plan.graph
+  main = [r for r, stream in enumerate(graph.streams) if stream == 0]
+  if calls and not _compat.XLA_SCHEDULES_STREAM_CALLS:
+    return [i for r in main for i in graph.members[r]]
+  return [i for r in main
+          if any(i in keys or i in plan.bodies for i in graph.members[r])
+          for i in graph.members[r]]
 
 
 def equation_jaxpr(eqn) -> jcore.ClosedJaxpr:

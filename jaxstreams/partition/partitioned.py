@@ -107,10 +107,10 @@ class Decisions:
 
   And the functions the program is cut into for emission: ``regions``,
   each region as a closed jaxpr of its inputs returning its outputs;
-  ``equations``, where regions may be emitted equation by equation (a
-  program with stream calls or planned ``shard_map`` bodies), each
-  main-stream equation as a closed jaxpr of the values it reads (each
-  once, first read first). ``xla_streams``: the XLA:GPU compute stream of
+  ``equations``, each main-stream equation that emission may bind alone
+  (under sequence points, or in a region with a keyed collective or a
+  planned ``shard_map`` body) as a closed jaxpr of the values it reads
+  (each once, first read first). ``xla_streams``: the XLA:GPU compute stream of
   each region's call (0: the main stream). ``bodies_out_of_graphs``:
   whether a stream call in a loop can be kept out of XLA's CUDA graphs (the
   runtime's library, whose ``delay`` does that, is there).
