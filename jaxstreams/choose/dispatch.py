@@ -13,14 +13,21 @@ from jaxstreams import _compat
 from jaxstreams.lower import gpu
 
 
-class FirstCall:
-  """What a ``StreamJit`` calls until its first top-level call settled the
-  ``jax.jit`` functions. Holds the function weakly: the function holds it."""
+class _Held:
+  """A callable that reaches its ``StreamJit`` through ``ref``, a weak
+  reference: the function holds it."""
 
   __slots__ = ("ref",)
 
   def __init__(self, ref):
     self.ref = ref
+
+
+class FirstCall(_Held):
+  """What a ``StreamJit`` calls until its first top-level call settled the
+  ``jax.jit`` functions."""
+
+  __slots__ = ()
 
   @_compat.api_boundary
   def __call__(self, *args, **kwargs):
@@ -32,16 +39,13 @@ class FirstCall:
     return me._chooser.settle(args, kwargs)(*args, **kwargs)
 
 
-class Nested:
+class Nested(_Held):
   """Calls traced inside another jit (or under ``jax.grad`` / ``jax.vmap``):
   to the nested way's ``jax.jit`` function, or to ``jax.jit``'s program
   where the nested way emits that for the call's plan, so the call shares
   its trace with top-level calls (``StreamJit._nested_jit_for``)."""
 
-  __slots__ = ("ref",)
-
-  def __init__(self, ref):
-    self.ref = ref
+  __slots__ = ()
 
   @_compat.api_boundary
   def __call__(self, *args, **kwargs):
@@ -92,14 +96,11 @@ class Watch(Switch):
     return out
 
 
-class BySignature:
+class BySignature(_Held):
   """Top-level calls looked up by signature (while a choice is open, or
   where signatures chose different ways); nested calls to the nested way."""
 
-  __slots__ = ("ref",)
-
-  def __init__(self, ref):
-    self.ref = ref
+  __slots__ = ()
 
   @_compat.api_boundary
   def __call__(self, *args, **kwargs):
